@@ -1,0 +1,255 @@
+"""The ``"uniep"`` block of ds_config.json.
+
+Every field is documented in its ``description``; ``docs`` in README.md is
+generated from the same text (``python -m ds_uniep.config``). A config is
+validated once, when it is built: unknown keys and bad values raise
+:class:`UniEPConfigError` naming the key (``uniep.overlap.schedule``) and the
+allowed values.
+
+Example::
+
+    "uniep": {
+        "backend": "auto",
+        "deterministic": true,
+        "max_tokens_per_rank": 8192,
+        "overlap": {"schedule": "fused", "num_comm_sms": 20},
+        "compression": {"dispatch_dtype": "activation"},
+        "autotune": {"enabled": false}
+    }
+"""
+
+import json
+import os
+from typing import Any, Dict, Literal, Mapping, Optional, Union
+
+from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+from pydantic import ConfigDict, Field, ValidationError, field_validator
+
+UNIEP_KEY = "uniep"
+
+
+class UniEPConfigError(ValueError):
+    """A ``"uniep"`` block that does not validate; the message names every bad key."""
+
+
+class _Block(DeepSpeedConfigModel):
+    """Strict types: ``"8192"`` is not an int and ``"yes"`` is not a bool here."""
+    model_config = ConfigDict(strict=True)
+
+
+class OverlapConfig(_Block):
+    """How communication overlaps the expert GEMMs (megakernel backend).
+
+    Every value gives bitwise identical results: the schedule only changes
+    when rows move, never the order in which they are reduced."""
+
+    schedule: Literal["sequential", "pipelined", "fused"] = Field(
+        "fused",
+        description="sequential: dispatch, then GEMMs, then combine, no overlap; pipelined: chunks of "
+        "rows on separate streams; fused: one persistent kernel whose GEMM tiles start as their rows arrive.")
+    num_chunks: int = Field(2, ge=1, le=64, description="Chunks per layer for the pipelined schedule.")
+    num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine.")
+    roles: Literal["partitioned", "interleaved"] = Field(
+        "partitioned",
+        description="partitioned: whole SMs communicate while others compute; interleaved: communication "
+        "warps run beside GEMM warpgroups inside one SM.")
+    tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256).")
+    tile_n: int = Field(128, description="GEMM tile columns (64, 128 or 256).")
+    stages: int = Field(4, ge=2, le=8, description="Shared-memory pipeline stages of the GEMM.")
+    signal_granularity: Literal["tile", "expert", "rank"] = Field(
+        "tile", description="What one arrival signal covers: a tile of rows, all rows of an expert, or a rank.")
+    timeout_s: float = Field(100.0, gt=0, description="Seconds a kernel waits on a peer's signal before it "
+                             "raises an error naming the layer, rank and signal.")
+
+    @field_validator("tile_m", "tile_n")
+    @classmethod
+    def _tile(cls, v: int) -> int:
+        if v not in (64, 128, 256):
+            raise ValueError(f"must be one of 64, 128, 256, got {v}")
+        return v
+
+
+class CompressionConfig(_Block):
+    """Communication compression. Any value but the default changes numerics."""
+
+    dispatch_dtype: Literal["activation", "fp8_e4m3"] = Field(
+        "activation",
+        description="activation: rows travel in the activation dtype (exact); fp8_e4m3: rows travel as FP8 "
+        "e4m3 with one fp32 scale per 128 elements (deterministic, but not exact).")
+
+
+class AutotuneConfig(_Block):
+    """Search of the tuning space (``ds_uniep.tuning``) on the live shapes."""
+
+    enabled: bool = Field(False, description="Tune each layer shape on its first forward and cache the plan.")
+    cache_dir: str = Field("~/.cache/ds_uniep", description="Directory of the JSON plan cache.")
+    budget_s: float = Field(60.0, gt=0, description="Seconds one layer shape may spend tuning.")
+    allow_numerics_change: bool = Field(
+        False, description="Let the tuner explore options that change numbers (FP8 dispatch).")
+    warmup: int = Field(3, ge=0, description="Untimed runs per candidate plan.")
+    repeats: int = Field(10, ge=1, description="Timed runs per candidate plan; the median counts.")
+
+
+class CommFuseConfig(_Block):
+    """All-gather+GEMM and GEMM+reduce-scatter as peer-to-peer steps (``ds_uniep.commfuse``)."""
+
+    enabled: bool = Field(False, description="Use CommFuse in the parallel linears and expert tensor parallelism.")
+    schedule: Literal["ring", "bidirectional_ring"] = Field(
+        "ring", description="ring: one neighbour per step; bidirectional_ring: half of each block each way.")
+    num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into.")
+
+
+class HybridCompressionConfig(_Block):
+    """Parameter-efficient expert migration: a shared base once, then sparse residuals."""
+
+    enabled: bool = Field(False, description="Send experts as base + top-k residual (changes numerics).")
+    ratio: float = Field(0.1, gt=0, le=1, description="Fraction of residual values kept per expert.")
+
+
+class HybridConfig(_Block):
+    """Expert parallelism across slow links (``ds_uniep.hybrid``)."""
+
+    enabled: bool = Field(False, description="Gather experts inside a domain; send tokens only across domains.")
+    domain_size: Union[int, Literal["auto"]] = Field(
+        "auto", description="Ranks per domain, or auto: chosen by the cost model.")
+    intra_domain_bandwidth: Union[float, Literal["measure"]] = Field(
+        "measure", description="Bytes/s between ranks of one domain, or measure at start-up.")
+    inter_domain_bandwidth: Union[float, Literal["measure"]] = Field(
+        "measure", description="Bytes/s between domains, or measure at start-up.")
+    compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
+                                                 description="Compressed expert migration.")
+
+    @field_validator("domain_size")
+    @classmethod
+    def _domain(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be a positive integer or 'auto', got {v}")
+        return v
+
+    @field_validator("intra_domain_bandwidth", "inter_domain_bandwidth")
+    @classmethod
+    def _bw(cls, v):
+        if not isinstance(v, str) and v <= 0:
+            raise ValueError(f"must be a positive number of bytes/s or 'measure', got {v}")
+        return v
+
+
+class UniEPConfig(_Block):
+    """The ``"uniep"`` block of ds_config.json."""
+
+    enabled: bool = Field(True, description="Use ds_uniep's path in UniEPMoE; false runs DeepSpeed's own MOELayer.")
+    backend: Literal["auto", "reference", "megakernel"] = Field(
+        "auto",
+        description="reference: torch ops and all_to_all_single (any device); megakernel: the CUDA kernels "
+        "(Hopper GPUs with NVLink peers); auto: megakernel where possible, else reference, logged once.")
+    deterministic: bool = Field(
+        True, description="Keep the fixed token order; results are bitwise identical run to run.")
+    max_tokens_per_rank: int = Field(
+        8192, ge=1, description="Largest token count one rank feeds a layer; sizes the symmetric buffers.")
+    overlap: OverlapConfig = Field(default_factory=OverlapConfig, description="Overlap schedule and kernel knobs.")
+    compression: CompressionConfig = Field(default_factory=CompressionConfig,
+                                           description="Communication compression.")
+    autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")
+    commfuse: CommFuseConfig = Field(default_factory=CommFuseConfig, description="CommFuse for TP/SP linears.")
+    hybrid: HybridConfig = Field(default_factory=HybridConfig, description="HybridEP over slow links.")
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_dict(cls, block: Optional[Mapping[str, Any]]) -> "UniEPConfig":
+        """Validate a ``"uniep"`` block (the value, not the whole ds_config)."""
+        if block is None:
+            block = {}
+        if not isinstance(block, Mapping):
+            raise UniEPConfigError(f"uniep: expected an object, got {type(block).__name__}")
+        try:
+            return cls(strict=True, **dict(block))
+        except ValidationError as err:
+            raise UniEPConfigError(_describe(err, cls)) from None
+
+    @classmethod
+    def from_ds_config(cls, ds_config: Union[str, os.PathLike, Mapping[str, Any], None]) -> "UniEPConfig":
+        """Build from a ds_config path or dict; a missing ``"uniep"`` block gives the defaults."""
+        if ds_config is None:
+            return cls.from_dict({})
+        if isinstance(ds_config, (str, os.PathLike)):
+            with open(ds_config) as f:
+                ds_config = json.load(f)
+        if not isinstance(ds_config, Mapping):
+            raise UniEPConfigError(f"ds_config: expected a path or a dict, got {type(ds_config).__name__}")
+        return cls.from_dict(ds_config.get(UNIEP_KEY))
+
+    @classmethod
+    def from_engine(cls, engine) -> "UniEPConfig":
+        """Build from a ``deepspeed.initialize`` engine (``engine._config._param_dict``)."""
+        return cls.from_ds_config(engine._config._param_dict)
+
+    @classmethod
+    def coerce(cls, config: Union["UniEPConfig", str, os.PathLike, Mapping[str, Any], None]) -> "UniEPConfig":
+        """Accept a UniEPConfig, a ds_config path or dict (with a ``"uniep"`` key), or a bare block."""
+        if isinstance(config, UniEPConfig):
+            return config
+        if isinstance(config, Mapping) and UNIEP_KEY not in config and not _looks_like_ds_config(config):
+            return cls.from_dict(config)
+        return cls.from_ds_config(config)
+
+
+_DS_TOP_LEVEL_HINTS = ("train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "zero_optimization",
+                       "bf16", "fp16", "gradient_accumulation_steps")
+
+
+def _looks_like_ds_config(d: Mapping[str, Any]) -> bool:
+    return any(k in d for k in _DS_TOP_LEVEL_HINTS)
+
+
+def _model_at(model_cls, loc):
+    """The config class that owns the field at ``loc`` (for listing allowed keys)."""
+    cls = model_cls
+    for part in loc[:-1]:
+        field = cls.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation,
+                                                                                   DeepSpeedConfigModel):
+            return None
+        cls = field.annotation
+    return cls
+
+
+def _describe(err: ValidationError, model_cls) -> str:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in ("int", "float", "str", "bool"))
+                    and not str(p).startswith(("literal[", "function-")))
+        key = ".".join([UNIEP_KEY] + [str(p) for p in loc])
+        if e["type"] == "extra_forbidden":
+            owner = _model_at(model_cls, loc)
+            allowed = ", ".join(sorted(owner.model_fields)) if owner else "?"
+            lines.append(f"{key}: unknown key; allowed keys here: {allowed}")
+        else:
+            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
+    # pydantic reports every member of a Union; keep one line per key.
+    seen, out = set(), []
+    for line in lines:
+        k = line.split(":", 1)[0]
+        if k not in seen:
+            seen.add(k)
+            out.append(line)
+    return "invalid \"uniep\" config:\n  " + "\n  ".join(out)
+
+
+def describe_fields(model_cls=UniEPConfig, prefix: str = UNIEP_KEY) -> Dict[str, str]:
+    """``{"uniep.overlap.schedule": "description (default ...)"}`` for every field, for the docs."""
+    out: Dict[str, str] = {}
+    for name, field in model_cls.model_fields.items():
+        key = f"{prefix}.{name}"
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, DeepSpeedConfigModel):
+            out[key] = field.description or ""
+            out.update(describe_fields(ann, key))
+        else:
+            default = field.default if field.default_factory is None else field.default_factory()
+            out[key] = f"{field.description} (default {json.dumps(default)})"
+    return out
+
+
+if __name__ == "__main__":
+    for k, v in describe_fields().items():
+        print(f"- `{k}`: {v}")

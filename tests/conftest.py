@@ -1,0 +1,21 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def cuda_gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def needs_gpus(n: int):
+    """Skip (with the reason) unless ``n`` CUDA GPUs are present."""
+    have = cuda_gpus()
+    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPU(s), found {have}")

@@ -1,0 +1,58 @@
+"""Run a test body on N ranks in spawned processes (gloo on CPU, NCCL on GPU).
+
+Every rank's exit code is asserted and a failing rank's traceback is re-raised
+in the parent, so a test cannot pass because a rank died quietly.
+"""
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, backend, fn, args, errq):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+    try:
+        import deepspeed
+        import torch
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+        fn(rank, world_size, *args)
+        import deepspeed.comm as dist
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - forwarded to the parent
+        errq.put((rank, traceback.format_exc()))
+        raise
+
+
+def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 600.0):
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes."""
+    ctx = mp.get_context("spawn")
+    errq = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, errq)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    errors = []
+    while not errq.empty():
+        errors.append(errq.get())
+    if errors:
+        # The first report is the root cause; later ones are peers losing their connection to it.
+        rank, tb = errors[0]
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
+    codes = [p.exitcode for p in procs]
+    assert all(c == 0 for c in codes), f"rank exit codes {codes} (a negative code is a signal; None a hang)"
