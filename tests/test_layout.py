@@ -1,0 +1,84 @@
+"""The layout on simulated ranks: no process group needed, every rank's view is computed here."""
+import pytest
+import torch
+
+from ds_uniep.layout import build_layout, expert_counts
+
+
+def _routing(T, k, E, gen, drop=0.0, all_to=None):
+    if all_to is not None:
+        idx = torch.full((T, k), -1, dtype=torch.int32)
+        idx[:, 0] = all_to
+        return idx
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32) if T else \
+        torch.empty(0, k, dtype=torch.int32)
+    if drop:
+        idx[torch.rand(idx.shape, generator=gen) < drop] = -1
+    return idx
+
+
+def _check(routings, E):
+    G = len(routings)
+    L = E // G
+    counts_all = torch.stack([expert_counts(r, E) for r in routings])
+    layouts = [build_layout(r, counts_all, s) for s, r in enumerate(routings)]
+    # Expected order on each destination: (local expert, source, token, slot), written out naively.
+    for d in range(G):
+        expected = []
+        for l in range(L):
+            e = d * L + l
+            for s, r in enumerate(routings):
+                for t in range(r.shape[0]):
+                    for j in range(r.shape[1]):
+                        if int(r[t, j]) == e:
+                            expected.append((s, t, j))
+        got = {}
+        for s, (r, lay) in enumerate(zip(routings, layouts)):
+            for t in range(r.shape[0]):
+                for j in range(r.shape[1]):
+                    if int(lay.dest_rank[t, j]) == d:
+                        got[int(lay.dest_row[t, j])] = (s, t, j)
+        assert sorted(got) == list(range(len(expected))), "rows are not a dense range"
+        assert [got[i] for i in range(len(expected))] == expected
+        assert int(layouts[d].local_expert_counts.sum()) == len(expected)
+    # Simulated all_to_all_single: what d receives from s is s's send order restricted to d.
+    for d in range(G):
+        arrived = []
+        for s, (r, lay) in enumerate(zip(routings, layouts)):
+            k = r.shape[1]
+            sent = lay.send_pairs.tolist()
+            off = int(lay.send_counts[:d].sum())
+            chunk = sent[off:off + int(lay.send_counts[d])]
+            assert int(layouts[d].recv_counts[s]) == len(chunk)
+            arrived += [int(lay.dest_row.view(-1)[p]) for p in chunk]
+        assert layouts[d].recv_rows.tolist() == arrived
+    # Dropped pairs are marked, kept ones are not.
+    for r, lay in zip(routings, layouts):
+        assert torch.equal(lay.dest_row < 0, r < 0)
+        assert torch.equal(lay.dest_rank, torch.where(r >= 0, r.long() // L, -1))
+
+
+@pytest.mark.parametrize("G,E,k", [(1, 4, 2), (2, 4, 1), (2, 8, 2), (4, 8, 4), (4, 16, 6), (2, 8, 8)])
+@pytest.mark.parametrize("T", [1, 19, 111])
+def test_layout_orders_rows_by_source_token_slot(G, E, k, T):
+    gen = torch.Generator().manual_seed(1000 * G + 10 * k + T)
+    _check([_routing(T + s, k, E, gen, drop=0.2) for s in range(G)], E)
+
+
+def test_all_tokens_to_one_expert_and_empty_experts():
+    E, G = 8, 4
+    _check([_routing(19, 2, E, None, all_to=5) for _ in range(G)], E)
+
+
+def test_no_tokens_anywhere():
+    _check([torch.empty(0, 2, dtype=torch.int32) for _ in range(2)], 4)
+
+
+def test_bad_input_is_named():
+    idx = torch.tensor([[0, 9]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="out of range"):
+        build_layout(idx, torch.zeros(1, 4, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="does not match"):
+        build_layout(torch.tensor([[0, 1]]), torch.zeros(1, 4, dtype=torch.long), 0)
+    with pytest.raises(ValueError, match="do not split"):
+        build_layout(torch.tensor([[0, 1]]), torch.zeros(3, 4, dtype=torch.long), 0)
