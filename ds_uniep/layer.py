@@ -1,0 +1,160 @@
+"""``UniEPMoE``: a drop-in for ``deepspeed.moe.layer.MoE``.
+
+The module tree is DeepSpeed's own (``deepspeed_moe.gate.wg``,
+``deepspeed_moe.experts.deepspeed_experts.<i>``, ``mlp`` and ``coefficient``
+with ``use_residual``), so checkpoints load both ways, the engine finds the
+layer by ``isinstance`` and builds MoE parameter groups as usual. Only the
+forward differs: DeepSpeed's gate decides the routing, then a ds_uniep
+dispatcher moves rows in the deterministic layout (``layout.py``), the local
+experts run, and the combine adds each token's slots in slot order in fp32.
+"""
+
+import itertools
+import os
+from typing import Any, Mapping, Optional, Tuple, Union
+
+import torch
+from deepspeed.moe.layer import MoE
+from deepspeed.utils import groups, logger
+from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from . import backend as backend_mod
+from .config import UniEPConfig
+from .reference import ReferenceDispatcher, run_experts
+
+_layer_ids = itertools.count()
+
+
+class UniEPMoE(MoE):
+    """Mixture-of-Experts layer with DeepSpeed's constructor and forward contract.
+
+    Arguments are those of ``deepspeed.moe.layer.MoE`` (any ``k`` >= 1, as DeepSpeed's
+    ``TopKGate``), plus ``config``: a :class:`UniEPConfig`, a ds_config path or dict
+    holding a ``"uniep"`` block, or the block itself. ``forward(hidden_states
+    [..., hidden_size], used_token=None)`` returns ``(output, l_aux, exp_counts)``.
+    """
+
+    def __init__(self,
+                 hidden_size: int,
+                 expert: nn.Module,
+                 num_experts: int = 1,
+                 ep_size: int = 1,
+                 k: int = 1,
+                 capacity_factor: float = 1.0,
+                 eval_capacity_factor: float = 1.0,
+                 min_capacity: int = 4,
+                 use_residual: bool = False,
+                 noisy_gate_policy: Optional[str] = None,
+                 drop_tokens: bool = True,
+                 use_rts: bool = True,
+                 use_tutel: bool = False,
+                 enable_expert_tensor_parallelism: bool = False,
+                 top2_2nd_expert_sampling: bool = True,
+                 *,
+                 config: Union[UniEPConfig, str, os.PathLike, Mapping[str, Any], None] = None) -> None:
+        _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
+        self.uniep_config = UniEPConfig.coerce(config)
+        backend_mod.check_requested(self.uniep_config.backend)
+        super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
+                         min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
+                         enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
+        self.hidden_size = hidden_size
+        self.k = k
+        self.layer_name = f"UniEPMoE[{next(_layer_ids)}]"
+        self._dispatchers = {}
+        self._backend_by_device = {}
+        if use_tutel:
+            logger.info(f"{self.layer_name}: use_tutel is accepted; ds_uniep's dispatch replaces Tutel's")
+
+    # ------------------------------------------------------------------ groups
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        if torch.distributed.is_initialized() and self.ep_size > torch.distributed.get_world_size():
+            raise ValueError(f"{self.layer_name}: ep_size={self.ep_size} is larger than the world size "
+                             f"{torch.distributed.get_world_size()}")
+        super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
+        self._dispatchers.clear()
+
+    @property
+    def ep_group(self):
+        return self.deepspeed_moe.ep_group
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """``hidden_states``: ``[..., M]``; returns ``(output [..., M], l_aux [], exp_counts [E])``."""
+        if not self.uniep_config.enabled:
+            return super().forward(hidden_states, used_token)
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"{self.layer_name}: input hidden size {hidden_states.shape[-1]} does not match "
+                             f"hidden_size={self.hidden_size} (input shape {tuple(hidden_states.shape)})")
+        if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
+            raise NotImplementedError(f"{self.layer_name}: a tensor-parallel non-expert model (mpu with "
+                                      "tensor parallel size > 1) is not supported by ds_uniep's backends yet; "
+                                      'set "uniep": {"enabled": false} to run DeepSpeed\'s MOELayer')
+        moe = self.deepspeed_moe
+        x = hidden_states.reshape(-1, self.hidden_size)
+        # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts.
+        l_aux, capacity, _, route_idx, _, route_gates, exp_counts = moe.gate(x, used_token, True)
+        moe.l_aux, moe.exp_counts = l_aux, exp_counts
+        expert_idx, gates = route_idx.t(), route_gates.t()
+        # 2-4. Dispatch, local experts, combine.
+        dispatcher = self._dispatcher(x)
+        if isinstance(dispatcher, ReferenceDispatcher):
+            # With drop_tokens the reference exchanges capacity-padded buffers, as DeepSpeed does.
+            cap = int(capacity) if moe.gate.drop_tokens else None
+            recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, cap)
+        else:
+            recv, local_counts, handle = dispatcher.dispatch(x, expert_idx)
+        y = run_experts(moe.experts.deepspeed_experts, recv, local_counts)
+        output = dispatcher.combine(y, gates, handle).reshape(hidden_states.shape)
+
+        if self.use_residual:
+            output_mlp = self.mlp(hidden_states)
+            if isinstance(output_mlp, tuple):
+                output_mlp = output_mlp[0]  # the bias is ignored, as DeepSpeed's MoE does
+            coef = F.softmax(self.coefficient(hidden_states), dim=-1)
+            output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
+        return output, l_aux, exp_counts
+
+    def _dispatcher(self, x: Tensor):
+        key = x.device
+        d = self._dispatchers.get(key)
+        if d is not None:
+            return d
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
+                               "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
+        name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name)
+        if name == "megakernel":
+            from .megakernel import NVLinkDispatcher
+            d = NVLinkDispatcher(self.layer_name, self.num_experts, self.ep_size, self.hidden_size, self.k, x.dtype,
+                                 self.uniep_config, self.ep_group)
+        else:
+            d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group)
+        self._backend_by_device[key] = name
+        self._dispatchers[key] = d
+        return d
+
+    def backend_name(self, device: Union[str, torch.device, None] = None) -> Optional[str]:
+        """The backend chosen for ``device`` (after the first forward there), else None."""
+        if device is None:
+            return next(iter(self._backend_by_device.values()), None)
+        return self._backend_by_device.get(torch.device(device))
+
+
+def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy) -> None:
+    if not isinstance(expert, nn.Module):
+        raise TypeError(f"expert must be an nn.Module, got {type(expert).__name__}")
+    for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("ep_size", ep_size), ("k", k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if num_experts % ep_size != 0:
+        raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}: each expert-parallel "
+                         "rank must hold the same number of experts")
+    if k > num_experts:
+        raise ValueError(f"k={k} is larger than num_experts={num_experts}")
+    if noisy_gate_policy not in (None, "None", "Jitter", "RSample"):
+        raise ValueError(f"noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', got {noisy_gate_policy!r}")
+    if torch.distributed.is_initialized() and ep_size > torch.distributed.get_world_size():
+        raise ValueError(f"ep_size={ep_size} is larger than the world size {torch.distributed.get_world_size()}")

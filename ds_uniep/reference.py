@@ -1,0 +1,164 @@
+"""The reference backend: torch ops and ``all_to_all_single``; the sequential semantics.
+
+Every kernel backend is checked against this one. Letters as in ``layout.py``:
+T tokens, k slots, M hidden, E experts, G ranks, L local experts, R received rows.
+
+Forward of one layer on a rank (the dispatcher protocol, shared by all backends):
+
+1. ``dispatch(x [T, M], expert_idx [T, k])``: exchange every rank's expert counts,
+   build the layout, send each kept (token, slot) row to its expert's rank and
+   return ``recv [R, M]`` in expert-major layout order with ``[L]`` row counts.
+2. The layer runs each local expert over its rows.
+3. ``combine(y [R, M], gates [T, k], handle)``: return rows to their source and
+   sum the k contributions of a token in slot order, in fp32, weighted by the
+   gate, cast once to the activation dtype.
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor
+
+from .layout import Layout, build_layout, expert_counts
+
+
+class _AllToAllV(torch.autograd.Function):
+    """``all_to_all_single`` with explicit split sizes; its gradient is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+        out = x.new_empty((sum(out_splits), ) + tuple(x.shape[1:]))
+        torch_dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _AllToAllV.apply(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+
+
+def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+    if group is None or torch_dist.get_world_size(group) == 1:
+        return x
+    return _AllToAllV.apply(x, out_splits, in_splits, group)
+
+
+def gather_counts(counts: Tensor, group, ep_size: int) -> Tensor:
+    """``[G, E]`` every rank's ``[E]`` counts; rank order is the group's."""
+    if ep_size == 1:
+        return counts.unsqueeze(0)
+    parts = [torch.empty_like(counts) for _ in range(ep_size)]
+    torch_dist.all_gather(parts, counts.contiguous(), group=group)
+    return torch.stack(parts)
+
+
+class DispatchHandle:
+    """What combine needs from dispatch: the layout, the split sizes and the capacity."""
+
+    def __init__(self, layout: Layout, expert_idx: Tensor, capacity: Optional[int]):
+        self.layout = layout
+        #: ``[N]`` expert of each sent row (send order); names the padded slot with capacity.
+        self.send_expert = expert_idx.reshape(-1).long()[layout.send_pairs]
+        self.capacity = capacity
+        self.send_splits = layout.send_counts.tolist()
+        self.recv_splits = layout.recv_counts.tolist()
+
+
+def weighted_slot_sum(pair_rows: Tensor, gates: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """``out[t] = cast(sum_j gates[t, j] * float(pair_rows[t, j]))``, slots added in order 0..k-1.
+
+    ``pair_rows``: ``[T, k, M]``; ``gates``: ``[T, k]`` fp32. The explicit loop fixes the
+    order of the fp32 additions, which is what every backend reproduces bit for bit.
+    """
+    acc = pair_rows.new_zeros(pair_rows.shape[0], pair_rows.shape[2], dtype=torch.float32)
+    for j in range(pair_rows.shape[1]):
+        acc = acc + gates[:, j:j + 1].float() * pair_rows[:, j].float()
+    return acc.to(out_dtype)
+
+
+class ReferenceDispatcher:
+    """Dispatch/combine with ``all_to_all_single``.
+
+    Dropless (``capacity=None``): variable split sizes, only kept rows travel.
+    With a capacity ``C``: every rank sends a zero-padded ``[E, C, M]`` buffer (the
+    exchange DeepSpeed's MOELayer does), and the receiver compacts the rows into
+    the same expert-major layout, so experts see identical inputs either way.
+    """
+
+    def __init__(self, num_experts: int, ep_size: int, group=None, rank: Optional[int] = None):
+        self.num_experts = num_experts
+        self.ep_size = ep_size
+        self.group = group
+        if ep_size > 1 and group is None:
+            raise RuntimeError("an expert-parallel group is needed for ep_size > 1")
+        self.rank = rank if rank is not None else (torch_dist.get_rank(group) if ep_size > 1 else 0)
+        self.num_local_experts = num_experts // ep_size
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None
+                 ) -> Tuple[Tensor, Tensor, DispatchHandle]:
+        T, k = expert_idx.shape
+        counts = expert_counts(expert_idx, self.num_experts)
+        if capacity is not None and counts.numel() and int(counts.max()) > capacity:
+            raise RuntimeError(f"{int(counts.max())} rows routed to one expert exceed the capacity {capacity}")
+        layout = build_layout(expert_idx, gather_counts(counts, self.group, self.ep_size), self.rank)
+        handle = DispatchHandle(layout, expert_idx, capacity)
+        tokens = layout.send_pairs // k
+        send = x.index_select(0, tokens)  # [N, M], in (destination rank, destination row) order
+        if capacity is None:
+            arrived = all_to_all(send, handle.recv_splits, handle.send_splits, self.group)
+        else:
+            arrived = self._padded_exchange(send, handle, capacity)
+        # Arrival order is source-major; the layout wants expert-major rows.
+        recv = arrived.index_select(0, torch.argsort(layout.recv_rows))
+        return recv, layout.local_expert_counts, handle
+
+    @staticmethod
+    def _send_slots(handle: DispatchHandle, C: int) -> Tensor:
+        """``[N]`` slot of each sent row in the sender's padded ``[E * C]`` buffer."""
+        return handle.send_expert * C + handle.layout.block_pos.reshape(-1)[handle.layout.send_pairs]
+
+    def _recv_slots(self, layout: Layout, C: int) -> Tensor:
+        """``[R]`` slot of each received row (arrival order) in the padded ``[G * L * C]`` buffer."""
+        return (layout.recv_src * self.num_local_experts + layout.recv_local_expert) * C + layout.recv_block_pos
+
+    def _padded_exchange(self, send: Tensor, handle: DispatchHandle, C: int) -> Tensor:
+        E, G, L = self.num_experts, self.ep_size, self.num_local_experts
+        padded = send.new_zeros(E * C, send.shape[1]).index_copy(0, self._send_slots(handle, C), send)
+        arrived = all_to_all(padded, [L * C] * G, [L * C] * G, self.group)  # [G * L * C, M], source-major
+        return arrived.index_select(0, self._recv_slots(handle.layout, C))
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y: Tensor, gates: Tensor, handle: DispatchHandle) -> Tensor:
+        layout = handle.layout
+        T, k = layout.dest_row.shape
+        back = y.index_select(0, layout.recv_rows)  # expert-major -> arrival order
+        if handle.capacity is None:
+            returned = all_to_all(back, handle.send_splits, handle.recv_splits, self.group)
+        else:
+            returned = self._padded_return(back, handle, handle.capacity)
+        pair_rows = y.new_zeros(T * k, y.shape[1]).index_copy(0, layout.send_pairs, returned)
+        return weighted_slot_sum(pair_rows.view(T, k, -1), gates, y.dtype)
+
+    def _padded_return(self, back: Tensor, handle: DispatchHandle, C: int) -> Tensor:
+        G, L = self.ep_size, self.num_local_experts
+        padded = back.new_zeros(G * L * C, back.shape[1]).index_copy(0, self._recv_slots(handle.layout, C), back)
+        returned = all_to_all(padded, [L * C] * G, [L * C] * G, self.group)  # [E * C, M]
+        return returned.index_select(0, self._send_slots(handle, C))
+
+
+def run_experts(experts: Sequence[torch.nn.Module], recv: Tensor, local_expert_counts: Tensor) -> Tensor:
+    """Run local expert ``l`` over its rows of ``recv [R, M]``; returns ``[R, M]`` in the same order.
+
+    Every expert is called, also with zero rows, so its parameters always join the
+    autograd graph (zero gradients rather than None, as with DeepSpeed's padded
+    buffers). A ``(out, bias)`` tuple keeps ``out``, as DeepSpeed's Experts does.
+    """
+    outs = []
+    for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
+        out = expert(rows)
+        if isinstance(out, tuple):
+            out = out[0]
+        outs.append(out)
+    return torch.cat(outs) if outs else recv
