@@ -1,0 +1,97 @@
+"""UniEPMoE inside deepspeed.initialize: ZeRO 0/1/2 training and checkpoints shared with stock MoE."""
+import pytest
+import torch
+from torch import nn
+
+from dist_utils import run_distributed
+
+
+class Net(nn.Module):
+
+    def __init__(self, moe_cls, ep_size, M=16, F=32, E=4, **moe_kw):
+        super().__init__()
+        from moe_models import MLP
+        self.inp = nn.Linear(8, M)
+        self.moe = moe_cls(M, MLP(M, F), num_experts=E, ep_size=ep_size, k=2, use_rts=False,
+                           top2_2nd_expert_sampling=False, **moe_kw)
+        self.out = nn.Linear(M, 1)
+
+    def forward(self, x):
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return self.out(h).squeeze(-1), l_aux
+
+
+def _engine(model, stage):
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                    "name": "params"})
+    opt = torch.optim.AdamW(groups, lr=1e-2)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
+           "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+           "uniep": {"backend": "reference"}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    return engine
+
+
+def _train(engine, rank, steps=3):
+    losses = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(4, 6, 8, generator=g), torch.randn(4, 6, generator=g)
+        pred, l_aux = engine(x)
+        loss = ((pred - y)**2).mean() + 0.01 * l_aux
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _zero_stages(rank, world_size):
+    from deepspeed.moe.layer import MoE
+    from ds_uniep import UniEPConfig, UniEPMoE
+    for stage in (0, 1, 2):
+        curves = {}
+        for cls in (MoE, UniEPMoE):
+            torch.manual_seed(0)
+            model = Net(cls, ep_size=world_size)
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            engine = _engine(model, stage)
+            assert engine.zero_optimization_stage() == stage
+            if cls is UniEPMoE:
+                assert UniEPConfig.from_engine(engine).backend == "reference"
+                assert engine.has_moe_layers
+            curves[cls.__name__] = _train(engine, rank)
+            changed = [n for n, p in engine.module.named_parameters() if not torch.equal(p.detach(), before[n])]
+            assert any("deepspeed_experts" in n for n in changed) and any("gate" in n for n in changed), changed
+        torch.testing.assert_close(torch.tensor(curves["UniEPMoE"]), torch.tensor(curves["MoE"]), rtol=1e-4,
+                                   atol=1e-5, msg=f"stage {stage}: {curves}")
+
+
+def _checkpoints(rank, world_size, tmp):
+    import deepspeed.comm as dist
+    from deepspeed.moe.layer import MoE
+    from ds_uniep import UniEPMoE
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(rank))
+    for src_cls, dst_cls in ((MoE, UniEPMoE), (UniEPMoE, MoE)):
+        torch.manual_seed(0)
+        src = _engine(Net(src_cls, ep_size=world_size), 0)
+        _train(src, rank, steps=2)
+        tag = f"{src_cls.__name__}_to_{dst_cls.__name__}"
+        src.save_checkpoint(tmp, tag=tag)
+        dist.barrier()
+        torch.manual_seed(1)  # different initial weights: the load must overwrite all of them
+        dst = _engine(Net(dst_cls, ep_size=world_size), 0)
+        dst.load_checkpoint(tmp, tag=tag)
+        src.eval(), dst.eval()
+        with torch.no_grad():
+            a, b = src(x)[0], dst(x)[0]
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=tag)
+
+
+def test_zero_0_1_2_train_like_stock_moe():
+    run_distributed(_zero_stages, 2)
+
+
+def test_checkpoints_load_both_ways(tmp_path):
+    run_distributed(_checkpoints, 2, str(tmp_path))

@@ -1,0 +1,99 @@
+"""Bad input gets a clear error that names the problem, not a traceback from deep inside."""
+import json
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from ds_uniep import UniEPBackendError, UniEPConfig, UniEPConfigError, UniEPMoE
+from moe_models import MLP
+
+
+def test_experts_must_divide_over_ranks():
+    with pytest.raises(ValueError, match=r"num_experts=6 is not divisible by ep_size=4"):
+        UniEPMoE(8, MLP(8, 8), num_experts=6, ep_size=4)
+
+
+def test_bad_constructor_values():
+    with pytest.raises(ValueError, match="k=5 is larger than num_experts=4"):
+        UniEPMoE(8, MLP(8, 8), num_experts=4, k=5)
+    with pytest.raises(ValueError, match="noisy_gate_policy"):
+        UniEPMoE(8, MLP(8, 8), num_experts=4, noisy_gate_policy="Gaussian")
+    with pytest.raises(TypeError, match="expert must be an nn.Module"):
+        UniEPMoE(8, lambda x: x, num_experts=4)
+
+
+def test_wrong_hidden_size_names_both_sizes():
+    layer = UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "reference"})
+    with pytest.raises(ValueError, match=r"input hidden size 6 does not match hidden_size=8"):
+        layer(torch.randn(5, 6))
+
+
+def test_missing_group_is_explained():
+    layer = UniEPMoE(8, MLP(8, 8), num_experts=2, ep_size=2, config={"backend": "reference"})
+    with pytest.raises(RuntimeError, match="deepspeed.initialize or call set_deepspeed_parallelism"):
+        layer(torch.randn(8, 8))
+
+
+@pytest.mark.parametrize("block,pattern", [
+    ({"backnd": "auto"}, r"uniep\.backnd: unknown key; allowed keys here: autotune, backend"),
+    ({"backend": "gpu"}, r"uniep\.backend: Input should be 'auto', 'reference' or 'megakernel'"),
+    ({"overlap": {"schedule": "fast"}}, r"uniep\.overlap\.schedule: Input should be 'sequential', 'pipelined'"),
+    ({"overlap": {"tile_m": 100}}, r"uniep\.overlap\.tile_m: .*64, 128, 256"),
+    ({"compression": {"dispatch_dtype": "int8"}}, r"uniep\.compression\.dispatch_dtype: .*'activation' or "
+     r"'fp8_e4m3'"),
+    ({"max_tokens_per_rank": "4096"}, r"uniep\.max_tokens_per_rank: Input should be a valid integer"),
+    ({"deterministic": "yes"}, r"uniep\.deterministic: Input should be a valid boolean"),
+    ({"autotune": {"budget": 3}}, r"uniep\.autotune\.budget: unknown key; allowed keys here: allow_numerics_change"),
+])
+def test_bad_uniep_blocks(block, pattern, tmp_path):
+    with pytest.raises(UniEPConfigError, match=pattern):
+        UniEPConfig.from_dict(block)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "uniep": block}))
+    with pytest.raises(UniEPConfigError, match=pattern):
+        UniEPMoE(8, MLP(8, 8), num_experts=2, config=str(path))
+
+
+def test_config_sources_agree(tmp_path):
+    block = {"backend": "reference", "overlap": {"schedule": "pipelined", "num_chunks": 4}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "uniep": block}))
+    a = UniEPConfig.from_dict(block)
+    assert a == UniEPConfig.from_ds_config(str(path)) == UniEPConfig.coerce({"train_batch_size": 8, "uniep": block})
+    assert a.overlap.num_chunks == 4 and a.overlap.roles == "partitioned"
+    assert UniEPConfig.from_ds_config({"train_batch_size": 8}) == UniEPConfig()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_megakernel_without_cuda():
+    with pytest.raises(UniEPBackendError, match=r'"backend": "megakernel"\} needs CUDA GPUs'):
+        UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "megakernel"})
+
+
+def test_auto_falls_back_to_reference_and_says_so():
+    import logging
+
+    from deepspeed.utils import logger
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        layer = UniEPMoE(8, MLP(8, 8), num_experts=2, min_capacity=0, config={"backend": "auto"})
+        layer(torch.randn(4, 8))
+        layer(torch.randn(4, 8))
+    finally:
+        logger.removeHandler(handler)
+    assert layer.backend_name() == "reference"
+    said = [r.getMessage() for r in records if "backend auto ->" in r.getMessage()]
+    assert len(said) == 1 and "reference (inputs are on cpu" in said[0], said
+
+
+def _ep_larger_than_world(rank, world_size):
+    with pytest.raises(ValueError, match=r"ep_size=4 is larger than the world size 2"):
+        UniEPMoE(8, MLP(8, 8), num_experts=4, ep_size=4)
+
+
+def test_ep_size_larger_than_world():
+    run_distributed(_ep_larger_than_world, 2)
