@@ -9,7 +9,7 @@ choice and the reason once per layer.
 from typing import Tuple
 
 import torch
-from deepspeed.utils import logger
+from .env import logger
 
 
 class UniEPBackendError(RuntimeError):

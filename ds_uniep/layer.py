@@ -15,13 +15,14 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 from deepspeed.moe.layer import MoE
-from deepspeed.utils import groups, logger
+from deepspeed.utils import groups
 from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from . import backend as backend_mod
 from .config import UniEPConfig
+from .env import logger
 from .reference import ReferenceDispatcher, run_experts
 
 _layer_ids = itertools.count()

@@ -74,7 +74,7 @@ def test_megakernel_without_cuda():
 def test_auto_falls_back_to_reference_and_says_so():
     import logging
 
-    from deepspeed.utils import logger
+    from ds_uniep.env import logger
     records = []
     handler = logging.Handler()
     handler.emit = records.append
