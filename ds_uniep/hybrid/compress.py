@@ -1,0 +1,111 @@
+"""Parameter-efficient expert migration: a shared base once, then a sparse residual per expert.
+
+Letters: E experts of one domain, ``[...]`` one expert's weight shape, n its
+element count, k the values kept (:func:`ds_uniep.hybrid.model.kept_count`).
+
+1. ``base = shared_base(weights)``: the mean of the domain's experts
+   (``[E, ...] -> [...]``, same dtype), summed in fp32 in expert order so every
+   rank computes the same bits.
+2. ``encode(w, base, ratio)``: the residual ``w - base`` (in fp32) picks the
+   k positions of largest magnitude, ties broken by the smaller flat index;
+   the wire carries those positions (int32, ascending) and the expert's own
+   weights there (``w`` dtype).
+3. ``decode(enc, base)``: ``base`` with the kept positions overwritten.
+
+Sending ``w`` at the kept positions costs the same bytes as sending the
+residual there, and needs no ``base + (w - base)`` round trip, so ratio 1.0
+gives ``w`` back bitwise. For ratio < 1 the error is the residual at the
+dropped positions: every dropped ``|w - base|`` is at most the smallest kept
+one, and ``||decode - w||_2 <= sqrt((n - k)/n) * ||w - base||_2``.
+
+Numerics change only when a caller encodes with ratio < 1; callers choose.
+"""
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import torch
+
+from .model import INDEX_BYTES, kept_count
+
+INDEX_DTYPE = torch.int32
+
+
+def num_kept(numel: int, ratio: float) -> int:
+    """Values kept of ``numel`` for ``ratio`` in (0, 1] (nearest whole number, at least 1)."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"ratio: must be in (0, 1], got {ratio}")
+    return kept_count(numel, ratio)
+
+
+@dataclass(frozen=True)
+class SparseExpert:
+    """One expert on the wire: ``values`` ``[k]`` in the weight dtype, ``indices`` ``[k]`` int32 ascending."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    shape: Tuple[int, ...]
+
+    @property
+    def wire_bytes(self) -> int:
+        """Exact bytes of values and indices (the shape travels once per layer, not counted)."""
+        return self.values.numel() * self.values.element_size() + self.indices.numel() * self.indices.element_size()
+
+
+def wire_bytes(numel: int, dtype: torch.dtype, ratio: float) -> int:
+    """Bytes :func:`encode` will put on the wire for an expert of ``numel`` elements."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return num_kept(numel, ratio) * (itemsize + INDEX_BYTES)
+
+
+def shared_base(weights: torch.Tensor) -> torch.Tensor:
+    """``[E, ...] -> [...]``: mean of the experts, accumulated in fp32 in expert order."""
+    if weights.dim() < 2 or weights.shape[0] < 1:
+        raise ValueError(f"weights: expected [E, ...] with E >= 1, got shape {tuple(weights.shape)}")
+    acc = weights[0].to(torch.float32).clone()
+    for e in range(1, weights.shape[0]):
+        acc += weights[e].to(torch.float32)
+    return (acc / weights.shape[0]).to(weights.dtype)
+
+
+def encode(weight: torch.Tensor, base: torch.Tensor, ratio: float) -> SparseExpert:
+    """Top-k of ``weight - base`` by magnitude; see the module docstring."""
+    if weight.shape != base.shape or weight.dtype != base.dtype:
+        raise ValueError(f"encode: weight {tuple(weight.shape)} {weight.dtype} and base {tuple(base.shape)} "
+                         f"{base.dtype} must match")
+    if not weight.is_floating_point():
+        raise ValueError(f"encode: weight must be floating point, got {weight.dtype}")
+    flat_w = weight.reshape(-1)
+    n = flat_w.numel()
+    k = num_kept(n, ratio)
+    if n >= 2**31:
+        raise ValueError(f"encode: {n} elements do not fit int32 indices")
+    if k == n:
+        idx = torch.arange(n, device=weight.device)
+    else:
+        mag = (flat_w.to(torch.float32) - base.reshape(-1).to(torch.float32)).abs()
+        # A stable descending sort keeps equal magnitudes in index order: ties go to the smaller index.
+        order = torch.sort(mag, descending=True, stable=True).indices
+        idx = torch.sort(order[:k]).values
+    return SparseExpert(values=flat_w[idx].clone(), indices=idx.to(INDEX_DTYPE), shape=tuple(weight.shape))
+
+
+def decode(enc: SparseExpert, base: torch.Tensor) -> torch.Tensor:
+    """``base`` with ``enc``'s positions overwritten; same shape and dtype as the encoded weight."""
+    if tuple(base.shape) != enc.shape or base.dtype != enc.values.dtype:
+        raise ValueError(f"decode: base {tuple(base.shape)} {base.dtype} does not match the encoded expert "
+                         f"{enc.shape} {enc.values.dtype}")
+    out = base.reshape(-1).clone()
+    out[enc.indices.long()] = enc.values
+    return out.reshape(enc.shape)
+
+
+def encode_experts(weights: torch.Tensor, ratio: float):
+    """``[E, ...]`` -> (base ``[...]``, list of E :class:`SparseExpert`)."""
+    base = shared_base(weights)
+    return base, [encode(weights[e], base, ratio) for e in range(weights.shape[0])]
+
+
+def decode_experts(base: torch.Tensor, encoded) -> torch.Tensor:
+    """Inverse of :func:`encode_experts`: ``[E, ...]``."""
+    return torch.stack([decode(enc, base) for enc in encoded])
