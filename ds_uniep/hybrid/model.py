@@ -83,8 +83,10 @@ Reported times are per micro-batch, averaged over the step::
     backward = (bwd_M + (M - 1) bwd_n) / M
 
 Cases that follow from the formulas (and are tested): phi = 0 or S = 1 gives
-plain EP exactly; backward >= forward whenever c_b >= 1 and P_g >= P (the
-gradient return is at least the gather); with infinite inter-site bandwidth
+plain EP exactly; backward >= forward whenever c_b >= 1 and the return
+bytes are at least the gather bytes on each level (dense migration with
+P_g >= P; with compression the base all-reduce can make the gather the
+larger, and then the first forward may be the longer pass); with infinite inter-site bandwidth
 and L = 1 plain EP is pure compute and HybridEP can only tie; with both
 bandwidths infinite every plan ties and the planner keeps plain EP.
 
