@@ -104,7 +104,8 @@ def cmd_simulate(args) -> int:
     t0 = time.perf_counter()
     r = sweep(wl, args.site_size, args.intra_bw, num_sites=sites, sites_per_domain=args.sites_per_domain,
               compression_ratio=args.compression_ratio, bytes_per_value=shape.bytes_per_value,
-              num_experts=None if args.experts_per_rank is not None else shape.num_experts, progress=not args.no_progress)
+              num_experts=None if args.experts_per_rank is not None else shape.num_experts,
+              progress=not args.no_progress)
     elapsed = time.perf_counter() - t0
     plot(r, args.out, title=f"{shape.name}, {args.site_size} ranks/site, {args.microbatches} micro-batches")
     print(f"{shape.name}: {len(r.inter_bandwidths_bytes_per_s)} bandwidths x {len(r.num_sites)} site counts "
@@ -152,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--site-size", type=int, default=8, help="ranks per site")
     s.add_argument("--sites-per-domain", type=lambda t: [int(x) for x in t.split(",")],
                    default=list(DEFAULT_SITES_PER_DOMAIN), help="HybridEP domain sizes in sites, e.g. 2,4,8")
-    s.add_argument("--experts-per-rank", type=float, default=None, help="fix experts per rank (the model grows with the cluster); default: the model's experts over G")
+    s.add_argument("--experts-per-rank", type=float, default=None,
+                   help="fix experts per rank (the model grows with the cluster); default: the model's experts over G")
     s.add_argument("--out", default="hybrid_sweep.png", help="PNG path")
     s.add_argument("--json", default=None, help="also write every number here")
     s.add_argument("--no-progress", action="store_true", help="no progress bar")

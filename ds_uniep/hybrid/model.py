@@ -97,7 +97,7 @@ contention between levels that share a NIC.
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence, Union
 
@@ -273,8 +273,8 @@ def layer_times(d, pe_wire, pe_grad, base_bytes, e_r, g, s, l, b_f, b_s, t_pre, 
     return fwd, bwd, tok_f, tok_s, g_f, g_s, r_f, r_s
 
 
-def _wire(workload: Workload, compression_ratio: Optional[float], bytes_per_value: int):
-    """(wire bytes per migrated expert, base bytes per step) for a compression choice."""
+def migration_bytes(workload: Workload, compression_ratio: Optional[float], bytes_per_value: int):
+    """(wire bytes per migrated expert, shared base bytes all-reduced per step) for a compression choice."""
     if compression_ratio is None:
         return workload.expert_bytes, 0.0
     return compressed_expert_bytes(workload.expert_bytes, bytes_per_value, compression_ratio), workload.expert_bytes
@@ -289,7 +289,7 @@ def predict(workload: Workload, cluster: Cluster, domain_size: int = 1, migrated
     cluster.check_domain_size(domain_size)
     if not 0 <= migrated_fraction <= 1:
         raise ValueError(f"migrated_fraction: must be in [0, 1], got {migrated_fraction}")
-    pe_wire, base = _wire(workload, compression_ratio, bytes_per_value)
+    pe_wire, base = migration_bytes(workload, compression_ratio, bytes_per_value)
     out = layer_times(workload.token_bytes, pe_wire, workload.grad_bytes, base, workload.experts_per_rank,
                       cluster.num_ranks, domain_size, cluster.site_size, cluster.intra_site_bandwidth_bytes_per_s,
                       cluster.inter_site_bandwidth_bytes_per_s, workload.pre_expert_compute_s,
@@ -336,7 +336,7 @@ def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "a
     phis = np.asarray(sorted(set(float(f) for f in fractions) | {0.0}), dtype=np.float64)
     if phis.min() < 0 or phis.max() > 1:
         raise ValueError(f"fractions: every fraction must be in [0, 1], got {list(fractions)}")
-    pe_wire, base = _wire(workload, compression_ratio, bytes_per_value)
+    pe_wire, base = migration_bytes(workload, compression_ratio, bytes_per_value)
     s_grid = np.asarray(sizes, dtype=np.float64)[:, None]
     fwd, bwd, *_ = layer_times(workload.token_bytes, pe_wire, workload.grad_bytes, base, workload.experts_per_rank,
                                cluster.num_ranks, s_grid, cluster.site_size,

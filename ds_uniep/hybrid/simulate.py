@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .model import DEFAULT_FRACTIONS, GBPS, Workload, _wire, layer_times
+from .model import DEFAULT_FRACTIONS, GBPS, Workload, migration_bytes, layer_times
 
 DEFAULT_SITES_PER_DOMAIN = (2, 4, 8)
 
@@ -86,7 +86,7 @@ def sweep(workload: Workload, site_size: int, intra_site_bandwidth_bytes_per_s: 
     if n.min() < 1 or m.min() < 1 or not (bws > 0).all():
         raise ValueError("num_sites, sites_per_domain and bandwidths must be positive")
     phis = np.asarray(sorted(set(float(f) for f in fractions) | {0.0}), dtype=np.float64)
-    pe_wire, base = _wire(workload, compression_ratio, bytes_per_value)
+    pe_wire, base = migration_bytes(workload, compression_ratio, bytes_per_value)
     l = site_size
     g = (n * l).astype(np.float64)[:, None, None]  # [N, 1, 1]
     s = (m * l).astype(np.float64)[None, :, None]  # [1, K, 1]
