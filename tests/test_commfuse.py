@@ -1,0 +1,250 @@
+"""CommFuse: exactness of all_gather_matmul / matmul_reduce_scatter and the parallel linears.
+
+Every rank rebuilds every rank's inputs from per-rank seeds, so it can run the
+single-process references (ds_uniep.commfuse.reference) itself. Checks are
+packed into one spawned group per world size (a group costs seconds).
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import needs_gpus
+from dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks", "bench_commfuse.py")
+
+
+def _rand(shape, seed, dtype, device):
+    g = torch.Generator().manual_seed(seed)
+    # Offset by the seed so blocks from different ranks never look alike.
+    t = torch.randn(*shape, generator=g) + (seed % 97) * 0.01
+    return t.to(dtype).to(device)
+
+
+def _shard_sizes(G):
+    return [1, 19, 111, 5][:G] if G <= 4 else [1, 19, 111] + [7] * (G - 3)
+
+
+# --------------------------------------------------------------------------- exactness
+def _check_ops(me, G, device, dtype, schedule, num_chunks, seed):
+    from ds_uniep.commfuse import (all_gather_matmul, matmul_reduce_scatter, ref_all_gather_matmul,
+                                   ref_matmul_reduce_scatter)
+    tag = f"[{dtype} {schedule} chunks={num_chunks}]"
+    K, N = 37, 29
+
+    # all_gather_matmul: odd blocks, a different w per rank (column-parallel).
+    sizes = _shard_sizes(G)
+    xs = [_rand((sizes[r], K), seed + r, dtype, device) for r in range(G)]
+    ws = [_rand((K, N), seed + 100 + r, dtype, device) for r in range(G)]
+    gys = [_rand((sum(sizes), N), seed + 200 + r, dtype, device) for r in range(G)]
+    x = xs[me].clone().requires_grad_()
+    w = ws[me].clone().requires_grad_()
+    y = all_gather_matmul(x, w, schedule=schedule, num_chunks=num_chunks)
+    assert torch.equal(y, ref_all_gather_matmul(xs, ws[me])), f"all_gather_matmul forward {tag}"
+    y.backward(gys[me])
+    ref_gx = ref_matmul_reduce_scatter(gys, [wr.t() for wr in ws], out_sizes=sizes)[me]
+    assert torch.equal(x.grad, ref_gx), f"all_gather_matmul d x_shard {tag}"
+    assert torch.equal(w.grad, torch.cat(xs).t() @ gys[me]), f"all_gather_matmul d w {tag}"
+    # Known sizes skip the size gather and give the same bits.
+    y2 = all_gather_matmul(xs[me], ws[me], schedule=schedule, num_chunks=num_chunks, shard_sizes=sizes)
+    assert torch.equal(y2, y), f"all_gather_matmul with shard_sizes {tag}"
+
+    # matmul_reduce_scatter: odd T, a different K_r per rank, default and explicit row splits.
+    T = 131
+    xs = [_rand((T, 11 + 7 * r), seed + 300 + r, dtype, device) for r in range(G)]
+    ws = [_rand((11 + 7 * r, N), seed + 400 + r, dtype, device) for r in range(G)]
+    for out_sizes in (None, sizes[:-1] + [T - sum(sizes[:-1])] if sum(sizes[:-1]) <= T else None):
+        ref = ref_matmul_reduce_scatter(xs, ws, out_sizes)
+        x = xs[me].clone().requires_grad_()
+        w = ws[me].clone().requires_grad_()
+        out = matmul_reduce_scatter(x, w, schedule=schedule, num_chunks=num_chunks, out_sizes=out_sizes)
+        assert out.dtype == dtype
+        assert torch.equal(out, ref[me]), f"matmul_reduce_scatter forward {tag} out_sizes={out_sizes}"
+        again = matmul_reduce_scatter(xs[me], ws[me], schedule=schedule, num_chunks=num_chunks,
+                                      out_sizes=out_sizes)
+        assert torch.equal(again, out), f"matmul_reduce_scatter run to run {tag}"
+        gos = [_rand(tuple(r_.shape), seed + 500 + r, dtype, device) for r, r_ in enumerate(ref)]
+        out.backward(gos[me])
+        go_full = torch.cat(gos)
+        assert torch.equal(x.grad, ref_all_gather_matmul(gos, ws[me].t())), f"matmul_reduce_scatter d x {tag}"
+        assert torch.equal(w.grad, xs[me].t() @ go_full), f"matmul_reduce_scatter d w {tag}"
+
+
+def _check_fixed_order(me, G, device):
+    """Partials that cancel only in rank order: the fp32 sum must follow it exactly."""
+    from ds_uniep.commfuse import matmul_reduce_scatter
+    # Rank r's partial is c_r * ones; the sum in rank order 0..G-1 of
+    # (1e8, 1, -1e8, 1, ...) in fp32 is 1.0 + ..., any other order differs.
+    vals = [1e8, 1.0, -1e8, 1.0, 3.0, 5.0, 7.0, 9.0][:G]
+    x = torch.full((G * 3, 1), vals[me], dtype=torch.float32, device=device)
+    w = torch.ones(1, 4, dtype=torch.float32, device=device)
+    acc = torch.tensor(vals[0], dtype=torch.float32)
+    for v in vals[1:]:
+        acc = acc + torch.tensor(v, dtype=torch.float32)
+    for schedule in ("ring", "bidirectional_ring"):
+        out = matmul_reduce_scatter(x, w, schedule=schedule)
+        assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), f"rank-order sum {schedule}: {out[0, 0]}"
+
+
+# --------------------------------------------------------------------------- parallel linears
+def _check_linears(me, G, device, dtype):
+    from ds_uniep.commfuse import ColumnParallelLinear, RowParallelLinear
+    from ds_uniep.config import UniEPConfig
+    H, F, B = 24, 12 * G, 2
+    seq = [3, 5, 2, 7][:G] if G <= 4 else [3] * G
+    off = sum(seq[:me])
+    torch.manual_seed(1234)  # the same full layers on every rank
+    lin1, lin2 = torch.nn.Linear(H, F), torch.nn.Linear(F, H)
+    with torch.no_grad():
+        lin1.bias.normal_()
+        lin2.bias.normal_()
+    x_full = _rand((sum(seq), B, H), 77, torch.float32, "cpu")
+    g_full = _rand((sum(seq), B, H), 78, torch.float32, "cpu")
+
+    def single(dt):
+        l1 = torch.nn.Linear(H, F).to(dt)
+        l2 = torch.nn.Linear(F, H).to(dt)
+        l1.load_state_dict(lin1.state_dict())
+        l2.load_state_dict(lin2.state_dict())
+        x = x_full.to(dt, copy=True).requires_grad_()
+        out = l2(torch.nn.functional.gelu(l1(x)))
+        out.backward(g_full.to(dt))
+        return [t.float() for t in (out, x.grad, l1.weight.grad, l1.bias.grad, l2.weight.grad, l2.bias.grad)]
+
+    ref32 = single(torch.float32)
+    ref_lp = single(dtype)
+
+    for schedule in ("ring", "bidirectional_ring"):
+        cfg = UniEPConfig.from_dict({"commfuse": {"enabled": True, "schedule": schedule, "num_chunks": 2}})
+        col = ColumnParallelLinear.from_linear(lin1, config=cfg.commfuse).to(device=device, dtype=dtype)
+        row = RowParallelLinear.from_linear(lin2, config=cfg.commfuse).to(device=device, dtype=dtype)
+        assert isinstance(col.weight, torch.nn.Parameter) and col.weight.shape == (F // G, H)
+        assert isinstance(row.weight, torch.nn.Parameter) and row.weight.shape == (H, F // G)
+        x = x_full[off:off + seq[me]].to(device=device, dtype=dtype, copy=True).requires_grad_()
+        h = col(x)
+        assert h.shape == (sum(seq), B, F // G)
+        out = row(torch.nn.functional.gelu(h), seq_sizes=seq)
+        assert out.shape == (seq[me], B, H)
+        out.backward(g_full[off:off + seq[me]].to(device=device, dtype=dtype))
+        n, k = F // G, F // G
+        ours = [out, x.grad, col.weight.grad, col.bias.grad, row.weight.grad, row.bias.grad]
+        want = [ref32[0][off:off + seq[me]], ref32[1][off:off + seq[me]], ref32[2][me * n:(me + 1) * n],
+                ref32[3][me * n:(me + 1) * n], ref32[4][:, me * k:(me + 1) * k], ref32[5]]
+        lp = [ref_lp[0][off:off + seq[me]], ref_lp[1][off:off + seq[me]], ref_lp[2][me * n:(me + 1) * n],
+              ref_lp[3][me * n:(me + 1) * n], ref_lp[4][:, me * k:(me + 1) * k], ref_lp[5]]
+        names = ["output", "d x", "d column weight", "d column bias", "d row weight", "d row bias"]
+        for name, o, w32, wlp in zip(names, ours, want, lp):
+            assert o is not None, f"{name} {schedule}: no gradient"
+            o = o.float().cpu()
+            assert o.shape == w32.shape, f"{name}: {o.shape} vs {w32.shape}"
+            if dtype == torch.float32:
+                torch.testing.assert_close(o, w32, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name} {schedule}: {m}")
+            else:
+                # At most twice the single-process low-precision error against fp32.
+                err, err_ref = (o - w32).abs().max().item(), (wlp - w32).abs().max().item()
+                tol = max(2 * err_ref, 1e-2 * w32.abs().max().item())
+                assert err <= tol, f"{name} {schedule} {dtype}: error {err} > {tol} (reference's own {err_ref})"
+
+
+def _check_errors(me, G, device):
+    from ds_uniep.commfuse import ColumnParallelLinear, RowParallelLinear, all_gather_matmul, matmul_reduce_scatter
+    x = _rand((5, 7), 1, torch.float32, device)
+    with pytest.raises(ValueError, match=r"x_shard \(5, 7\) and w \(8, 3\)"):
+        all_gather_matmul(x, _rand((8, 3), 2, torch.float32, device))
+    with pytest.raises(TypeError, match="x_shard is torch.float32 but w is torch.bfloat16"):
+        all_gather_matmul(x, _rand((7, 3), 2, torch.bfloat16, device))
+    with pytest.raises(ValueError, match="x_shard must be 2-D"):
+        all_gather_matmul(x[None], _rand((7, 3), 2, torch.float32, device))
+    with pytest.raises(ValueError, match="schedule must be one of ring, bidirectional_ring"):
+        all_gather_matmul(x, _rand((7, 3), 2, torch.float32, device), schedule="tree")
+    with pytest.raises(ValueError, match="num_chunks must be a positive integer"):
+        matmul_reduce_scatter(x, _rand((7, 3), 2, torch.float32, device), num_chunks=0)
+    with pytest.raises(ValueError, match="shard_sizes"):
+        all_gather_matmul(x, _rand((7, 3), 2, torch.float32, device), shard_sizes=[5] * (G + 1))
+    with pytest.raises(ValueError, match="out_sizes"):
+        matmul_reduce_scatter(x, _rand((7, 3), 2, torch.float32, device), out_sizes=[1] * G)
+    with pytest.raises(ValueError, match=f"out_features={3 * G + 1} is not divisible by the group size {G}"):
+        ColumnParallelLinear(8, 3 * G + 1)
+    with pytest.raises(ValueError, match=f"in_features={3 * G + 1} is not divisible by the group size {G}"):
+        RowParallelLinear(3 * G + 1, 8)
+    col = ColumnParallelLinear(8, 2 * G, device=device)
+    with pytest.raises(ValueError, match=r"input x has shape \(4, 9\); expected \[S_r, \*B, 8\]"):
+        col(_rand((4, 9), 3, torch.float32, device))
+    with pytest.raises(TypeError, match="input x is torch.bfloat16 but weight is torch.float32"):
+        col(_rand((4, 8), 3, torch.bfloat16, device))
+    with pytest.raises(TypeError, match="CommFuseConfig"):
+        ColumnParallelLinear(8, 2 * G, config={"schedule": "ring"})
+
+
+def _plans_consistent():
+    """Pure schedule check: every send has a matching receive and every block/partial arrives once."""
+    from ds_uniep.commfuse.ops import SCHEDULES, _ag_plan, _rs_plan
+    for G in range(1, 9):
+        for schedule in SCHEDULES:
+            plans = [_ag_plan(G, r, schedule) for r in range(G)]
+            assert len({len(p) for p in plans}) == 1
+            for r in range(G):
+                got = [b for gemm, _ in plans[r] for b in gemm]
+                assert sorted(got) == list(range(G)), (G, schedule, r, got)
+            for s in range(len(plans[0])):
+                sends = sorted((r, to, b, tag) for r in range(G) for b, to, _, _, tag in plans[r][s][1])
+                recvs = sorted((frm, r, b, tag) for r in range(G) for _, _, b, frm, tag in plans[r][s][1])
+                assert sends == recvs, (G, schedule, s)
+            steps = _rs_plan(G, schedule)
+            offsets = sorted(d % G for ds in steps for d in ds)
+            assert offsets == list(range(1, G)), (G, schedule, offsets)
+            if schedule == "bidirectional_ring":
+                assert len(steps) == G // 2
+
+
+# --------------------------------------------------------------------------- spawned bodies
+def _body(rank, G, device_kind, bench_out=None):
+    device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
+    seed = 1000
+    for dtype in (torch.float32, torch.bfloat16):
+        for schedule in ("ring", "bidirectional_ring"):
+            for num_chunks in (1, 3):
+                _check_ops(rank, G, device, dtype, schedule, num_chunks, seed)
+                seed += 1000
+    _check_fixed_order(rank, G, device)
+    for dtype in (torch.float32, torch.bfloat16):
+        _check_linears(rank, G, device, dtype)
+    _check_errors(rank, G, device)
+    if bench_out is not None:
+        sys.path.insert(0, os.path.dirname(BENCH))
+        import bench_commfuse
+        bench_commfuse.main(["--dry-run", "--out", bench_out])
+
+
+def test_schedules_cover_every_block_once():
+    _plans_consistent()
+
+
+def test_two_ranks_gloo(tmp_path):
+    run_distributed(_body, 2, "cpu", str(tmp_path))
+    for name in ("commfuse_results.json", "commfuse_timeline.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+
+
+def test_four_ranks_gloo():
+    run_distributed(_body, 4, "cpu")
+
+
+def test_bench_help():
+    r = subprocess.run([sys.executable, BENCH, "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "--dry-run" in r.stdout and "--out" in r.stdout
+
+
+@needs_gpus(2)
+def test_two_ranks_nccl():
+    run_distributed(_body, 2, "cuda", backend="nccl")
+
+
+@needs_gpus(4)
+def test_four_ranks_nccl():
+    run_distributed(_body, 4, "cuda", backend="nccl")
