@@ -107,26 +107,32 @@ class HybridCompressionConfig(_Block):
 
 
 class HybridConfig(_Block):
-    """Expert parallelism across slow links (``ds_uniep.hybrid``)."""
+    """Expert parallelism across slow links (``ds_uniep.hybrid``).
+
+    A *site* is a set of ranks joined by fast links (a node, a data centre); a
+    *domain* is the set of ranks that gather each other's experts, chosen by the
+    planner. A domain inside one site saves nothing on the slow links."""
 
     enabled: bool = Field(False, description="Gather experts inside a domain; send tokens only across domains.")
+    site_size: Union[int, Literal["auto"]] = Field(
+        "auto", description="Ranks joined by fast links, or auto: the ranks of one node (LOCAL_WORLD_SIZE).")
     domain_size: Union[int, Literal["auto"]] = Field(
         "auto", description="Ranks per domain, or auto: chosen by the cost model.")
-    intra_domain_bandwidth: Union[float, Literal["measure"]] = Field(
-        "measure", description="Bytes/s between ranks of one domain, or measure at start-up.")
-    inter_domain_bandwidth: Union[float, Literal["measure"]] = Field(
-        "measure", description="Bytes/s between domains, or measure at start-up.")
+    intra_site_bandwidth: Union[float, Literal["measure"]] = Field(
+        "measure", description="Bytes/s per rank between ranks of one site, or measure at start-up.")
+    inter_site_bandwidth: Union[float, Literal["measure"]] = Field(
+        "measure", description="Bytes/s per rank between sites, or measure at start-up.")
     compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
                                                  description="Compressed expert migration.")
 
-    @field_validator("domain_size")
+    @field_validator("site_size", "domain_size")
     @classmethod
-    def _domain(cls, v):
+    def _size(cls, v):
         if isinstance(v, int) and v < 1:
             raise ValueError(f"must be a positive integer or 'auto', got {v}")
         return v
 
-    @field_validator("intra_domain_bandwidth", "inter_domain_bandwidth")
+    @field_validator("intra_site_bandwidth", "inter_site_bandwidth")
     @classmethod
     def _bw(cls, v):
         if not isinstance(v, str) and v <= 0:

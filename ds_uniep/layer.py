@@ -58,6 +58,7 @@ class UniEPMoE(MoE):
         _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
         self.uniep_config = UniEPConfig.coerce(config)
         backend_mod.check_requested(self.uniep_config.backend)
+        _check_implemented(self.uniep_config)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
@@ -132,7 +133,8 @@ class UniEPMoE(MoE):
             d = NVLinkDispatcher(self.layer_name, self.num_experts, self.ep_size, self.hidden_size, self.k, x.dtype,
                                  self.uniep_config, self.ep_group)
         else:
-            d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group)
+            d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group,
+                                    dispatch_dtype=self.uniep_config.compression.dispatch_dtype)
         self._backend_by_device[key] = name
         self._dispatchers[key] = d
         return d
@@ -142,6 +144,17 @@ class UniEPMoE(MoE):
         if device is None:
             return next(iter(self._backend_by_device.values()), None)
         return self._backend_by_device.get(torch.device(device))
+
+
+def _check_implemented(cfg: UniEPConfig) -> None:
+    """Options the layer cannot honour yet fail or warn here, rather than being dropped silently."""
+    if cfg.hybrid.enabled:
+        raise NotImplementedError('"uniep": {"hybrid": {"enabled": true}}: the HybridEP runtime inside UniEPMoE '
+                                  "is not available in this version; ds_uniep.hybrid provides the cost model, "
+                                  "topology and simulator only")
+    if cfg.autotune.enabled:
+        logger.warning('"uniep": {"autotune": {"enabled": true}}: layers do not tune themselves in this version; '
+                       "they run the configured overlap settings (results are the same, only speed differs)")
 
 
 def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy) -> None:

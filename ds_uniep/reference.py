@@ -53,6 +53,36 @@ def gather_counts(counts: Tensor, group, ep_size: int) -> Tensor:
     return torch.stack(parts)
 
 
+FP8_BLOCK = 128
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_roundtrip(x: Tensor) -> Tensor:
+    """What FP8 e4m3 dispatch delivers: ``[N, M]`` rows quantised per 128 elements and restored.
+
+    ``scale = max(amax(block), 1e-12) / 448`` in fp32, ``q = e4m3(x / scale)``, the receiver
+    computes ``q * scale`` and casts to the activation dtype. Deterministic; not exact.
+    """
+    N, M = x.shape
+    pad = (-M) % FP8_BLOCK
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(N, -1, FP8_BLOCK)
+    scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
+    q = (xf / scale).to(torch.float8_e4m3fn)
+    return (q.float() * scale).view(N, -1)[:, :M].to(x.dtype)
+
+
+class _FP8Dispatch(torch.autograd.Function):
+    """FP8 on the wire forward; the gradient travels in full precision (straight through)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return fp8_roundtrip(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class DispatchHandle:
     """What combine needs from dispatch: the layout, the split sizes and the capacity."""
 
@@ -86,8 +116,10 @@ class ReferenceDispatcher:
     the same expert-major layout, so experts see identical inputs either way.
     """
 
-    def __init__(self, num_experts: int, ep_size: int, group=None, rank: Optional[int] = None):
+    def __init__(self, num_experts: int, ep_size: int, group=None, rank: Optional[int] = None,
+                 dispatch_dtype: str = "activation"):
         self.num_experts = num_experts
+        self.fp8 = dispatch_dtype == "fp8_e4m3"
         self.ep_size = ep_size
         self.group = group
         if ep_size > 1 and group is None:
@@ -106,6 +138,8 @@ class ReferenceDispatcher:
         handle = DispatchHandle(layout, expert_idx, capacity)
         tokens = layout.send_pairs // k
         send = x.index_select(0, tokens)  # [N, M], in (destination rank, destination row) order
+        if self.fp8:
+            send = _FP8Dispatch.apply(send)
         if capacity is None:
             arrived = all_to_all(send, handle.recv_splits, handle.send_splits, self.group)
         else:
