@@ -1,0 +1,40 @@
+// Torch-facing functions of every kernel family (one adapter .cpp per family).
+// Shapes: T tokens, k slots, M hidden, E experts, G ranks, L = E / G, R_max receive rows.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace uniep {
+
+// layout_adapter.cpp
+// expert_idx [T, k] int32 -> (local_expert_counts [L] int64, num_recv [1] int32,
+// counts_all [G, E] int64, dest_row [T, k] int32).
+std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_experts,
+                                  const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                                  const torch::Tensor& error_record, int64_t layer_id);
+
+// dispatch_adapter.cpp
+void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
+                   const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
+                   const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks);
+void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
+                  const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+
+// combine_adapter.cpp
+void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                  const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks);
+void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
+                    int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
+                    int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
+               torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+               const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+
+// signal_adapter.cpp
+void barrier(const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns, const torch::Tensor& error_record,
+             int64_t layer_id, int64_t device_index);
+
+}  // namespace uniep

@@ -1,0 +1,16 @@
+// Python bindings of ds_uniep.ops: m.def only. Shapes and semantics are in adapters.h.
+#include "adapters.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // layout: routing counts exchange and destination rows
+  m.def("layout", &uniep::layout, "counts exchange + dest rows: (local_expert_counts, num_recv, counts_all, dest_row)");
+  // dispatch: rows into the destinations' receive buffers, then copied out
+  m.def("dispatch_rows", &uniep::dispatch_rows, "store every kept row into its destination's receive buffer");
+  m.def("recv_copyout", &uniep::recv_copyout, "wait for all rows, copy them (and their source pairs) out");
+  // combine: rows back to their sources, reduced in slot order
+  m.def("combine_push", &uniep::combine_push, "store every received row back at its source pair");
+  m.def("combine_reduce", &uniep::combine_reduce, "wait, then sum each token's k rows in slot order in fp32");
+  m.def("gate_grad", &uniep::gate_grad, "wait, then grad_gates[t, j] = <grad_out[t], row of (t, j)>");
+  // signal: entry barrier over the group
+  m.def("barrier", &uniep::barrier, "signal every rank and wait for all of them");
+}

@@ -1,0 +1,33 @@
+// Combine family: expert output rows pushed back to their source at (token, slot),
+// then summed there in slot order in fp32 and cast once. Host launchers; no torch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../types.h"
+
+namespace uniep {
+
+// y [R_max, M] (dtype), rows in this rank's layout order; recv_pair [R_max] int32 from
+// launch_recv_copyout; the first R = *num_recv rows are pushed: row r goes to rank
+// recv_pair[r] / pairs_per_rank, comb row recv_pair[r] % pairs_per_rank. The last block
+// raises kPhaseCombine on every rank.
+cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int hidden,
+                                const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream);
+
+// Waits for kPhaseCombine of every rank, then
+// out[t] = cast(sum over j = 0..k-1 with expert_idx[t, j] kept of w[t, j] * float(comb[t * k + j])),
+// fp32, left to right; w = weights [T, k] fp32, or 1 when weights is null (the backward
+// of dispatch). out [T, M] dtype.
+cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                  const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
+                                  int num_experts, void* out, int num_blocks, cudaStream_t stream);
+
+// Waits for kPhaseCombine of every rank, then grad_gates [T, k] fp32:
+// sum over m of float(grad_out[t, m]) * float(comb[t * k + j, m]), 0 for a dropped pair.
+// The sum is a fixed tree (lane-strided partials, then a butterfly), the same every run.
+cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                             const int* expert_idx, const void* grad_out, int num_tokens, int k, int hidden,
+                             int num_experts, float* grad_gates, int num_blocks, cudaStream_t stream);
+
+}  // namespace uniep

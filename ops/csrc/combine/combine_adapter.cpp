@@ -1,0 +1,73 @@
+// Combine family: tensor checks, dtype, device guard and stream for the combine launchers.
+#include "../adapters.h"
+#include "../host_utils.h"
+#include "combine.cuh"
+
+namespace uniep {
+
+void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                  const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(y);
+  UNIEP_CHECK_INPUT(recv_pair);
+  UNIEP_CHECK_INPUT(num_recv);
+  UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
+  UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
+  const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == s.recv_rows, "y must be [R_max = ", s.recv_rows, ", M], got ",
+              y.sizes());
+  UNIEP_CHECK_SHAPE(recv_pair, s.recv_rows);
+  TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes, "y rows are ",
+              y.size(1) * y.element_size(), " bytes, the combine buffer's ", s.comb_row_bytes);
+  const c10::cuda::CUDAGuard guard(y.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_push(dtype_of(y), y.data_ptr(), recv_pair.data_ptr<int>(),
+                                         num_recv.data_ptr<int>(), static_cast<int>(y.size(1)), s,
+                                         static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
+                                         c10::cuda::getCurrentCUDAStream()));
+}
+
+void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
+                    int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
+                    int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  TORCH_CHECK(expert_idx.dim() == 2 && out.dim() == 2 && out.size(0) == expert_idx.size(0),
+              "expert_idx must be [T, k] and out [T, M]");
+  const SymView s = sym_from_descriptor(sym);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  TORCH_CHECK(out.size(1) * static_cast<int64_t>(out.element_size()) == s.comb_row_bytes, "out rows are ",
+              out.size(1) * out.element_size(), " bytes, the combine buffer's ", s.comb_row_bytes);
+  const float* wp = optional_weights(weights, expert_idx);
+  const c10::cuda::CUDAGuard guard(out.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_reduce(dtype_of(out), s, static_cast<uint32_t>(epoch), w,
+                                           expert_idx.data_ptr<int>(), wp, static_cast<int>(out.size(0)),
+                                           static_cast<int>(expert_idx.size(1)), static_cast<int>(out.size(1)),
+                                           static_cast<int>(num_experts), out.data_ptr(),
+                                           static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
+}
+
+void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
+               torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+               const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(grad_out);
+  UNIEP_CHECK_INPUT(grad_gates);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  UNIEP_CHECK_DTYPE(grad_gates, torch::kFloat32);
+  TORCH_CHECK(expert_idx.dim() == 2 && grad_out.dim() == 2 && grad_out.size(0) == expert_idx.size(0),
+              "expert_idx must be [T, k] and grad_out [T, M]");
+  UNIEP_CHECK_SHAPE(grad_gates, expert_idx.size(0), expert_idx.size(1));
+  const SymView s = sym_from_descriptor(sym);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  TORCH_CHECK(grad_out.size(1) * static_cast<int64_t>(grad_out.element_size()) == s.comb_row_bytes,
+              "grad_out rows do not match the combine buffer's ", s.comb_row_bytes, " bytes");
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  UNIEP_CHECK_LAUNCH(launch_gate_grad(dtype_of(grad_out), s, static_cast<uint32_t>(epoch), w,
+                                      expert_idx.data_ptr<int>(), grad_out.data_ptr(),
+                                      static_cast<int>(grad_out.size(0)), static_cast<int>(expert_idx.size(1)),
+                                      static_cast<int>(grad_out.size(1)), static_cast<int>(num_experts),
+                                      grad_gates.data_ptr<float>(), static_cast<int>(num_blocks),
+                                      c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace uniep

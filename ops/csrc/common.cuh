@@ -1,0 +1,194 @@
+// Shared device helpers of the UniEP kernels: the symmetric buffer view, signals
+// with timed waits, and dtype switches. Knows nothing of torch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "configs.cuh"
+#include "types.h"
+
+namespace uniep {
+
+// A runtime value becomes a template argument here; an unknown value is an error,
+// never a silent fall-through.
+#define UNIEP_SWITCH_DTYPE(dtype, T, ...)                      \
+  switch (dtype) {                                             \
+    case ::uniep::DType::kFloat32: {                           \
+      using T = float;                                         \
+      __VA_ARGS__;                                             \
+      break;                                                   \
+    }                                                          \
+    case ::uniep::DType::kBFloat16: {                          \
+      using T = __nv_bfloat16;                                 \
+      __VA_ARGS__;                                             \
+      break;                                                   \
+    }                                                          \
+    case ::uniep::DType::kFloat16: {                           \
+      using T = __half;                                        \
+      __VA_ARGS__;                                             \
+      break;                                                   \
+    }                                                          \
+    default:                                                   \
+      return cudaErrorInvalidValue; /* unknown dtype */        \
+  }
+
+#define UNIEP_SWITCH_BOOL(value, kName, ...) \
+  if (value) {                               \
+    constexpr bool kName = true;             \
+    __VA_ARGS__;                             \
+  } else {                                   \
+    constexpr bool kName = false;            \
+    __VA_ARGS__;                             \
+  }
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* addr, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(addr), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* addr) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(addr) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t* signal_word(const SymView& s, int owner, int phase, int src) {
+  return reinterpret_cast<uint32_t*>(s.ptrs[owner] + s.signals_off) + phase * kMaxRanks + src;
+}
+
+__device__ __forceinline__ uint32_t* status_words(const SymView& s) {
+  return reinterpret_cast<uint32_t*>(s.ptrs[s.rank] + s.status_off);
+}
+
+__device__ __forceinline__ bool poisoned(const SymView& s) {
+  return *reinterpret_cast<volatile uint32_t*>(status_words(s)) != 0;
+}
+
+// Tell `dst` that this rank reached `epoch` of `phase`. Callers fence first.
+__device__ __forceinline__ void raise_signal(const SymView& s, int dst, int phase, uint32_t epoch) {
+  st_release_sys(signal_word(s, dst, phase, s.rank), epoch);
+}
+
+// Wait until `src` raised `phase` to at least `epoch` (epochs only grow, so a
+// signal of an older epoch never satisfies a newer wait and no reset is needed).
+// Returns false on timeout, after recording who waited for what.
+__device__ inline bool wait_signal(const SymView& s, const WaitPolicy& w, int src, int phase, uint32_t epoch) {
+  const uint32_t* word = signal_word(s, s.rank, phase, src);
+  uint32_t seen = ld_acquire_sys(word);
+  if (static_cast<int32_t>(seen - epoch) >= 0) return true;
+  const uint64_t start = global_timer_ns();
+  while (true) {
+    seen = ld_acquire_sys(word);
+    if (static_cast<int32_t>(seen - epoch) >= 0) return true;
+    if (poisoned(s)) return false;
+    if (global_timer_ns() - start > w.timeout_ns) break;
+    __nanosleep(64);
+  }
+  // First waiter to give up writes the record; the flag stops the layer's later kernels.
+  if (atomicCAS(status_words(s), 0u, 1u) == 0u) {
+    volatile int64_t* rec = w.error_record;
+    rec[1] = phase;
+    rec[2] = src;
+    rec[3] = epoch;
+    rec[4] = seen;
+    rec[5] = s.rank;
+    rec[6] = w.layer_id;
+    __threadfence_system();
+    rec[0] = 1;
+    __threadfence_system();
+  }
+  return false;
+}
+
+// Block-wide: threads 0..num_ranks-1 wait on one source each. Returns false (in
+// every thread) if any wait gave up or the layer is poisoned.
+__device__ __forceinline__ bool block_wait_all(const SymView& s, const WaitPolicy& w, int phase, uint32_t epoch) {
+  __shared__ int ok_shared;
+  if (threadIdx.x == 0) ok_shared = 1;
+  __syncthreads();
+  if (threadIdx.x < s.num_ranks) {
+    if (!wait_signal(s, w, threadIdx.x, phase, epoch)) atomicAnd(&ok_shared, 0);
+  }
+  __syncthreads();
+  const bool ok = ok_shared != 0;
+  __syncthreads();
+  return ok;
+}
+
+// Called by every block at the end of a kernel that stores into peers: the last
+// block to finish (an atomic counts arrivals, it orders nothing) fences and
+// raises `phase` on every peer. `counter` is a local status word, left at 0.
+__device__ __forceinline__ void signal_when_grid_done(const SymView& s, uint32_t* counter, int phase,
+                                                      uint32_t epoch) {
+  // Each thread fences its own peer stores; the barrier then lets thread 0 speak for the block.
+  __threadfence_system();
+  __syncthreads();
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    const uint32_t arrived = atomicAdd(counter, 1u);
+    last = arrived == gridDim.x - 1;
+    if (last) {
+      *counter = 0;
+      __threadfence_system();  // every block's stores (seen through the counter) before the signals
+    }
+  }
+  __syncthreads();
+  if (last && threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, phase, epoch);
+}
+
+// 16-byte vector of one row: kVec elements of T.
+template <typename T>
+struct Vec {
+  static constexpr int kElems = 16 / sizeof(T);
+};
+
+template <typename T>
+__device__ __forceinline__ float to_float(T v);
+template <>
+__device__ __forceinline__ float to_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// Unpack / pack a 16-byte vector to / from floats.
+template <typename T>
+__device__ __forceinline__ void unpack(const int4& v, float* out) {
+  const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) out[i] = to_float<T>(e[i]);
+}
+
+template <typename T>
+__device__ __forceinline__ int4 pack(const float* in) {
+  int4 v;
+  T* e = reinterpret_cast<T*>(&v);
+#pragma unroll
+  for (int i = 0; i < Vec<T>::kElems; ++i) e[i] = from_float<T>(in[i]);
+  return v;
+}
+
+// Loads that skip L1: peers' rows and rows written by other kernels are read once.
+__device__ __forceinline__ int4 ld_stream(const int4* p) { return __ldcs(p); }
+__device__ __forceinline__ void st_stream(int4* p, const int4& v) { __stcs(p, v); }
+
+}  // namespace uniep

@@ -1,0 +1,43 @@
+// Hard limits of the UniEP kernels, in one place. The Python side reads none of
+// these by parsing: ds_uniep/megakernel.py repeats the few it validates against
+// (kMaxRanks, kMaxExperts, kMaxTopK, kFp8GroupSize) and test_ops_compile checks they agree.
+#pragma once
+
+#include <cstdint>
+
+namespace uniep {
+
+// Ranks of one expert-parallel group reachable by NVLink stores (one host).
+constexpr int kMaxRanks = 8;
+// Experts of one layer; the counts kernel keeps one int per expert in shared memory.
+constexpr int kMaxExperts = 1024;
+// Slots per token; the dispatch kernel keeps k destinations in registers.
+constexpr int kMaxTopK = 16;
+// FP8 dispatch: one fp32 scale per this many consecutive elements of a row.
+constexpr int kFp8GroupSize = 128;
+// Largest finite e4m3 value; amax of a group maps onto it.
+constexpr float kFp8Max = 448.0f;
+
+// Signal slots: one row of kMaxRanks uint32 words per phase in every rank's buffer.
+// Writer s sets word [phase][s] of the destination to the phase's epoch.
+enum SignalPhase : int {
+  kPhaseCounts = 0,    // routing counts exchanged (layout)
+  kPhaseDispatch = 1,  // all rows of a dispatch stored
+  kPhaseCombine = 2,   // all rows of a combine push stored
+  kPhaseBarrier = 3,   // entry barrier of backward ops
+  kNumPhases = 4,
+};
+
+// Threads of the copy kernels; one warp moves one row (or one token's k rows).
+constexpr int kCopyThreads = 512;
+constexpr int kWarpsPerCopyBlock = kCopyThreads / 32;
+// Threads of the layout kernels.
+constexpr int kLayoutThreads = 1024;
+constexpr int kRowsThreads = 256;
+
+// Words of the error record a timed-out wait fills (host-mapped pinned memory):
+// [0] 1 once set, [1] phase, [2] source rank waited on, [3] epoch expected,
+// [4] value seen, [5] this rank, [6] layer id.
+constexpr int kErrorRecordWords = 8;
+
+}  // namespace uniep

@@ -1,0 +1,228 @@
+#include "../common.cuh"
+#include "dispatch.cuh"
+
+namespace uniep {
+namespace {
+
+constexpr int kUnroll = 4;  // 16-byte vectors each lane has in flight per step
+
+// One warp per token: the token's row is read once and stored to its k destinations.
+template <typename T, bool kWeighted>
+__global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
+    const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
+    const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
+    uint32_t epoch) {
+  if (poisoned(s)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * blockDim.x / 32;
+  const int num_vecs = hidden / Vec<T>::kElems;
+  for (int t = warp; t < num_tokens; t += num_warps) {
+    char* dst[kMaxTopK];
+    float wgt[kMaxTopK];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      dst[j] = nullptr;
+      wgt[j] = 1.0f;
+      if (j < k) {
+        const int64_t pair = static_cast<int64_t>(t) * k + j;
+        const int row = dest_row[pair];
+        if (row >= 0) {
+          const int d = expert_idx[pair] / experts_per_rank;
+          dst[j] = s.ptrs[d] + s.recv_off + row * s.recv_row_bytes;
+          if (kWeighted) wgt[j] = weights[pair];
+          if (lane == 0)
+            reinterpret_cast<int*>(s.ptrs[d] + s.meta_off)[row] = static_cast<int>(s.rank * s.pairs_per_rank + pair);
+        }
+      }
+    }
+    const int4* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * hidden);
+    for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (c0 + 32 * u < num_vecs) v[u] = __ldg(src + c0 + 32 * u);
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) {
+        if (dst[j] == nullptr) continue;
+        int4* out = reinterpret_cast<int4*>(dst[j]);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + 32 * u >= num_vecs) continue;
+          if (kWeighted) {
+            float f[Vec<T>::kElems];
+            unpack<T>(v[u], f);
+#pragma unroll
+            for (int i = 0; i < Vec<T>::kElems; ++i) f[i] = __fmul_rn(wgt[j], f[i]);
+            out[c0 + 32 * u] = pack<T>(f);
+          } else {
+            out[c0 + 32 * u] = v[u];
+          }
+        }
+      }
+    }
+  }
+  signal_when_grid_done(s, status_words(s) + 1, kPhaseDispatch, epoch);
+}
+
+// FP8 rows: a lane quantizes 16 consecutive elements, 8 lanes one 128-element group
+// sharing one scale = amax / 448. The whole warp steps together (the group amax is
+// a shuffle), so the loop bound is warp-uniform and lanes past the row idle.
+template <typename T>
+__global__ void __launch_bounds__(kCopyThreads) dispatch_fp8_kernel(
+    const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
+    int num_tokens, int k, int hidden, int experts_per_rank, SymView s, uint32_t epoch) {
+  static_assert(kFp8GroupSize == 8 * 16, "8 lanes of 16 elements make one scale group");
+  constexpr int kLoads = 16 / Vec<T>::kElems;  // 16-byte loads per 16 elements
+  if (poisoned(s)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * blockDim.x / 32;
+  const int num_groups = hidden / kFp8GroupSize;
+  for (int t = warp; t < num_tokens; t += num_warps) {
+    char* dst[kMaxTopK];
+    float* dst_scale[kMaxTopK];
+#pragma unroll
+    for (int j = 0; j < kMaxTopK; ++j) {
+      dst[j] = nullptr;
+      dst_scale[j] = nullptr;
+      if (j < k) {
+        const int64_t pair = static_cast<int64_t>(t) * k + j;
+        const int row = dest_row[pair];
+        if (row >= 0) {
+          const int d = expert_idx[pair] / experts_per_rank;
+          dst[j] = s.ptrs[d] + s.recv_off + row * s.recv_row_bytes;
+          dst_scale[j] = reinterpret_cast<float*>(s.ptrs[d] + s.scales_off) + static_cast<int64_t>(row) * num_groups;
+          if (lane == 0)
+            reinterpret_cast<int*>(s.ptrs[d] + s.meta_off)[row] = static_cast<int>(s.rank * s.pairs_per_rank + pair);
+        }
+      }
+    }
+    const T* row_in = x + static_cast<int64_t>(t) * hidden;
+    for (int base = 0; base < hidden; base += 32 * 16) {
+      const int first = base + lane * 16;
+      const bool active = first < hidden;
+      float f[16];
+      float amax = 0.0f;
+#pragma unroll
+      for (int l = 0; l < kLoads; ++l) {
+        int4 v = make_int4(0, 0, 0, 0);
+        if (active) v = __ldg(reinterpret_cast<const int4*>(row_in + first) + l);
+        unpack<T>(v, f + l * Vec<T>::kElems);
+      }
+#pragma unroll
+      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+      for (int off = 4; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      const float scale = amax > 0.0f ? __fdiv_rn(amax, kFp8Max) : 1.0f;
+      const float inv = amax > 0.0f ? __fdiv_rn(kFp8Max, amax) : 0.0f;
+      int4 q;
+      __nv_fp8x2_storage_t* qp = reinterpret_cast<__nv_fp8x2_storage_t*>(&q);
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        qp[i] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv)),
+                                         __NV_SATFINITE, __NV_E4M3);
+      if (!active) continue;
+#pragma unroll
+      for (int j = 0; j < kMaxTopK; ++j) {
+        if (dst[j] == nullptr) continue;
+        *reinterpret_cast<int4*>(dst[j] + first) = q;
+        if (lane % 8 == 0) dst_scale[j][first / kFp8GroupSize] = scale;
+      }
+    }
+  }
+  signal_when_grid_done(s, status_words(s) + 1, kPhaseDispatch, epoch);
+}
+
+template <typename T, bool kFp8>
+__global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, uint32_t epoch, WaitPolicy w,
+                                                                    const int* __restrict__ num_recv, int hidden,
+                                                                    T* __restrict__ out,
+                                                                    int* __restrict__ recv_pair) {
+  if (!block_wait_all(s, w, kPhaseDispatch, epoch)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * blockDim.x / 32;
+  const int R = *num_recv;
+  const int* meta = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.meta_off);
+  for (int r = warp; r < R; r += num_warps) {
+    if (lane == 0) recv_pair[r] = __ldcg(meta + r);
+    const char* in = s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(r) * s.recv_row_bytes;
+    T* row_out = out + static_cast<int64_t>(r) * hidden;
+    if constexpr (!kFp8) {
+      const int num_vecs = hidden / Vec<T>::kElems;
+      const int4* src = reinterpret_cast<const int4*>(in);
+      int4* dst = reinterpret_cast<int4*>(row_out);
+      for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
+        int4 v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c0 + 32 * u < num_vecs) v[u] = __ldcg(src + c0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c0 + 32 * u < num_vecs) dst[c0 + 32 * u] = v[u];
+      }
+    } else {
+      const float* scales =
+          reinterpret_cast<const float*>(s.ptrs[s.rank] + s.scales_off) + static_cast<int64_t>(r) * (hidden / kFp8GroupSize);
+      for (int first = lane * 16; first < hidden; first += 32 * 16) {
+        const int4 q = __ldcg(reinterpret_cast<const int4*>(in + first));
+        const float scale = __ldcg(scales + first / kFp8GroupSize);
+        const __nv_fp8x2_storage_t* qp = reinterpret_cast<const __nv_fp8x2_storage_t*>(&q);
+        float f[16];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(qp[i], __NV_E4M3);
+          const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&h));
+          f[2 * i] = __fmul_rn(p.x, scale);
+          f[2 * i + 1] = __fmul_rn(p.y, scale);
+        }
+#pragma unroll
+        for (int l = 0; l < 16 / Vec<T>::kElems; ++l)
+          reinterpret_cast<int4*>(row_out + first)[l] = pack<T>(f + l * Vec<T>::kElems);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
+                            const float* weights, int num_tokens, int k, int hidden, int num_experts,
+                            const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream) {
+  if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
+      (fp8 && hidden % kFp8GroupSize != 0))
+    return cudaErrorInvalidValue;
+  const int experts_per_rank = num_experts / sym.num_ranks;
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    if (fp8) {
+      dispatch_fp8_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(static_cast<const T*>(x), expert_idx,
+                                                                      dest_row, num_tokens, k, hidden,
+                                                                      experts_per_rank, sym, epoch);
+    } else {
+      UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
+        dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
+            static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
+            epoch);
+      });
+    }
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                const int* num_recv, int hidden, void* out, int* recv_pair, int num_blocks,
+                                cudaStream_t stream) {
+  if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0)) return cudaErrorInvalidValue;
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    UNIEP_SWITCH_BOOL(fp8, kFp8, {
+      recv_copyout_kernel<T, kFp8><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, num_recv, hidden,
+                                                                            static_cast<T*>(out), recv_pair);
+    });
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace uniep

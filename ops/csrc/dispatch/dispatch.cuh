@@ -1,0 +1,29 @@
+// Dispatch family: every kept (token, slot) row stored straight into its
+// destination's receive buffer at its layout row, then copied out on arrival.
+// Host launchers; no torch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../types.h"
+
+namespace uniep {
+
+// x [T, M] (dtype), expert_idx [T, k] int32, dest_row [T, k] int32 (launch_layout),
+// weights [T, k] fp32 or null: with weights the row sent for (t, j) is
+// cast(weights[t, j] * float(x[t])) (the backward of combine). fp8: rows travel as
+// e4m3 with one fp32 scale per 128 elements (M % 128 == 0; no weights).
+// The receive row of (t, j) on rank expert_idx / L gets the row and its meta word
+// rank * pairs_per_rank + t * k + j; the last block raises kPhaseDispatch on every rank.
+cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
+                            const float* weights, int num_tokens, int k, int hidden, int num_experts,
+                            const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream);
+
+// Waits for kPhaseDispatch of every rank, then copies the first R = *num_recv rows of the
+// receive buffer into out [R_max, M] (dtype; e4m3 rows are scaled back) and their meta
+// words into recv_pair [R_max] int32. Rows R.. of both are left untouched.
+cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                const int* num_recv, int hidden, void* out, int* recv_pair, int num_blocks,
+                                cudaStream_t stream);
+
+}  // namespace uniep

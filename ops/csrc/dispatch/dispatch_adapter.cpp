@@ -1,0 +1,55 @@
+// Dispatch family: tensor checks, dtype, device guard and stream for the dispatch launchers.
+#include "../adapters.h"
+#include "../host_utils.h"
+#include "dispatch.cuh"
+
+namespace uniep {
+
+void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
+                   const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
+                   const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(x);
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(dest_row);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
+  TORCH_CHECK(x.dim() == 2 && expert_idx.dim() == 2, "x must be [T, M] and expert_idx [T, k]");
+  UNIEP_CHECK_SHAPE(expert_idx, x.size(0), expert_idx.size(1));
+  UNIEP_CHECK_SHAPE(dest_row, x.size(0), expert_idx.size(1));
+  const SymView s = sym_from_descriptor(sym);
+  const int hidden = static_cast<int>(x.size(1));
+  const int64_t row_bytes = fp8 ? hidden : hidden * static_cast<int64_t>(x.element_size());
+  TORCH_CHECK(row_bytes == s.recv_row_bytes, "x rows are ", row_bytes, " bytes, the receive buffer's ",
+              s.recv_row_bytes);
+  TORCH_CHECK(x.size(0) * expert_idx.size(1) <= s.pairs_per_rank, "x has ", x.size(0) * expert_idx.size(1),
+              " pairs, the buffers hold ", s.pairs_per_rank);
+  const float* w = optional_weights(weights, expert_idx);
+  const c10::cuda::CUDAGuard guard(x.device());
+  UNIEP_CHECK_LAUNCH(launch_dispatch(dtype_of(x), fp8, x.data_ptr(), expert_idx.data_ptr<int>(),
+                                     dest_row.data_ptr<int>(), w, static_cast<int>(x.size(0)),
+                                     static_cast<int>(expert_idx.size(1)), hidden, static_cast<int>(num_experts), s,
+                                     static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
+                                     c10::cuda::getCurrentCUDAStream()));
+}
+
+void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
+                  const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(num_recv);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_INPUT(recv_pair);
+  UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
+  UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
+  const SymView s = sym_from_descriptor(sym);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == s.recv_rows, "out must be [R_max = ", s.recv_rows, ", M], got ",
+              out.sizes());
+  UNIEP_CHECK_SHAPE(recv_pair, s.recv_rows);
+  const int hidden = static_cast<int>(out.size(1));
+  const c10::cuda::CUDAGuard guard(out.device());
+  UNIEP_CHECK_LAUNCH(launch_recv_copyout(dtype_of(out), fp8, s, static_cast<uint32_t>(epoch), w,
+                                         num_recv.data_ptr<int>(), hidden, out.data_ptr(), recv_pair.data_ptr<int>(),
+                                         static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace uniep

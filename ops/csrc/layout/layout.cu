@@ -1,0 +1,125 @@
+#include <cub/block/block_scan.cuh>
+
+#include "../common.cuh"
+#include "layout.cuh"
+
+namespace uniep {
+namespace {
+
+// One block: E <= kMaxExperts <= kLayoutThreads, so thread e owns expert e where it matters.
+__global__ void __launch_bounds__(kLayoutThreads) layout_counts_kernel(
+    const int* __restrict__ expert_idx, int64_t num_pairs, int num_experts, SymView s, uint32_t epoch,
+    WaitPolicy w, int* __restrict__ block_base, int64_t* __restrict__ local_expert_counts,
+    int* __restrict__ num_recv, int64_t* __restrict__ counts_all) {
+  __shared__ int mine[kMaxExperts];
+  __shared__ int all[kMaxRanks * kMaxExperts];
+  if (poisoned(s)) return;
+  const int E = num_experts, G = s.num_ranks, L = E / G;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = 0;
+  __syncthreads();
+  // Shared atomics only count; no row is ever placed by their order.
+  for (int64_t p = threadIdx.x; p < num_pairs; p += blockDim.x) {
+    const int e = expert_idx[p];
+    if (e >= 0 && e < E) atomicAdd(&mine[e], 1);
+  }
+  __syncthreads();
+
+  // Double-buffered by epoch parity: a peer can run at most one epoch ahead of this
+  // rank here, because epoch n+1's counts need this rank's epoch n+1 signal.
+  const int64_t parity_off = static_cast<int64_t>(epoch & 1u) * kMaxRanks * E;
+  for (int i = threadIdx.x; i < G * E; i += blockDim.x) {
+    const int dst = i / E, e = i % E;
+    int* slot = reinterpret_cast<int*>(s.ptrs[dst] + s.counts_off) + parity_off + s.rank * E + e;
+    *slot = mine[e];
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < G) raise_signal(s, threadIdx.x, kPhaseCounts, epoch);
+  if (!block_wait_all(s, w, kPhaseCounts, epoch)) return;
+
+  // After the wait, all[src][e] is rank src's count for expert e, identical on every rank.
+  const int* local = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.counts_off) + parity_off;
+  for (int i = threadIdx.x; i < G * E; i += blockDim.x) {
+    all[i] = __ldcg(local + i);
+    counts_all[i] = all[i];
+  }
+  __syncthreads();
+  // mine[] is free again: reuse it for the total of every expert over all sources.
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int total = 0;
+    for (int src = 0; src < G; ++src) total += all[src * E + e];
+    mine[e] = total;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const int first = (e / L) * L;
+    int base = 0;
+    for (int f = first; f < e; ++f) base += mine[f];  // earlier experts of e's rank
+    for (int src = 0; src < s.rank; ++src) base += all[src * E + e];  // earlier sources of e
+    block_base[e] = base;
+  }
+  if (threadIdx.x == 0) {
+    int total = 0;
+    for (int l = 0; l < L; ++l) {
+      local_expert_counts[l] = mine[s.rank * L + l];
+      total += mine[s.rank * L + l];
+    }
+    *num_recv = total;
+  }
+}
+
+// Block e places expert e's pairs: a block-wide exclusive scan over tokens of the
+// number of slots routed to e gives each pair its position, in (token, slot) order.
+__global__ void __launch_bounds__(kRowsThreads) layout_rows_kernel(const int* __restrict__ expert_idx,
+                                                                   int num_tokens, int k, int num_experts,
+                                                                   const SymView s,
+                                                                   const int* __restrict__ block_base,
+                                                                   int* __restrict__ dest_row) {
+  using Scan = cub::BlockScan<int, kRowsThreads>;
+  __shared__ typename Scan::TempStorage temp;
+  if (poisoned(s)) return;
+  const int e = blockIdx.x;
+  const int base = block_base[e];
+  int running = 0;
+  for (int t0 = 0; t0 < num_tokens; t0 += kRowsThreads) {
+    const int t = t0 + threadIdx.x;
+    int hits = 0;
+    if (t < num_tokens) {
+      for (int j = 0; j < k; ++j) {
+        const int ej = expert_idx[static_cast<int64_t>(t) * k + j];
+        hits += ej == e;
+        // Block 0 also marks dropped pairs, so every entry of dest_row is written once.
+        if (e == 0 && (ej < 0 || ej >= num_experts)) dest_row[static_cast<int64_t>(t) * k + j] = -1;
+      }
+    }
+    int before, total;
+    Scan(temp).ExclusiveSum(hits, before, total);
+    if (hits) {
+      int pos = base + running + before;
+      for (int j = 0; j < k; ++j)
+        if (expert_idx[static_cast<int64_t>(t) * k + j] == e) dest_row[static_cast<int64_t>(t) * k + j] = pos++;
+    }
+    running += total;
+    __syncthreads();  // temp is reused by the next chunk
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_layout(const int* expert_idx, int num_tokens, int k, int num_experts, const SymView& sym,
+                          uint32_t epoch, const WaitPolicy& wait, int* block_base, int64_t* local_expert_counts,
+                          int* num_recv, int64_t* counts_all, int* dest_row, cudaStream_t stream) {
+  if (num_experts <= 0 || num_experts > kMaxExperts || sym.num_ranks <= 0 || sym.num_ranks > kMaxRanks ||
+      num_experts % sym.num_ranks != 0 || k <= 0 || k > kMaxTopK || num_tokens < 0)
+    return cudaErrorInvalidValue;
+  layout_counts_kernel<<<1, kLayoutThreads, 0, stream>>>(expert_idx, static_cast<int64_t>(num_tokens) * k,
+                                                         num_experts, sym, epoch, wait, block_base,
+                                                         local_expert_counts, num_recv, counts_all);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  layout_rows_kernel<<<num_experts, kRowsThreads, 0, stream>>>(expert_idx, num_tokens, k, num_experts, sym,
+                                                               block_base, dest_row);
+  return cudaGetLastError();
+}
+
+}  // namespace uniep

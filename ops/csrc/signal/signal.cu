@@ -1,0 +1,21 @@
+#include "../common.cuh"
+#include "signal.cuh"
+
+namespace uniep {
+namespace {
+
+__global__ void barrier_kernel(SymView s, uint32_t epoch, WaitPolicy w) {
+  if (poisoned(s)) return;
+  __threadfence_system();
+  if (threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, kPhaseBarrier, epoch);
+  block_wait_all(s, w, kPhaseBarrier, epoch);
+}
+
+}  // namespace
+
+cudaError_t launch_barrier(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, cudaStream_t stream) {
+  barrier_kernel<<<1, 32, 0, stream>>>(sym, epoch, wait);
+  return cudaGetLastError();
+}
+
+}  // namespace uniep

@@ -1,0 +1,15 @@
+// Signal family: an entry barrier over the EP group, for ops that store into peers'
+// buffers without a preceding exchange (the backward ops). Host launcher; no torch.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "../types.h"
+
+namespace uniep {
+
+// Every rank raises kPhaseBarrier = epoch on every rank, then waits for all of them.
+// Stream order makes it cover all earlier work of this rank on the stream.
+cudaError_t launch_barrier(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, cudaStream_t stream);
+
+}  // namespace uniep

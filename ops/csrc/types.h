@@ -1,0 +1,49 @@
+// Plain structs shared by the host launchers and the kernels; no device code, no torch,
+// so host-only translation units (the torch adapters) can include the launcher headers.
+#pragma once
+
+#include <cstdint>
+
+#include "configs.cuh"
+
+namespace uniep {
+
+// Element types a row can have in device memory (the activation dtype).
+enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// One layer's symmetric buffer as seen from one rank. Every rank's buffer has the
+// same byte layout, so one set of offsets serves all peers:
+//   counts   [2][kMaxRanks][E] int32   routing counts, double-buffered by epoch parity
+//   signals  [kNumPhases][kMaxRanks] uint32
+//   status   [16] uint32               local only: [0] poisoned flag, [1..] done counters
+//   meta     [R_max] int32             source pair of each received row: src * pairs_per_rank + t * k + j
+//   scales   [R_max][M / 128] fp32     FP8 dispatch only
+//   recv     [R_max][recv_row_bytes]   received rows (activation dtype, or e4m3 bytes)
+//   comb     [pairs_per_rank][comb_row_bytes] rows pushed back by combine, at pair t * k + j
+struct SymView {
+  char* ptrs[kMaxRanks];  // base of each rank's buffer (ptrs[rank] is local)
+  int rank;
+  int num_ranks;
+  int64_t counts_off;
+  int64_t signals_off;
+  int64_t status_off;
+  int64_t meta_off;
+  int64_t scales_off;
+  int64_t recv_off;
+  int64_t comb_off;
+  int64_t recv_rows;       // R_max
+  int64_t recv_row_bytes;  // M * sizeof(activation) (or M for e4m3)
+  int64_t comb_row_bytes;  // M * sizeof(activation)
+  int64_t pairs_per_rank;  // T_max * k
+};
+
+// How a wait on a peer gives up: after timeout_ns it fills the error record and
+// marks the layer poisoned, so later kernels of the layer do nothing instead of
+// hanging or moving rows by a layout they never received.
+struct WaitPolicy {
+  uint64_t timeout_ns;
+  int64_t* error_record;  // host-mapped pinned, kErrorRecordWords words
+  int layer_id;
+};
+
+}  // namespace uniep
