@@ -128,17 +128,16 @@ class Timeline:
         return ev
 
     def spans_ms(self) -> List[Tuple[str, int, float, float]]:
-        """``(kind, step, start_ms, end_ms)`` relative to the first mark."""
+        """``(kind, step, start_ms, end_ms)`` relative to the earliest start."""
         if not self.entries:
             return []
         ref = self.entries[0][2]
-        out = []
-        for kind, step, s, e in self.entries:
-            if isinstance(ref, float):
-                out.append((kind, step, (s - ref) * 1e3, (e - ref) * 1e3))
-            else:
-                out.append((kind, step, ref.elapsed_time(s), ref.elapsed_time(e)))
-        return out
+        if isinstance(ref, float):
+            raw = [(k, st, (s - ref) * 1e3, (e - ref) * 1e3) for k, st, s, e in self.entries]
+        else:
+            raw = [(k, st, ref.elapsed_time(s), ref.elapsed_time(e)) for k, st, s, e in self.entries]
+        t0 = min(s for _, _, s, _ in raw)
+        return [(k, st, s - t0, e - t0) for k, st, s, e in raw]
 
 
 class _Exchange:

@@ -1,0 +1,326 @@
+"""CommFuse against unfused NCCL collectives + GEMM and PyTorch's symmetric-memory fused ops.
+
+    torchrun --nproc_per_node 4 benchmarks/bench_commfuse.py --out bench_out/commfuse
+
+Llama-70B-like MLP shapes by default (hidden 8192, FFN 28672, 8192 tokens in
+total split over the G tensor-parallel ranks), bf16, forward:
+
+* all_gather_matmul (up projection): x_shard ``[T/G, H]`` @ w ``[H, F/G]`` -> ``[T, F/G]``
+* matmul_reduce_scatter (down projection): x ``[T, F/G]`` @ w ``[F/G, H]`` -> ``[T/G, H]``
+
+Per op, in one run: GEMM alone, collective alone, unfused (collective then
+GEMM, or GEMM then collective), ``torch.ops.symm_mem`` fused op, and CommFuse
+per schedule and chunk count. Exposed communication = time - GEMM alone, as a
+fraction of the collective-alone time. Times are the slowest rank's median.
+Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
+step: transfers on the side stream, GEMMs and adds on the compute stream) to
+``--out``; prints the table last. ``--dry-run`` runs tiny shapes on CPU/gloo to
+check the harness.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from timing import bench, rotating  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hidden", type=int, default=8192, help="H, model width")
+    p.add_argument("--ffn", type=int, default=28672, help="F, MLP width (all ranks together)")
+    p.add_argument("--tokens", type=int, default=8192, help="T, tokens in total (split over ranks)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--schedules", nargs="+", default=["ring", "bidirectional_ring"],
+                   choices=["ring", "bidirectional_ring"])
+    p.add_argument("--num-chunks", type=int, nargs="+", default=[1], help="CommFuse chunk counts to time")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--pool", type=int, default=3, help="fresh input sets cycled through the runs")
+    p.add_argument("--skip-symm-mem", action="store_true", help="do not time torch.ops.symm_mem")
+    p.add_argument("--out", default="bench_out/commfuse", help="directory for the JSON and the PNG")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny shapes, 1 warm-up, 2 repeats, gloo on CPU: checks the script, times nothing useful")
+    return p.parse_args(argv)
+
+
+# --------------------------------------------------------------------------- collectives (unfused baseline)
+def _all_gather(out, x, group, gloo):
+    if gloo:  # gloo has no all_gather_into_tensor on every version
+        parts = list(out.chunk(dist.get_world_size(group)))
+        dist.all_gather(parts, x, group=group)
+    else:
+        dist.all_gather_into_tensor(out, x, group=group)
+
+
+def _reduce_scatter(out, y, group, gloo):
+    if gloo:  # gloo has no reduce_scatter: all-reduce and keep ours (dry run only)
+        full = y.clone()
+        dist.all_reduce(full, group=group)
+        out.copy_(full.chunk(dist.get_world_size(group))[dist.get_rank(group)])
+    else:
+        dist.reduce_scatter_tensor(out, y, group=group)
+
+
+# --------------------------------------------------------------------------- variants
+def _variants(op, a, G, group, device, dtype, gloo, symm):
+    """``{name: (fn, setup)}`` for one op. Shapes from ``a`` (parsed args)."""
+    from ds_uniep.commfuse import all_gather_matmul_impl, even_split, matmul_reduce_scatter_impl
+    H, F, T = a.hidden, a.ffn // G, a.tokens
+    rank = dist.get_rank(group)
+    sizes = even_split(T, G)
+    gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
+
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(device=device, dtype=dtype)
+
+    out = {}
+    if op == "all_gather_matmul":
+        inputs = rotating(lambda i: (rnd(T // G, H), rnd(H, F)), a.pool)
+        full = rotating(lambda i: (rnd(T, H), rnd(H, F)), a.pool)
+        gathered = torch.empty(T, H, dtype=dtype, device=device)
+
+        def unfused(x, w):
+            _all_gather(gathered, x, group, gloo)
+            return gathered @ w
+
+        out["gemm_alone"] = (lambda x, w: x @ w, full)
+        out["comm_alone"] = (lambda x, w: _all_gather(gathered, x, group, gloo), inputs)
+        out["unfused"] = (unfused, inputs)
+        if symm:
+            name = group.group_name
+            out["torch_symm_mem"] = (
+                lambda x, w: torch.ops.symm_mem.fused_all_gather_matmul(x, [w], 0, name, return_A=False)[1][0],
+                inputs)
+        for s in a.schedules:
+            for c in a.num_chunks:
+                out[f"commfuse_{s}_c{c}"] = (
+                    lambda x, w, s=s, c=c: all_gather_matmul_impl(x, w, group, s, c, shard_sizes=sizes)[0], inputs)
+    else:
+        inputs = rotating(lambda i: (rnd(T, F), rnd(F, H)), a.pool)
+        partials = rotating(lambda i: (rnd(T, H), ), a.pool)
+        scattered = torch.empty(T // G, H, dtype=dtype, device=device)
+
+        def unfused(x, w):
+            _reduce_scatter(scattered, x @ w, group, gloo)
+            return scattered
+
+        out["gemm_alone"] = (lambda x, w: x @ w, inputs)
+        out["comm_alone"] = (lambda y: _reduce_scatter(scattered, y, group, gloo), partials)
+        out["unfused"] = (unfused, inputs)
+        if symm:
+            name = group.group_name
+            out["torch_symm_mem"] = (
+                lambda x, w: torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w, "sum", 0, name), inputs)
+        for s in a.schedules:
+            for c in a.num_chunks:
+                out[f"commfuse_{s}_c{c}"] = (
+                    lambda x, w, s=s, c=c: matmul_reduce_scatter_impl(x, w, group, s, c, out_sizes=sizes)[0], inputs)
+    return out
+
+
+def _slowest(value, device):
+    """Max over ranks (NaN stays NaN only if every rank failed)."""
+    t = torch.tensor([-1.0 if value is None else value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return None if t.item() < 0 else t.item()
+
+
+def _checks(op, variants, G, group, gloo):
+    """Max |difference| of every variant's output against the unfused one, on the same input."""
+    fn0, setup = variants["unfused"]
+    args = setup(0)
+    ref = fn0(*args).float().clone()
+    out = {}
+    for name, (fn, _) in variants.items():
+        if name in ("unfused", "gemm_alone", "comm_alone"):
+            continue
+        try:
+            out[name] = (fn(*args).float() - ref).abs().max().item()
+        except Exception as e:  # noqa: BLE001 - reported in the table
+            out[name] = f"error: {type(e).__name__}: {e}"
+    if op == "all_gather_matmul" and not gloo:
+        # Bitwise promise: the same GEMM per block as all_gather then block-wise GEMM.
+        from ds_uniep.commfuse import all_gather_matmul_impl
+        x, w = args
+        gathered = torch.empty(x.shape[0] * G, x.shape[1], dtype=x.dtype, device=x.device)
+        _all_gather(gathered, x.contiguous(), group, gloo)
+        blockwise = torch.cat([b.clone() @ w for b in gathered.chunk(G)])
+        for name in variants:
+            if name.startswith("commfuse_"):
+                parts = name.split("_")
+                sched, c = "_".join(parts[1:-1]), int(parts[-1][1:])
+                y = all_gather_matmul_impl(x, w, group, sched, c)[0]
+                out[name + "_bitwise_vs_blockwise"] = bool(torch.equal(y, blockwise))
+    return out
+
+
+def _timeline(op, a, G, group, device, dtype, schedule, num_chunks):
+    from ds_uniep.commfuse import Timeline, all_gather_matmul_impl, even_split, matmul_reduce_scatter_impl
+    H, F, T = a.hidden, a.ffn // G, a.tokens
+    sizes = even_split(T, G)
+    if op == "all_gather_matmul":
+        x, w = torch.randn(T // G, H, device=device, dtype=dtype), torch.randn(H, F, device=device, dtype=dtype)
+        run = lambda tl: all_gather_matmul_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl)  # noqa: E731
+    else:
+        x, w = torch.randn(T, F, device=device, dtype=dtype), torch.randn(F, H, device=device, dtype=dtype)
+        run = lambda tl: matmul_reduce_scatter_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl)  # noqa
+    run(None)  # warm
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier(group=group)
+    tl = Timeline()
+    run(tl)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    spans = tl.spans_ms()
+    t_end = max([e for k, _, _, e in spans if k == "transfer"], default=0.0)
+    g_end = max([e for k, _, _, e in spans if k != "transfer"], default=0.0)
+    return {"spans": spans, "transfer_after_last_compute_ms": max(0.0, t_end - g_end)}
+
+
+def _plot(timelines, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = list(timelines)
+    fig, axes = plt.subplots(len(keys), 1, figsize=(11, 1.6 + 1.2 * len(keys)), squeeze=False)
+    colors = {"transfer": "tab:orange", "gemm": "tab:blue", "reduce": "tab:green"}
+    for ax, key in zip(axes[:, 0], keys):
+        for kind, step, s, e in timelines[key]["spans"]:
+            lane = 1 if kind == "transfer" else 0
+            ax.barh(lane, max(e - s, 1e-6), left=s, color=colors.get(kind, "grey"), edgecolor="black", height=0.6)
+            ax.text((s + e) / 2, lane, str(step), ha="center", va="center", fontsize=7)
+        ax.set_yticks([0, 1])
+        ax.set_yticklabels(["compute", "comm"])
+        tail = timelines[key]["transfer_after_last_compute_ms"]
+        ax.set_title(f"{key}: transfer left after the last GEMM/add: {tail:.3f} ms", fontsize=9)
+    axes[-1, 0].set_xlabel("ms (rank 0)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.dry_run:
+        a.warmup, a.repeats, a.pool = 1, 2, 2
+    if not dist.is_initialized():
+        backend = "gloo" if a.dry_run or not torch.cuda.is_available() else "nccl"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend)
+    group = dist.group.WORLD
+    G, rank = dist.get_world_size(), dist.get_rank()
+    gloo = dist.get_backend(group) == "gloo"
+    device = torch.device("cpu") if gloo else torch.device("cuda", torch.cuda.current_device())
+    if a.dry_run:
+        a.hidden, a.ffn, a.tokens = 64, 48 * G, 16 * G
+    if a.ffn % G or a.tokens % G:
+        raise SystemExit(f"--ffn ({a.ffn}) and --tokens ({a.tokens}) must be divisible by the {G} ranks")
+    dtype = DTYPES[a.dtype]
+
+    symm, symm_note = False, None
+    if a.skip_symm_mem:
+        symm_note = "skipped (--skip-symm-mem)"
+    elif device.type != "cuda":
+        symm_note = "skipped: needs CUDA"
+    else:
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # deprecated (and unnecessary) on newer torch
+                symm_mem.enable_symm_mem_for_group(group.group_name)
+            symm = True
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            symm_note = f"unavailable: {type(e).__name__}: {e}"
+
+    results = {"config": {k: v for k, v in vars(a).items()}, "world_size": G,
+               "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "symm_mem": symm_note or "enabled", "ops": {}}
+    timelines = {}
+    sync = (lambda: dist.barrier(group=group))  # noqa: E731
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        variants = _variants(op, a, G, group, device, dtype, gloo, symm)
+        res = {}
+        for name, (fn, setup) in variants.items():
+            err, r = None, None
+            try:
+                r = bench(fn, a.warmup, a.repeats, setup=setup, sync=sync, cuda=device.type == "cuda")
+            except Exception as e:  # noqa: BLE001 - one failing baseline is reported, not fatal
+                err = f"{type(e).__name__}: {e}"
+                if rank == 0:
+                    traceback.print_exc()
+            slow = _slowest(None if r is None else r["median_ms"], device)
+            res[name] = {"median_ms": slow, "rank0": r, "error": err}
+        t_gemm, t_comm, t_unf = (res[k]["median_ms"] for k in ("gemm_alone", "comm_alone", "unfused"))
+        for name, r in res.items():
+            t = r["median_ms"]
+            if t is None:
+                continue
+            r["speedup_vs_unfused"] = t_unf / t if t_unf else None
+            if name not in ("gemm_alone", "comm_alone") and t_gemm is not None and t_comm:
+                r["exposed_comm_ms"] = t - t_gemm
+                r["exposed_frac_of_unfused_comm"] = (t - t_gemm) / t_comm
+        try:
+            checks = _checks(op, variants, G, group, gloo)
+        except Exception as e:  # noqa: BLE001
+            checks = {"error": f"{type(e).__name__}: {e}"}
+        results["ops"][op] = {"times": res, "checks": checks}
+        for s in a.schedules:
+            key = f"{op} {s} c{a.num_chunks[0]}"
+            try:
+                timelines[key] = _timeline(op, a, G, group, device, dtype, s, a.num_chunks[0])
+            except Exception as e:  # noqa: BLE001
+                timelines[key] = {"spans": [], "transfer_after_last_compute_ms": float("nan"),
+                                  "error": f"{type(e).__name__}: {e}"}
+        del variants
+    results["timeline_rank0"] = timelines
+
+    if rank == 0:
+        os.makedirs(a.out, exist_ok=True)
+        png = os.path.join(a.out, "commfuse_timeline.png")
+        _plot(timelines, png)
+        results["timeline_png"] = png
+        with open(os.path.join(a.out, "commfuse_results.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"\nCommFuse, {G} ranks, {results['device']}, H={a.hidden} F={a.ffn} T={a.tokens} {a.dtype}; "
+              f"slowest rank's median of {a.repeats}; symm_mem: {results['symm_mem']}")
+        print(f"{'op':<22} {'variant':<32} {'ms':>9} {'vs unfused':>10} {'exposed/comm':>12}  check")
+        for op, d in results["ops"].items():
+            for name, r in d["times"].items():
+                t = r["median_ms"]
+                if t is None:
+                    print(f"{op:<22} {name:<32} {'failed':>9}  {r['error']}")
+                    continue
+                sp = r.get("speedup_vs_unfused")
+                ex = r.get("exposed_frac_of_unfused_comm")
+                chk = d["checks"].get(name, "")
+                bit = d["checks"].get(name + "_bitwise_vs_blockwise")
+                chk = (f"max|d|={chk:.3g}" if isinstance(chk, float) else str(chk)) + \
+                    ("" if bit is None else f" bitwise={bit}")
+                print(f"{op:<22} {name:<32} {t:9.3f} {'' if sp is None else f'{sp:9.2f}x':>10} "
+                      f"{'' if ex is None else f'{100 * ex:11.1f}%':>12}  {chk}")
+        print(f"timeline: {png}; JSON: {os.path.join(a.out, 'commfuse_results.json')}")
+    dist.barrier(group=group)
+    return results
+
+
+if __name__ == "__main__":
+    main()
+    if dist.is_initialized():
+        dist.destroy_process_group()
