@@ -23,7 +23,8 @@ from torch.nn import functional as F
 from . import backend as backend_mod
 from .config import UniEPConfig
 from .env import logger
-from .reference import ReferenceDispatcher, run_experts
+from .experts import run_experts
+from .reference import ReferenceDispatcher
 
 _layer_ids = itertools.count()
 

@@ -14,7 +14,7 @@ Forward of one layer on a rank (the dispatcher protocol, shared by all backends)
    gate, cast once to the activation dtype.
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as torch_dist
@@ -180,19 +180,3 @@ class ReferenceDispatcher:
         padded = back.new_zeros(G * L * C, back.shape[1]).index_copy(0, self._recv_slots(handle.layout, C), back)
         returned = all_to_all(padded, [L * C] * G, [L * C] * G, self.group)  # [E * C, M]
         return returned.index_select(0, self._send_slots(handle, C))
-
-
-def run_experts(experts: Sequence[torch.nn.Module], recv: Tensor, local_expert_counts: Tensor) -> Tensor:
-    """Run local expert ``l`` over its rows of ``recv [R, M]``; returns ``[R, M]`` in the same order.
-
-    Every expert is called, also with zero rows, so its parameters always join the
-    autograd graph (zero gradients rather than None, as with DeepSpeed's padded
-    buffers). A ``(out, bias)`` tuple keeps ``out``, as DeepSpeed's Experts does.
-    """
-    outs = []
-    for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
-        out = expert(rows)
-        if isinstance(out, tuple):
-            out = out[0]
-        outs.append(out)
-    return torch.cat(outs) if outs else recv

@@ -1,0 +1,95 @@
+"""MLP experts that ds_uniep recognises, and the runner of a rank's local experts.
+
+Any ``nn.Module`` works as an expert: it is called once per local expert on
+that expert's rows. The two MLP experts here (SwiGLU as in Mixtral/DeepSeek,
+GELU as in GPT/DeepSpeed-MoE examples) are also recognised, so all local
+experts of a rank run as one grouped GEMM per projection (``torch._grouped_mm``)
+instead of a Python loop. Letters: R rows, M hidden, F expert FFN width, L
+local experts.
+"""
+
+from typing import List, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+
+class SwiGLUExpert(nn.Module):
+    """``w2(silu(w1 x) * w3 x)``; ``w1``, ``w3``: ``[F, M]``, ``w2``: ``[M, F]`` (nn.Linear, no bias)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.w3 = nn.Linear(hidden_size, ffn_size, bias=False)
+        self.w2 = nn.Linear(ffn_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class GeLUExpert(nn.Module):
+    """``fc2(gelu(fc1 x))``; ``fc1``: ``[F, M]``, ``fc2``: ``[M, F]``, with biases."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, bias: bool = True):
+        super().__init__()
+        self.fc1 = nn.Linear(hidden_size, ffn_size, bias=bias)
+        self.fc2 = nn.Linear(ffn_size, hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _grouped_linear(x: Tensor, linears: Sequence[nn.Linear], offs: Tensor, counts: Tensor) -> Tensor:
+    """Rows of group ``l`` of ``x [R, K]`` times ``linears[l].weight.T``; ``offs``: ``[L]`` int32 ends."""
+    # [L, N, K] stacked then viewed as [L, K, N]: the column-major B operand grouped_mm takes.
+    w = torch.stack([lin.weight for lin in linears]).transpose(-2, -1)
+    y = torch._grouped_mm(x, w, offs=offs)
+    if linears[0].bias is not None:
+        bias = torch.stack([lin.bias for lin in linears])  # [L, N]
+        y = y + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+    return y
+
+
+def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or not experts or recv.dtype != torch.bfloat16:
+        return False
+    kind = type(experts[0])
+    if kind not in (SwiGLUExpert, GeLUExpert) or any(type(e) is not kind for e in experts):
+        return False
+    params = [p for e in experts for p in e.parameters()]
+    # grouped_mm wants 16-byte aligned rows: dims multiple of 8 in bf16.
+    return all(p.dtype == torch.bfloat16 and p.device == recv.device for p in params) and \
+        all(d % 8 == 0 for p in params for d in p.shape)
+
+
+def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor) -> Tensor:
+    """All local experts as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [L]`` rows per expert."""
+    counts = counts.to(recv.device)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    if isinstance(experts[0], SwiGLUExpert):
+        h = F.silu(_grouped_linear(recv, [e.w1 for e in experts], offs, counts)) * \
+            _grouped_linear(recv, [e.w3 for e in experts], offs, counts)
+        return _grouped_linear(h, [e.w2 for e in experts], offs, counts)
+    h = F.gelu(_grouped_linear(recv, [e.fc1 for e in experts], offs, counts))
+    return _grouped_linear(h, [e.fc2 for e in experts], offs, counts)
+
+
+def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,
+                grouped: bool = True) -> Tensor:
+    """Run local expert ``l`` over its rows of ``recv [R, M]``; returns ``[R, M]`` in the same order.
+
+    Recognised bf16 MLP experts run as grouped GEMMs (when ``grouped``). Otherwise every
+    expert is called, also with zero rows, so its parameters always join the autograd
+    graph (zero gradients rather than None, as with DeepSpeed's padded buffers). A
+    ``(out, bias)`` tuple keeps ``out``, as DeepSpeed's Experts does.
+    """
+    if grouped and _grouped_ok(experts, recv):
+        return run_grouped(experts, recv, local_expert_counts)
+    outs: List[Tensor] = []
+    for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
+        out = expert(rows)
+        if isinstance(out, tuple):
+            out = out[0]
+        outs.append(out)
+    return torch.cat(outs) if outs else recv
