@@ -17,6 +17,8 @@ constexpr int kMaxTopK = 16;
 constexpr int kFp8GroupSize = 128;
 // Largest finite e4m3 value; amax of a group maps onto it.
 constexpr float kFp8Max = 448.0f;
+// Floor of a group's amax, so an all-zero group gets a finite scale.
+constexpr float kFp8MinAmax = 1e-12f;
 
 // Signal slots: one row of kMaxRanks uint32 words per phase in every rank's buffer.
 // Writer s sets word [phase][s] of the destination to the phase's epoch.

@@ -9,13 +9,13 @@ constexpr int kUnroll = 4;
 template <typename T>
 __global__ void __launch_bounds__(kCopyThreads) combine_push_kernel(const T* __restrict__ y,
                                                                     const int* __restrict__ recv_pair,
-                                                                    const int* __restrict__ num_recv, int hidden,
-                                                                    SymView s, uint32_t epoch) {
+                                                                    const int* __restrict__ num_recv, int y_rows,
+                                                                    int hidden, SymView s, uint32_t epoch) {
   if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
-  const int R = *num_recv;
+  const int R = min(*num_recv, y_rows);
   const int num_vecs = hidden / Vec<T>::kElems;
   for (int r = warp; r < R; r += num_warps) {
     const int pair = recv_pair[r];
@@ -117,13 +117,13 @@ __global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint
 
 }  // namespace
 
-cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int hidden,
-                                const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream) {
+cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
+                                int hidden, const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream) {
   if (num_blocks <= 0) return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     combine_push_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(static_cast<const T*>(y), recv_pair, num_recv,
-                                                                    hidden, sym, epoch);
+                                                                    y_rows, hidden, sym, epoch);
   });
   return cudaGetLastError();
 }

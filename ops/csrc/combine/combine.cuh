@@ -8,12 +8,12 @@
 
 namespace uniep {
 
-// y [R_max, M] (dtype), rows in this rank's layout order; recv_pair [R_max] int32 from
-// launch_recv_copyout; the first R = *num_recv rows are pushed: row r goes to rank
+// y [y_rows, M] (dtype, y_rows = R or R_max), rows in this rank's layout order; recv_pair
+// [y_rows] int32 from launch_recv_copyout; the first min(R, y_rows) rows are pushed: row r goes to rank
 // recv_pair[r] / pairs_per_rank, comb row recv_pair[r] % pairs_per_rank. The last block
 // raises kPhaseCombine on every rank.
-cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int hidden,
-                                const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream);
+cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
+                                int hidden, const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream);
 
 // Waits for kPhaseCombine of every rank, then
 // out[t] = cast(sum over j = 0..k-1 with expert_idx[t, j] kept of w[t, j] * float(comb[t * k + j])),

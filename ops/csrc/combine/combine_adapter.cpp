@@ -13,14 +13,15 @@ void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const 
   UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
   UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
   const SymView s = sym_from_descriptor(sym);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) == s.recv_rows, "y must be [R_max = ", s.recv_rows, ", M], got ",
-              y.sizes());
-  UNIEP_CHECK_SHAPE(recv_pair, s.recv_rows);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) <= s.recv_rows, "y must be [R, M] with R <= R_max = ", s.recv_rows,
+              ", got ", y.sizes());
+  UNIEP_CHECK_SHAPE(recv_pair, y.size(0));
   TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes, "y rows are ",
               y.size(1) * y.element_size(), " bytes, the combine buffer's ", s.comb_row_bytes);
   const c10::cuda::CUDAGuard guard(y.device());
   UNIEP_CHECK_LAUNCH(launch_combine_push(dtype_of(y), y.data_ptr(), recv_pair.data_ptr<int>(),
-                                         num_recv.data_ptr<int>(), static_cast<int>(y.size(1)), s,
+                                         num_recv.data_ptr<int>(), static_cast<int>(y.size(0)),
+                                         static_cast<int>(y.size(1)), s,
                                          static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
                                          c10::cuda::getCurrentCUDAStream()));
 }

@@ -114,13 +114,13 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_fp8_kernel(
       for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
 #pragma unroll
       for (int off = 4; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      const float scale = amax > 0.0f ? __fdiv_rn(amax, kFp8Max) : 1.0f;
-      const float inv = amax > 0.0f ? __fdiv_rn(kFp8Max, amax) : 0.0f;
+      // The reference's rounding exactly: scale = max(amax, 1e-12) / 448, q = e4m3(x / scale).
+      const float scale = __fdiv_rn(fmaxf(amax, kFp8MinAmax), kFp8Max);
       int4 q;
       __nv_fp8x2_storage_t* qp = reinterpret_cast<__nv_fp8x2_storage_t*>(&q);
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        qp[i] = __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(f[2 * i], inv), __fmul_rn(f[2 * i + 1], inv)),
+        qp[i] = __nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(f[2 * i], scale), __fdiv_rn(f[2 * i + 1], scale)),
                                          __NV_SATFINITE, __NV_E4M3);
       if (!active) continue;
 #pragma unroll
@@ -136,14 +136,14 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_fp8_kernel(
 
 template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, uint32_t epoch, WaitPolicy w,
-                                                                    const int* __restrict__ num_recv, int hidden,
-                                                                    T* __restrict__ out,
+                                                                    const int* __restrict__ num_recv, int out_rows,
+                                                                    int hidden, T* __restrict__ out,
                                                                     int* __restrict__ recv_pair) {
   if (!block_wait_all(s, w, kPhaseDispatch, epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
-  const int R = *num_recv;
+  const int R = min(*num_recv, out_rows);
   const int* meta = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.meta_off);
   for (int r = warp; r < R; r += num_warps) {
     if (lane == 0) recv_pair[r] = __ldcg(meta + r);
@@ -212,13 +212,13 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
 }
 
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
-                                const int* num_recv, int hidden, void* out, int* recv_pair, int num_blocks,
-                                cudaStream_t stream) {
+                                const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
+                                int num_blocks, cudaStream_t stream) {
   if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0)) return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(fp8, kFp8, {
-      recv_copyout_kernel<T, kFp8><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, num_recv, hidden,
+      recv_copyout_kernel<T, kFp8><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, num_recv, out_rows, hidden,
                                                                             static_cast<T*>(out), recv_pair);
     });
   });

@@ -20,10 +20,11 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
                             const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream);
 
 // Waits for kPhaseDispatch of every rank, then copies the first R = *num_recv rows of the
-// receive buffer into out [R_max, M] (dtype; e4m3 rows are scaled back) and their meta
-// words into recv_pair [R_max] int32. Rows R.. of both are left untouched.
+// receive buffer into out [out_rows, M] (dtype; e4m3 rows are scaled back) and their meta
+// words into recv_pair [out_rows] int32, R clamped to out_rows (out_rows = R_max when the
+// host does not know R; rows R.. are then left untouched).
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
-                                const int* num_recv, int hidden, void* out, int* recv_pair, int num_blocks,
-                                cudaStream_t stream);
+                                const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
+                                int num_blocks, cudaStream_t stream);
 
 }  // namespace uniep

@@ -19,7 +19,8 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
   const SymView s = sym_from_descriptor(sym);
   const int hidden = static_cast<int>(x.size(1));
   const int64_t row_bytes = fp8 ? hidden : hidden * static_cast<int64_t>(x.element_size());
-  TORCH_CHECK(row_bytes == s.recv_row_bytes, "x rows are ", row_bytes, " bytes, the receive buffer's ",
+  // e4m3 rows use the first M bytes of each receive row (stride recv_row_bytes).
+  TORCH_CHECK(row_bytes <= s.recv_row_bytes, "x rows are ", row_bytes, " bytes, the receive buffer's ",
               s.recv_row_bytes);
   TORCH_CHECK(x.size(0) * expert_idx.size(1) <= s.pairs_per_rank, "x has ", x.size(0) * expert_idx.size(1),
               " pairs, the buffers hold ", s.pairs_per_rank);
@@ -42,13 +43,13 @@ void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, t
   UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
   const SymView s = sym_from_descriptor(sym);
   const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == s.recv_rows, "out must be [R_max = ", s.recv_rows, ", M], got ",
-              out.sizes());
-  UNIEP_CHECK_SHAPE(recv_pair, s.recv_rows);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) <= s.recv_rows, "out must be [R, M] with R <= R_max = ", s.recv_rows,
+              ", got ", out.sizes());
+  UNIEP_CHECK_SHAPE(recv_pair, out.size(0));
   const int hidden = static_cast<int>(out.size(1));
   const c10::cuda::CUDAGuard guard(out.device());
   UNIEP_CHECK_LAUNCH(launch_recv_copyout(dtype_of(out), fp8, s, static_cast<uint32_t>(epoch), w,
-                                         num_recv.data_ptr<int>(), hidden, out.data_ptr(), recv_pair.data_ptr<int>(),
+                                         num_recv.data_ptr<int>(), static_cast<int>(out.size(0)), hidden, out.data_ptr(), recv_pair.data_ptr<int>(),
                                          static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
 }
 

@@ -1,0 +1,449 @@
+"""The megakernel backend's dispatcher: NVLink stores into symmetric memory.
+
+Letters as in ``layout.py``: T tokens on this rank (at most ``T_max =
+max_tokens_per_rank``), k slots, M hidden, E experts, G expert-parallel ranks,
+L = E / G local experts, R rows received by this rank, ``R_max = G * T_max *
+min(k, L)`` (the most any routing can send one rank).
+
+``NVLinkDispatcher`` follows the dispatcher protocol of ``ReferenceDispatcher``
+(``dispatch(x, expert_idx) -> (recv, local_expert_counts, handle)``,
+``combine(y, gates, handle) -> out``), with the same rows in the same order and
+the same fp32 slot-order sums, so the two are interchangeable. One forward:
+
+1. layout kernel: count this rank's pairs per expert, store the counts into every
+   rank's symmetric buffer, raise a signal, wait for every rank's counts, then give
+   every kept pair its destination row (``ds_uniep.layout`` semantics);
+2. dispatch kernel: one warp per token reads the row once and stores it straight
+   into each destination's receive buffer at its row (16-byte stores over NVLink),
+   with the source pair as a meta word; the last block raises the dispatch signal;
+3. copy-out kernel: waits for every rank's dispatch signal, then copies the R
+   received rows out of the symmetric buffer (the next dispatch may overwrite it);
+4. combine: a push kernel stores every expert output row back into its source's
+   combine buffer at pair ``t * k + j`` and raises the combine signal; the source
+   waits and sums each token's k rows in slot order in fp32, weighted, cast once.
+
+No step takes a row slot with an atomic; signals carry growing epochs, so no reset
+is ever needed. Every wait gives up after ``overlap.timeout_s``: the kernel records
+who waited for what in pinned host memory, the layer's later kernels do nothing,
+and the next call (or :meth:`NVLinkDispatcher.check`) raises
+:class:`UniEPTimeoutError` naming the layer, the rank and the signal.
+
+With ``padded_recv=True`` dispatch returns ``recv [R_max, M]`` whose first R rows
+are valid (R = ``local_expert_counts.sum()``), with no host synchronisation at all;
+by default it reads R once on the host and returns ``recv [R, M]`` exactly as the
+reference does. Not capturable in CUDA graphs (epochs are kernel arguments).
+"""
+
+import importlib.util
+import itertools
+import os
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor
+
+from .config import UniEPConfig
+
+# Kernel limits repeated from ops/csrc/configs.cuh (tests/test_ops_compile.py checks they agree).
+MAX_RANKS = 8
+MAX_EXPERTS = 1024
+MAX_TOP_K = 16
+FP8_GROUP = 128
+NUM_PHASES = 4
+ERROR_RECORD_WORDS = 8
+PHASE_NAMES = ("counts", "dispatch", "combine", "barrier")
+_ALIGN = 256
+
+
+class UniEPTimeoutError(RuntimeError):
+    """A kernel gave up waiting on a peer's signal; the message names layer, rank and signal."""
+
+
+class UniEPCapacityError(ValueError):
+    """An input larger than the symmetric buffers were sized for."""
+
+
+def ops_package():
+    """``ds_uniep.ops``; from a source checkout (``ops/`` beside ``ds_uniep/``) when not installed."""
+    try:
+        import ds_uniep.ops as ops
+        return ops
+    except ImportError:
+        root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops")
+        spec = importlib.util.spec_from_file_location("ds_uniep.ops", os.path.join(root, "__init__.py"),
+                                                      submodule_search_locations=[root])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["ds_uniep.ops"] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+def _ext():
+    return ops_package().load_uniep_ops()
+
+
+# ---------------------------------------------------------------------------------------------
+# Symmetric buffers of one layer
+# ---------------------------------------------------------------------------------------------
+class _SymBuffers:
+    """One symmetric byte buffer per layer, the same layout on every rank (``SymView`` in
+    ops/csrc/types.h): counts, signals, status, meta, scales, recv, comb regions."""
+
+    def __init__(self, E: int, G: int, rank: int, T_max: int, k: int, M: int, dtype: torch.dtype, fp8: bool,
+                 group, device: torch.device):
+        from torch.distributed import _symmetric_memory as symm_mem
+        L = E // G
+        elsize = torch.empty(0, dtype=dtype).element_size()
+        self.recv_rows = G * T_max * min(k, L)
+        self.pairs_per_rank = T_max * k
+        self.recv_row_bytes = M * elsize  # e4m3 rows use the first M bytes of a row
+        self.comb_row_bytes = M * elsize
+        sizes = [
+            ("counts", 2 * MAX_RANKS * E * 4),
+            ("signals", NUM_PHASES * MAX_RANKS * 4),
+            ("status", 16 * 4),
+            ("meta", self.recv_rows * 4),
+            ("scales", self.recv_rows * (M // FP8_GROUP) * 4 if fp8 else 0),
+            ("recv", self.recv_rows * self.recv_row_bytes),
+            ("comb", self.pairs_per_rank * self.comb_row_bytes),
+        ]
+        self.offsets: Dict[str, int] = {}
+        total = 0
+        for name, nbytes in sizes:
+            self.offsets[name] = total
+            total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.total_bytes = total
+        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
+        # Signals and the status word start at 0, before any peer can store into this buffer:
+        # rendezvous is collective and comes after the local zeroing has finished.
+        self.buffer.zero_()
+        torch.cuda.synchronize(device)
+        pg = group if group is not None else torch_dist.group.WORLD
+        try:
+            self.handle = symm_mem.rendezvous(self.buffer, pg)
+        except RuntimeError:
+            # Older torch needs the group registered first (deprecated and unneeded in newer ones).
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(pg.group_name)
+            self.handle = symm_mem.rendezvous(self.buffer, pg)
+        ptrs = list(self.handle.buffer_ptrs)
+        if len(ptrs) != G:
+            raise RuntimeError(f"symmetric memory rendezvous gave {len(ptrs)} peers, expected {G}")
+        o = self.offsets
+        self.descriptor = ptrs + [0] * (MAX_RANKS - G) + [
+            rank, G, o["counts"], o["signals"], o["status"], o["meta"], o["scales"], o["recv"], o["comb"],
+            self.recv_rows, self.recv_row_bytes, self.comb_row_bytes, self.pairs_per_rank
+        ]
+
+
+# ---------------------------------------------------------------------------------------------
+# The dispatcher
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class NVLinkHandle:
+    """What combine and the backward ops need from dispatch (all on the device)."""
+    #: ``[T, k]`` int32 expert of each pair, -1 dropped.
+    expert_idx: Tensor
+    #: ``[T, k]`` int32 row on the destination (layout.py's ``dest_row``), -1 dropped.
+    dest_row: Tensor
+    #: ``[rows]`` int32 source pair of each received row: ``src * T_max * k + t * k + j``.
+    recv_pair: Tensor
+    #: ``[1]`` int32 R, rows received by this rank.
+    num_recv: Tensor
+    #: ``[G, E]`` int64 every rank's kept pairs per expert (layout.py's ``counts_all``).
+    counts_all: Tensor
+    #: ``[L]`` int64 rows of each local expert.
+    local_expert_counts: Tensor
+
+
+_REGISTRY: "weakref.WeakValueDictionary[int, NVLinkDispatcher]" = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+def _get(ctx_id: int) -> "NVLinkDispatcher":
+    d = _REGISTRY.get(ctx_id)
+    if d is None:
+        raise RuntimeError(f"NVLinkDispatcher {ctx_id} no longer exists")
+    return d
+
+
+class NVLinkDispatcher:
+    """Dispatch/combine over NVLink peers through symmetric memory (one per MoE layer).
+
+    Args:
+        layer_name: names the layer in every error.
+        num_experts: E; ep_size: G (the size of ``group``); hidden_size: M; k: slots per token.
+        dtype: activation dtype (bf16, fp16 or fp32) of x and y.
+        config: a :class:`UniEPConfig` (or anything ``UniEPConfig.coerce`` takes): uses
+            ``max_tokens_per_rank``, ``compression.dispatch_dtype`` and ``overlap.timeout_s``.
+        group: the expert-parallel process group (None: the world).
+        padded_recv: return ``recv [R_max, M]`` without a host sync (see the module doc).
+        num_blocks: blocks of the copy kernels (default: the SM count).
+    """
+
+    def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
+                 dtype: torch.dtype, config, group=None, padded_recv: bool = False,
+                 num_blocks: Optional[int] = None):
+        config = UniEPConfig.coerce(config)
+        self.layer_name = layer_name
+        self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
+        self.dtype = dtype
+        self.group = group
+        self.padded_recv = padded_recv
+        self.fp8 = config.compression.dispatch_dtype == "fp8_e4m3"
+        self.max_tokens = config.max_tokens_per_rank
+        self.timeout_ns = int(config.overlap.timeout_s * 1e9)
+        self.rank = torch_dist.get_rank(group) if torch_dist.is_initialized() else 0
+        world = torch_dist.get_world_size(group) if torch_dist.is_initialized() else 1
+        where = f"{layer_name} (rank {self.rank})"
+        if world != ep_size:
+            raise ValueError(f"{where}: ep_size {ep_size} but the group has {world} ranks")
+        if not 1 <= ep_size <= MAX_RANKS:
+            raise ValueError(f"{where}: ep_size {ep_size} outside 1..{MAX_RANKS} (one host of NVLink peers)")
+        if num_experts % ep_size or not 1 <= num_experts <= MAX_EXPERTS:
+            raise ValueError(f"{where}: {num_experts} experts must be in 1..{MAX_EXPERTS} and split over "
+                             f"{ep_size} ranks")
+        if not 1 <= k <= MAX_TOP_K:
+            raise ValueError(f"{where}: k = {k} outside 1..{MAX_TOP_K}")
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"{where}: activation dtype {dtype} is not bf16, fp16 or fp32")
+        elsize = torch.empty(0, dtype=dtype).element_size()
+        if hidden_size * elsize % 16:
+            raise ValueError(f"{where}: rows of {hidden_size} x {dtype} are not a multiple of 16 bytes")
+        if self.fp8 and hidden_size % FP8_GROUP:
+            raise ValueError(f"{where}: FP8 dispatch needs hidden_size divisible by {FP8_GROUP}, got {hidden_size}")
+        ok, reason = ops_package().megakernel_available(torch.device("cuda", torch.cuda.current_device()))
+        if not ok:
+            raise RuntimeError(f"{where}: the NVLink dispatcher cannot run here: {reason}")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.ext = _ext()
+        self.bufs = _SymBuffers(num_experts, ep_size, self.rank, self.max_tokens, k, hidden_size, dtype, self.fp8,
+                                group, self.device)
+        self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        self.layer_id = next(_IDS)
+        self._epochs = [0] * NUM_PHASES
+        _REGISTRY[self.layer_id] = self
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _next_epoch(self, phase: int) -> int:
+        # Every rank calls the same ops in the same order, so epochs agree across ranks.
+        self._epochs[phase] = (self._epochs[phase] + 1) & 0xFFFFFFFF or 1
+        return self._epochs[phase]
+
+    def _wait_args(self):
+        return self.timeout_ns, self.error_record, self.layer_id
+
+    def check(self, synchronize: bool = False) -> None:
+        """Raise :class:`UniEPTimeoutError` if a kernel of this layer gave up waiting."""
+        if synchronize:
+            torch.cuda.current_stream(self.device).synchronize()
+        rec = self.error_record.tolist()
+        if rec[0]:
+            phase = PHASE_NAMES[rec[1]] if 0 <= rec[1] < len(PHASE_NAMES) else str(rec[1])
+            raise UniEPTimeoutError(
+                f"{self.layer_name}: rank {rec[5]} timed out after {self.timeout_ns / 1e9:g} s waiting for the "
+                f"'{phase}' signal of rank {rec[2]} (epoch {rec[3]}, saw {rec[4]}); a peer did not reach the same "
+                "call, or died. The layer's buffers are unusable from here on.")
+
+    def _check_tokens(self, T: int, k: int) -> None:
+        if T > self.max_tokens:
+            raise UniEPCapacityError(
+                f"{self.layer_name}: rank {self.rank} got {T} tokens but its symmetric buffers were sized for "
+                f"max_tokens_per_rank = {self.max_tokens}; set \"uniep\": {{\"max_tokens_per_rank\": {T}}} or more")
+        if k != self.k:
+            raise UniEPCapacityError(f"{self.layer_name}: rank {self.rank} got k = {k} slots per token, the "
+                                     f"buffers were sized for k = {self.k}")
+
+    # ------------------------------------------------------------------ raw steps (no autograd)
+    def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor):
+        self.check()
+        e_counts = self._next_epoch(0)
+        local_counts, num_recv, counts_all, dest_row = self.ext.layout(expert_idx, self.num_experts,
+                                                                       self.bufs.descriptor, e_counts,
+                                                                       *self._wait_args())
+        e_disp = self._next_epoch(1)
+        self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
+                               e_disp, self.num_blocks)
+        if self.padded_recv:
+            rows = self.bufs.recv_rows
+        else:
+            rows = int(num_recv.item())  # the one host sync of the exact-R form
+            self.check()
+        recv = x.new_empty(rows, self.hidden_size)
+        recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
+        self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
+                              *self._wait_args(), self.num_blocks)
+        return recv, local_counts, dest_row, recv_pair, num_recv, counts_all
+
+    def _push_and_reduce(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
+                         num_recv: Tensor, T: int) -> Tensor:
+        e = self._next_epoch(2)
+        self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, self.num_blocks)
+        out = rows.new_empty(T, self.hidden_size)
+        self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,
+                                *self._wait_args(), self.num_blocks)
+        return out
+
+    def _barrier(self) -> None:
+        # Backward ops store into peers' buffers without a counts exchange first: the barrier
+        # makes sure every peer has finished reading what the previous op left there.
+        self.ext.barrier(self.bufs.descriptor, self._next_epoch(3), *self._wait_args(), self.device.index)
+
+    def _combine_fwd(self, y, gates, expert_idx, recv_pair, num_recv):
+        self.check()
+        return self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
+
+    def _dispatch_bwd(self, grad_recv, expert_idx, recv_pair, num_recv):
+        # Gradient of dispatch: each token's k row gradients summed in slot order (fp32, cast once).
+        self.check()
+        self._barrier()
+        return self._push_and_reduce(grad_recv, None, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
+
+    def _combine_bwd(self, grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv):
+        # 1. y's rows go back to their sources again; grad_gates[t, j] = <grad_out[t], y row of (t, j)>.
+        # 2. grad_y is a dispatch of grad_out weighted by the gates, in the same layout.
+        self.check()
+        self._barrier()
+        T = expert_idx.shape[0]
+        e = self._next_epoch(2)
+        self.ext.combine_push(y, recv_pair, num_recv, self.bufs.descriptor, e, self.num_blocks)
+        grad_gates = torch.empty(T, self.k, dtype=torch.float32, device=y.device)
+        self.ext.gate_grad(expert_idx, grad_out, self.num_experts, grad_gates, self.bufs.descriptor, e,
+                           *self._wait_args(), self.num_blocks)
+        e_disp = self._next_epoch(1)
+        self.ext.dispatch_rows(grad_out, expert_idx, dest_row, gates, False, self.num_experts, self.bufs.descriptor,
+                               e_disp, self.num_blocks)
+        grad_y = y.new_empty(y.shape)
+        scratch_pair = torch.empty(y.shape[0], dtype=torch.int32, device=y.device)
+        self.ext.recv_copyout(num_recv, False, grad_y, scratch_pair, self.bufs.descriptor, e_disp,
+                              *self._wait_args(), self.num_blocks)
+        return grad_y, grad_gates
+
+    # ------------------------------------------------------------------ the protocol
+    def dispatch(self, x: Tensor, expert_idx: Tensor) -> Tuple[Tensor, Tensor, NVLinkHandle]:
+        """x ``[T, M]`` activation dtype, expert_idx ``[T, k]`` int (-1 dropped) ->
+        (recv ``[R, M]`` (``[R_max, M]`` if padded_recv), local_expert_counts ``[L]`` int64, handle)."""
+        T, k = expert_idx.shape
+        self._check_tokens(T, k)
+        if x.shape != (T, self.hidden_size) or x.dtype != self.dtype:
+            raise ValueError(f"{self.layer_name}: x must be [{T}, {self.hidden_size}] {self.dtype}, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        idx = expert_idx.to(device=x.device, dtype=torch.int32).contiguous()
+        recv, local_counts, dest_row, recv_pair, num_recv, counts_all = _DispatchFn.apply(
+            x.contiguous(), idx, self.layer_id)
+        handle = NVLinkHandle(expert_idx=idx, dest_row=dest_row, recv_pair=recv_pair, num_recv=num_recv,
+                              counts_all=counts_all, local_expert_counts=local_counts)
+        return recv, local_counts, handle
+
+    def combine(self, y: Tensor, gates: Tensor, handle: NVLinkHandle) -> Tensor:
+        """y ``[rows, M]`` (rows of recv), gates ``[T, k]`` fp32 -> out ``[T, M]`` in y's dtype."""
+        if y.shape != (handle.recv_pair.shape[0], self.hidden_size):
+            raise ValueError(f"{self.layer_name}: y must be [{handle.recv_pair.shape[0]}, {self.hidden_size}], "
+                             f"got {tuple(y.shape)}")
+        if gates.shape != handle.expert_idx.shape:
+            raise ValueError(f"{self.layer_name}: gates must be {tuple(handle.expert_idx.shape)}, got "
+                             f"{tuple(gates.shape)}")
+        return _CombineFn.apply(y.contiguous(), gates.float().contiguous(), handle.expert_idx, handle.dest_row,
+                                handle.recv_pair, handle.num_recv, self.layer_id)
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops (the boundary torch sees) and autograd
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("ds_uniep::nvl_dispatch", mutates_args=())
+def nvl_dispatch(x: Tensor, expert_idx: Tensor, ctx_id: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                                       Tensor]:
+    """-> (recv [rows, M], local_expert_counts [L] i64, dest_row [T, k] i32, recv_pair [rows] i32,
+    num_recv [1] i32, counts_all [G, E] i64)."""
+    return _get(ctx_id)._dispatch_fwd(x, expert_idx)
+
+
+@nvl_dispatch.register_fake
+def _(x, expert_idx, ctx_id):
+    d = _get(ctx_id)
+    rows = d.bufs.recv_rows if d.padded_recv else torch.library.get_ctx().new_dynamic_size()
+    i32 = dict(dtype=torch.int32, device=x.device)
+    return (x.new_empty(rows, x.shape[1]), torch.empty(d.num_experts // d.ep_size, dtype=torch.int64,
+                                                       device=x.device), torch.empty(expert_idx.shape, **i32),
+            torch.empty(rows, **i32), torch.empty(1, **i32),
+            torch.empty(d.ep_size, d.num_experts, dtype=torch.int64, device=x.device))
+
+
+@torch.library.custom_op("ds_uniep::nvl_combine", mutates_args=())
+def nvl_combine(y: Tensor, gates: Tensor, expert_idx: Tensor, recv_pair: Tensor, num_recv: Tensor,
+                ctx_id: int) -> Tensor:
+    """-> out [T, M] = cast(sum_j gates[t, j] * float(y[row of (t, j)])), slot order, fp32."""
+    return _get(ctx_id)._combine_fwd(y, gates, expert_idx, recv_pair, num_recv)
+
+
+@nvl_combine.register_fake
+def _(y, gates, expert_idx, recv_pair, num_recv, ctx_id):
+    return y.new_empty(expert_idx.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("ds_uniep::nvl_dispatch_backward", mutates_args=())
+def nvl_dispatch_backward(grad_recv: Tensor, expert_idx: Tensor, recv_pair: Tensor, num_recv: Tensor,
+                          ctx_id: int) -> Tensor:
+    """-> grad_x [T, M] = cast(sum_j float(grad_recv[row of (t, j)])), slot order, fp32."""
+    return _get(ctx_id)._dispatch_bwd(grad_recv, expert_idx, recv_pair, num_recv)
+
+
+@nvl_dispatch_backward.register_fake
+def _(grad_recv, expert_idx, recv_pair, num_recv, ctx_id):
+    return grad_recv.new_empty(expert_idx.shape[0], grad_recv.shape[1])
+
+
+@torch.library.custom_op("ds_uniep::nvl_combine_backward", mutates_args=())
+def nvl_combine_backward(grad_out: Tensor, y: Tensor, gates: Tensor, expert_idx: Tensor, dest_row: Tensor,
+                         recv_pair: Tensor, num_recv: Tensor, ctx_id: int) -> Tuple[Tensor, Tensor]:
+    """-> (grad_y [rows, M] = cast(gates[t, j] * float(grad_out[t])) at the row of (t, j),
+    grad_gates [T, k] fp32 = <grad_out[t], y[row of (t, j)]>)."""
+    return _get(ctx_id)._combine_bwd(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv)
+
+
+@nvl_combine_backward.register_fake
+def _(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv, ctx_id):
+    return y.new_empty(y.shape), gates.new_empty(gates.shape)
+
+
+class _DispatchFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, expert_idx, ctx_id):
+        outs = nvl_dispatch(x, expert_idx, ctx_id)
+        recv, local_counts, dest_row, recv_pair, num_recv, counts_all = outs
+        ctx.ctx_id = ctx_id
+        ctx.save_for_backward(expert_idx, recv_pair, num_recv)
+        ctx.mark_non_differentiable(local_counts, dest_row, recv_pair, num_recv, counts_all)
+        return outs
+
+    @staticmethod
+    def backward(ctx, grad_recv, *unused):
+        expert_idx, recv_pair, num_recv = ctx.saved_tensors
+        if grad_recv is None:
+            return None, None, None
+        grad_x = nvl_dispatch_backward(grad_recv.contiguous(), expert_idx, recv_pair, num_recv, ctx.ctx_id)
+        return grad_x, None, None
+
+
+class _CombineFn(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, y, gates, expert_idx, dest_row, recv_pair, num_recv, ctx_id):
+        ctx.ctx_id = ctx_id
+        ctx.save_for_backward(y, gates, expert_idx, dest_row, recv_pair, num_recv)
+        return nvl_combine(y, gates, expert_idx, recv_pair, num_recv, ctx_id)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        y, gates, expert_idx, dest_row, recv_pair, num_recv = ctx.saved_tensors
+        grad_y, grad_gates = nvl_combine_backward(grad_out.to(y.dtype).contiguous(), y, gates, expert_idx, dest_row, recv_pair,
+                                                  num_recv, ctx.ctx_id)
+        return grad_y, grad_gates, None, None, None, None, None

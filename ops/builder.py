@@ -1,0 +1,111 @@
+"""``UniEPBuilder``: DeepSpeed's JIT op builder for the UniEP CUDA kernels (sm_90a).
+
+Sources are absolute paths inside this package; CUTLASS/CuTe headers come from the
+installed ``nvidia-cutlass`` wheel (``cutlass_library/source/include``), never a
+vendored copy. Architecture flags are explicit ``-gencode`` pairs: DeepSpeed parses
+``TORCH_CUDA_ARCH_LIST`` itself and rejects ``9.0a``.
+"""
+
+import os
+import shutil
+from typing import List, Optional
+
+from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+
+# Hopper only: the kernels store into peers' memory over NVLink and use sm_90 fences.
+GENCODE = ["-gencode=arch=compute_90a,code=sm_90a"]
+
+
+def kernel_sources() -> List[str]:
+    """Every ``.cu`` kernel file (no torch headers needed), sorted."""
+    out = []
+    for root, _, files in os.walk(CSRC):
+        out += [os.path.join(root, f) for f in files if f.endswith(".cu")]
+    return sorted(out)
+
+
+def adapter_sources() -> List[str]:
+    """The torch adapters and the binding file (host compiler, torch headers)."""
+    out = []
+    for root, _, files in os.walk(CSRC):
+        out += [os.path.join(root, f) for f in files if f.endswith(".cpp")]
+    return sorted(out)
+
+
+def cutlass_include() -> Optional[str]:
+    """``.../cutlass_library/source/include`` of the installed wheel, or None."""
+    try:
+        import cutlass_library
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(os.path.abspath(cutlass_library.__file__)), "source", "include")
+    return path if os.path.isdir(os.path.join(path, "cute")) else None
+
+
+def find_nvcc() -> Optional[str]:
+    """The nvcc DeepSpeed and torch would use: ``$CUDA_HOME/bin/nvcc``, else the PATH."""
+    try:
+        from torch.utils.cpp_extension import CUDA_HOME
+    except ImportError:
+        CUDA_HOME = None
+    if CUDA_HOME and os.path.isfile(os.path.join(CUDA_HOME, "bin", "nvcc")):
+        return os.path.join(CUDA_HOME, "bin", "nvcc")
+    return shutil.which("nvcc")
+
+
+class UniEPBuilder(CUDAOpBuilder):
+    BUILD_VAR = "DS_BUILD_UNIEP"
+    NAME = "uniep_ops"
+
+    def __init__(self):
+        super().__init__(name=self.NAME)
+
+    def absolute_name(self):
+        return f"ds_uniep.ops.{self.NAME}"
+
+    def sources(self):
+        return kernel_sources() + adapter_sources()
+
+    def include_paths(self):
+        paths = [CSRC]
+        cutlass = cutlass_include()
+        if cutlass:
+            paths.append(cutlass)
+        return paths
+
+    def is_compatible(self, verbose=False):
+        ok, reason = build_requirements()
+        if not ok:
+            self.warning(f"{self.NAME}: {reason}")
+        return ok and super().is_compatible(verbose)
+
+    def cxx_args(self):
+        return ["-O3", "-std=c++17", "-Wno-reorder"]
+
+    def nvcc_args(self):
+        # No --use_fast_math: combine's fp32 sums must round exactly like the reference's.
+        try:
+            threads = max(1, int(os.environ.get("DS_NVCC_THREADS", "")))
+        except ValueError:
+            threads = min(os.cpu_count() or 1, 8)
+        return ["-O3", "-std=c++17", "-lineinfo", f"--threads={threads}"] + GENCODE
+
+
+def build_requirements(device=None):
+    """(ok, reason): CUDA, a Hopper GPU and nvcc, as needed to build and run the ops."""
+    import torch
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available (torch.cuda.is_available() is False)"
+    if torch.version.cuda is None:
+        return False, "this torch build has no CUDA"
+    index = torch.cuda.current_device() if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    major, minor = torch.cuda.get_device_capability(index)
+    if major != 9:
+        return False, (f"GPU {index} ({torch.cuda.get_device_name(index)}) has compute capability {major}.{minor}; "
+                       "the UniEP kernels need a Hopper GPU (9.x)")
+    if find_nvcc() is None:
+        return False, "nvcc was not found (set CUDA_HOME or put nvcc on the PATH)"
+    return True, "ok"
