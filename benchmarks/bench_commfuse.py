@@ -81,10 +81,12 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
     H, F, T = a.hidden, a.ffn // G, a.tokens
     rank = dist.get_rank(group)
     sizes = even_split(T, G)
-    gen = torch.Generator(device="cpu").manual_seed(1234 + rank)
+    gen = torch.Generator(device=device).manual_seed(1234 + rank)
 
     def rnd(*shape):
-        return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(device=device, dtype=dtype)
+        # Fresh, rank-specific and never zero; scaled so bf16 sums stay in range.
+        t = torch.randn(*shape, generator=gen, device=device, dtype=torch.float32) / math.sqrt(shape[-1])
+        return t.to(dtype)
 
     out = {}
     if op == "all_gather_matmul":

@@ -158,8 +158,17 @@ class _Exchange:
         else:
             self.compute = self.comm = None
 
-    def start(self, step: int, sends, recvs, after_compute: bool = False):
-        """``sends``/``recvs``: lists of ``(tensor, global_peer, tag)``. Returns a token for :meth:`wait`."""
+    def compute_ready(self):
+        """An event after the work queued on the compute stream so far (None on CPU)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.compute)
+        return ev
+
+    def start(self, step: int, sends, recvs, after=None):
+        """``sends``/``recvs``: lists of ``(tensor, global_peer, tag)``; ``after``: a :meth:`compute_ready`
+        event the sends were produced before. Returns a token for :meth:`wait`."""
         ops = [dist.P2POp(dist.isend, t, p, self.group, tag) for t, p, tag in sends]
         ops += [dist.P2POp(dist.irecv, t, p, self.group, tag) for t, p, tag in recvs]
         if not ops:
@@ -167,9 +176,9 @@ class _Exchange:
         if not self.cuda:
             t0 = time.perf_counter()
             return (dist.batch_isend_irecv(ops), step, t0)
-        if after_compute:
-            # The tensors sent were produced on the compute stream.
-            self.comm.wait_stream(self.compute)
+        if after is not None:
+            # The tensors sent were produced on the compute stream; later adds need not be waited for.
+            self.comm.wait_event(after)
         with torch.cuda.stream(self.comm):
             t0 = self.timeline.mark(self.comm) if self.timeline else None
             works = dist.batch_isend_irecv(ops)
@@ -365,6 +374,7 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
 
     # The first partials to send: nothing to hide them behind.
     to_send = {(me + d) % G: gemm("gemm", 0, lambda j=(me + d) % G: partial(j)) for d in plan[0]} if plan else {}
+    ready = ex.compute_ready()
     for s, ds in enumerate(plan):
         sends, recvs = [], []
         for tag_base, d in enumerate(ds):
@@ -373,13 +383,14 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
                 sends.append((to_send[dst][c0:c0 + cn], ranks[dst], tag_base * num_chunks + c))
             for c, (c0, cn) in enumerate(_chunks(t_me, num_chunks)):
                 recvs.append((recv_bufs[src][c0:c0 + cn], ranks[src], tag_base * num_chunks + c))
-        token = ex.start(s, sends, recvs, after_compute=True)
+        token = ex.start(s, sends, recvs, after=ready)
         # While step s's partials travel: the partials of step s+1, or ours last,
         # so that the last transfer is hidden too.
         if s + 1 < len(plan):
             for d in plan[s + 1]:
                 j = (me + d) % G
                 to_send[j] = gemm("gemm", s + 1, lambda j=j: partial(j))
+            ready = ex.compute_ready()
         else:
             partials[me] = gemm("gemm", s + 1, lambda: partial(me))
         ex.wait(token)
