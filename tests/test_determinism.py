@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import needs_gpus
 from dist_utils import run_distributed
 
 
@@ -50,7 +51,7 @@ def _landing(rank, world_size):
         torch.testing.assert_close(out, x * gates.sum(1, keepdim=True), rtol=1e-6, atol=1e-5)
 
 
-def _repeatable(rank, world_size):
+def _repeatable(rank, world_size, device="cpu"):
     from ds_uniep import UniEPMoE
     from moe_models import MLP, distinct_experts
 
@@ -63,10 +64,10 @@ def _repeatable(rank, world_size):
                 layer = UniEPMoE(M, MLP(M, 24), num_experts=2 * world_size, ep_size=world_size, k=2,
                                  drop_tokens=drop, use_rts=False, config={"backend": "reference"})
                 distinct_experts(layer, rank)
-                layer = layer.to(dtype)
+                layer = layer.to(device=device, dtype=dtype)
                 layer.set_deepspeed_parallelism()
                 g = torch.Generator().manual_seed(rank)
-                x = torch.randn(2, 19, M, generator=g).to(dtype).requires_grad_(True)
+                x = torch.randn(2, 19, M, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
                 out, l_aux, _ = layer(x)
                 assert out.dtype == dtype
                 (out.float().square().sum() + l_aux).backward()
@@ -82,3 +83,18 @@ def test_rows_land_in_layout_order(world_size):
 
 def test_bitwise_repeatable_fp32_and_bf16():
     run_distributed(_repeatable, 2)
+
+
+@needs_gpus(2)
+def test_bitwise_repeatable_on_gpus_over_nccl():
+    run_distributed(_repeatable, 2, "cuda", backend="nccl")
+
+
+@needs_gpus(2)
+def test_rows_land_in_layout_order_over_nccl():
+    run_distributed(_landing_gpu, 2, backend="nccl")
+
+
+def _landing_gpu(rank, world_size):
+    torch.set_default_device("cuda")
+    _landing(rank, world_size)

@@ -1,0 +1,227 @@
+"""One MoE layer, side by side: stock DeepSpeed MoE, ds_uniep's reference and megakernel backends, and bounds.
+
+    torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --shapes mixtral-like dsv2lite-like dsv3-like
+
+Every rank runs the same layer on its own tokens; a run's time is the slowest
+rank's (ranks are lined up by a barrier before each run). Baselines and bounds
+are measured in the same run:
+
+- stock: ``deepspeed.moe.layer.MoE`` (dropless, so it pads every expert to the largest count);
+- reference: ``UniEPMoE`` with ``"backend": "reference"`` (sort + ``all_to_all_single`` + grouped GEMM);
+- megakernel: ``UniEPMoE`` with ``"backend": "megakernel"`` where it can run (else the row says why not);
+- practical bound: max(expert GEMMs alone through ``torch._grouped_mm`` on the same rows,
+  dispatch+combine bytes at the peer copy bandwidth);
+- physical bound: max(expert FLOPs / dense bf16 GEMM rate, the same bytes / peer copy bandwidth).
+
+All layers use the same DeepSpeed gate weights and SwiGLU experts, bf16, fp32 gate.
+A short table is printed last; everything goes to ``--out/bench_moe_layer.json``.
+"""
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from timing import bench, rotating  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=["mixtral-like", "dsv2lite-like", "dsv3-like"])
+    p.add_argument("--experts", type=int, default=None, help="override E (default: the shape's; dsv3-like: "
+                   "8 per rank below ep 8, 256 from ep 8)")
+    p.add_argument("--tokens", type=int, default=None, help="override T tokens per rank")
+    p.add_argument("--backends", nargs="+", default=["stock", "reference", "megakernel"],
+                   choices=["stock", "reference", "megakernel"])
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default="bench_out")
+    return p.parse_args(argv)
+
+
+def experts_for(shape, ep, override):
+    if override:
+        return override
+    if shape.name == "dsv3-like" and ep < 8:
+        return 8 * ep
+    return shape.num_experts
+
+
+def peer_copy_gbps(nbytes=256 << 20):
+    """One-direction copy-engine bandwidth from this GPU to the next one (GB/s), or None with one GPU."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        return None
+    src_dev = torch.cuda.current_device()
+    dst_dev = (src_dev + 1) % n
+    src = torch.randn(nbytes // 2, dtype=torch.bfloat16, device=src_dev)
+    dst = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=dst_dev)
+    r = bench(lambda: dst.copy_(src, non_blocking=True), warmup=3, repeats=10)
+    torch.cuda.synchronize(dst_dev)
+    return nbytes / (r["median_ms"] * 1e-3) / 1e9
+
+
+def dense_gemm_tflops(n=8192):
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    r = bench(lambda: a @ b, warmup=3, repeats=10)
+    return 2 * n**3 / (r["median_ms"] * 1e-3) / 1e12
+
+
+def slowest(ms, dist):
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def build_layers(shape, E, ep, backends, status):
+    from deepspeed.moe.layer import MoE
+
+    from ds_uniep import SwiGLUExpert, UniEPMoE
+    torch.manual_seed(0)
+    proto = MoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep, k=shape.top_k,
+                min_capacity=0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False)
+    # Every rank's experts differ, as in a real model.
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(1 + rank)
+    with torch.no_grad():
+        for p in proto.deepspeed_moe.experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
+    layers = {}
+    for name in backends:
+        if name == "stock":
+            layer = copy.deepcopy(proto)
+        else:
+            if name == "megakernel" and not status[0]:
+                continue
+            layer = UniEPMoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep,
+                             k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
+                             top2_2nd_expert_sampling=False, config={"backend": name})
+            layer.load_state_dict(proto.state_dict())
+        layer = layer.cuda().to(torch.bfloat16)
+        layer.deepspeed_moe.gate.wg.float()  # DeepSpeed computes the gate in fp32 either way
+        layer.set_deepspeed_parallelism()
+        layers[name] = layer
+    return layers
+
+
+def time_layer(layer, inputs, mode, args, dist):
+    def fwd(x, g):
+        out, l_aux, _ = layer(x)
+        if mode == "fwdbwd":
+            torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
+    ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
+    with ctx:
+        r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=inputs, sync=dist.barrier)
+    return slowest(r["median_ms"], dist), r
+
+
+def gemm_alone(layer, x, mode, args, dist):
+    """The same rows through the grouped GEMMs alone (no gate, no communication)."""
+    from ds_uniep.experts import run_grouped
+    from ds_uniep.reference import ReferenceDispatcher
+    moe = layer.deepspeed_moe
+    with torch.no_grad():
+        _, _, _, idx, _, _, _ = moe.gate(x, None, True)
+        d = ReferenceDispatcher(layer.num_experts, layer.ep_size, layer.ep_group)
+        recv, counts, _ = d.dispatch(x, idx.t())
+    experts = list(moe.experts.deepspeed_experts)
+    recv = recv.detach().requires_grad_(mode == "fwdbwd")
+    grad = torch.randn_like(recv)
+
+    def run():
+        y = run_grouped(experts, recv, counts)
+        if mode == "fwdbwd":
+            y.backward(grad)
+    ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
+    with ctx:
+        r = bench(run, warmup=args.warmup, repeats=args.repeats, sync=dist.barrier)
+    return slowest(r["median_ms"], dist), int(counts.sum())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from ds_uniep.backend import megakernel_status
+    from ds_uniep.hybrid.presets import PRESETS
+
+    deepspeed.init_distributed(dist_backend="nccl")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    ep = dist.get_world_size()
+    rank = dist.get_rank()
+    status = megakernel_status(torch.device("cuda", local_rank))
+    peer = peer_copy_gbps() if rank == 0 else None
+    tflops = dense_gemm_tflops()
+    rates = [None, None]
+    if rank == 0:
+        rates = [peer, tflops]
+    obj = [rates]
+    dist.broadcast_object_list(obj, src=0)
+    peer, tflops = obj[0]
+    results = {"ep": ep, "peer_copy_GBps": peer, "dense_bf16_TFLOPs": tflops, "megakernel": list(status), "rows": []}
+
+    for name in args.shapes:
+        shape = PRESETS[name]
+        T = args.tokens or shape.tokens_per_rank
+        E = experts_for(shape, ep, args.experts)
+        layers = build_layers(shape, E, ep, args.backends, status)
+        inputs = rotating(lambda i: (torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda",
+                                                 generator=torch.Generator("cuda").manual_seed(100 * rank + i)),
+                                     torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda")), 3)
+        for mode in args.modes:
+            passes = 1 if mode == "fwd" else 2
+            row = {"shape": name, "mode": mode, "T": T, "M": shape.hidden, "F": shape.ffn, "E": E, "k": shape.top_k}
+            for bname, layer in layers.items():
+                ms, _ = time_layer(layer, inputs, mode, args, dist)
+                row[bname + "_ms"] = ms
+            any_uni = layers.get("reference") or next(iter(layers.values()))
+            gemm_ms, rows = gemm_alone(any_uni, inputs(0)[0], mode, args, dist)
+            flops = 2 * 3 * shape.hidden * shape.ffn * rows * (3 if mode == "fwdbwd" else 1)
+            # Bytes leaving a rank: dispatch + combine, each pass; (ep-1)/ep of the rows are remote.
+            nbytes = 2 * passes * T * shape.top_k * shape.hidden * 2 * (ep - 1) / ep
+            comm_ms = nbytes / (peer * 1e9) * 1e3 if peer else 0.0
+            row["gemm_alone_ms"] = gemm_ms
+            row["comm_at_peer_bw_ms"] = comm_ms
+            row["practical_bound_ms"] = max(gemm_ms, comm_ms)
+            row["physical_bound_ms"] = max(flops / (tflops * 1e12) * 1e3, comm_ms)
+            results["rows"].append(row)
+        del layers
+        torch.cuda.empty_cache()
+
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_moe_layer.json"), "w") as f:
+            json.dump(results, f, indent=2)
+        print_table(results)
+    dist.barrier()
+
+
+def print_table(results):
+    print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
+          f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
+    head = ["shape", "mode", "stock", "reference", "megakernel", "gemm alone", "practical", "physical",
+            "best/stock", "best/practical"]
+    print(" | ".join(head))
+    for r in results["rows"]:
+        cells = [r["shape"], r["mode"]]
+        for k in ("stock_ms", "reference_ms", "megakernel_ms", "gemm_alone_ms", "practical_bound_ms",
+                  "physical_bound_ms"):
+            cells.append(f"{r[k]:.2f}" if k in r else "-")
+        ours = [r[k] for k in ("reference_ms", "megakernel_ms") if k in r]
+        best = min(ours) if ours else None
+        cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
+        cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
+        print(" | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
