@@ -1,0 +1,64 @@
+"""A cheap analytical estimate of a plan's forward+backward time.
+
+It only orders candidates (the likely-fast ones are measured first, so early
+stopping has a good bar early); it never picks the winner and its numbers are
+never reported as measurements. Constants are the ceilings measured on H200
+(../shared/BENCHMARKS.md), scaled by the SM count of the GPU at hand.
+"""
+
+import math
+
+from .space import Plan, Space
+
+DENSE_TFLOPS_PER_SM = 795.0 / 132
+"""bf16 dense GEMM rate per SM (8192^3 GEMM on H200: ~795 TFLOP/s over 132 SMs)."""
+STORE_GBPS_PER_SM = 353.0 / 8
+"""Peer-store bandwidth one communicating SM sustains (8 blocks reached ~353 GB/s)."""
+LINK_GBPS = 370.0
+"""Peer-store ceiling from all SMs."""
+LAUNCH_MS = 0.01
+SIGNAL_MS = 0.0005
+"""Cost of one arrival signal wait/raise pair, spread over the GEMM blocks."""
+
+_TILE_EFFICIENCY = {64: 0.70, 128: 0.90, 256: 1.0}
+_STAGE_EFFICIENCY = {2: 0.85, 3: 0.95}
+
+
+def estimate_ms(plan: Plan, space: Space) -> float:
+    """Estimated ms of one layer forward+backward under ``plan`` (lower is better)."""
+    s, g = space.shape, space.gpu
+    L = s.num_local_experts
+    rows = s.rows_per_expert
+    # Expert GEMMs (SwiGLU: three [M, F] matrices), forward + dgrad + wgrad = 3x the forward FLOPs.
+    padded_rows = math.ceil(rows / plan.tile_m) * plan.tile_m
+    flops = 3 * 2 * 3 * L * padded_rows * s.M * s.F
+    gemm_sms = g.num_sms
+    if Space._comm_shares_sms(plan):
+        gemm_sms -= plan.num_comm_sms
+    tiles = L * math.ceil(rows / plan.tile_m) * math.ceil(2 * s.F / plan.tile_n)
+    waves = math.ceil(tiles / max(1, gemm_sms))
+    wave_eff = tiles / (waves * max(1, gemm_sms))
+    eff = (_TILE_EFFICIENCY[plan.tile_m] * _TILE_EFFICIENCY[plan.tile_n]) ** 0.5
+    eff *= _STAGE_EFFICIENCY.get(plan.stages, 1.0) * wave_eff
+    if plan.roles == "interleaved":
+        eff *= 0.92  # communication warps take issue slots and registers from the GEMM warpgroups
+    gemm_ms = flops / (gemm_sms * DENSE_TFLOPS_PER_SM * 1e12 * max(eff, 1e-3)) * 1e3
+
+    # Dispatch + combine, forward and backward: four transfers of T*k rows, (ep-1)/ep of them off-rank.
+    row_bytes = s.M * s.elem_bytes
+    dispatch_row_bytes = s.M + 4 * math.ceil(s.M / 128) if plan.dispatch_dtype == "fp8_e4m3" else row_bytes
+    off = (s.ep - 1) / s.ep
+    nbytes = s.T * s.k * off * (dispatch_row_bytes + 3 * row_bytes)
+    bw = min(LINK_GBPS, plan.num_comm_sms * STORE_GBPS_PER_SM) * 1e9
+    comm_ms = nbytes / bw * 1e3
+
+    if plan.schedule == "sequential":
+        return gemm_ms + comm_ms + 4 * LAUNCH_MS
+    if plan.schedule == "pipelined":
+        c = plan.num_chunks
+        return max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / c + 4 * c * LAUNCH_MS
+    # fused: the GEMM starts when the first signal's rows have arrived.
+    per_signal = {"tile": L * math.ceil(rows / plan.tile_m), "expert": L, "rank": max(1, s.ep)}
+    num_signals = s.ep * per_signal[plan.signal_granularity]
+    first_wait = comm_ms / max(1, num_signals)
+    return max(gemm_ms, comm_ms) + first_wait + num_signals * SIGNAL_MS / max(1, gemm_sms) + 2 * LAUNCH_MS

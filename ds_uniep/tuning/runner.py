@@ -1,0 +1,118 @@
+"""``run_plan`` callables for :func:`~ds_uniep.tuning.tuner.tune`: the seam between tuner and kernels.
+
+:func:`layer_runner` turns any :class:`~ds_uniep.UniEPMoE` and an input into a
+``run_plan``: it puts the plan into the layer and runs forward and backward.
+A layer (or its dispatcher) that can switch plans without rebuilding exposes
+``set_plan(plan)``; otherwise the layer's config is replaced and its cached
+dispatchers dropped, so the next forward builds them under the new plan.
+
+The reference backend reads only ``dispatch_dtype`` of a plan: every other
+knob is a megakernel setting, so :func:`reference_paths` keeps one plan per
+distinct reference path rather than timing identical work many times.
+"""
+
+import os
+from typing import List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .space import DISPATCH_DTYPES, Plan, Shape, Space
+from .tuner import RunPlan
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class SwiGLU(nn.Module):
+    """The experts of BENCHMARKS.md: ``w2(silu(w1 x) * w3 x)``, x ``[rows, M]``."""
+
+    def __init__(self, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Linear(hidden, ffn, bias=False)
+        self.w3 = nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+def apply_plan(layer, plan: Plan) -> None:
+    """Make ``layer``'s next forward run ``plan``."""
+    setter = getattr(layer, "set_plan", None)
+    if setter is not None:
+        setter(plan)
+        return
+    cfg = plan.apply(layer.uniep_config)
+    if cfg != layer.uniep_config:
+        layer.uniep_config = cfg
+        layer._dispatchers.clear()
+
+
+def layer_runner(layer, x: torch.Tensor, *, backward: bool = True, seed: int = 0) -> RunPlan:
+    """``run_plan`` running ``layer(x)`` (and its backward with a fixed random output gradient) under a plan."""
+    grad: List[Optional[torch.Tensor]] = [None]
+
+    def run_plan(plan: Plan) -> None:
+        apply_plan(layer, plan)
+        out, l_aux, _ = layer(x)
+        if not backward:
+            return
+        if grad[0] is None:
+            g = torch.Generator(device="cpu").manual_seed(seed)
+            grad[0] = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+        torch.autograd.backward([out, l_aux], [grad[0], torch.ones_like(l_aux)])
+
+    return run_plan
+
+
+def reference_paths(space: Space) -> Space:
+    """The sub-space of plans that take different paths through the reference backend: one per dispatch dtype."""
+    b = space.baseline()
+    values = {k: (v,) for k, v in b.to_dict().items()}
+    values["num_chunks"] = (2,)
+    values["dispatch_dtype"] = DISPATCH_DTYPES
+    return Space(space.shape, space.gpu, space.ep, space.max_tokens_per_rank, space.allow_numerics_change,
+                 values=values)
+
+
+def megakernel_status() -> Tuple[bool, str]:
+    """(usable, reason) for timing plans on the megakernel backend here."""
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available"
+    from ..backend import megakernel_status as status
+    ok, reason = status(torch.device("cuda", torch.cuda.current_device()))
+    if not ok:
+        return False, reason
+    try:
+        from .. import megakernel  # noqa: F401
+    except ImportError as e:
+        return False, f"ds_uniep.megakernel cannot be imported ({e})"
+    return True, "megakernel available"
+
+
+def build_layer(shape: Shape, config, backend: str, device: torch.device, seed: int = 0):
+    """A UniEPMoE with SwiGLU experts at ``shape`` and an input ``[T, M]`` for it, on ``device``.
+
+    With ``shape.ep > 1`` the process must be one of ``ep`` launched ranks
+    (``deepspeed`` or ``torchrun``); distributed is initialised here if needed."""
+    from ..config import UniEPConfig
+    from ..layer import UniEPMoE
+    cfg = UniEPConfig.coerce(config).model_copy(update={"backend": backend})
+    if shape.ep > 1:
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError(f"--ep {shape.ep} needs {shape.ep} ranks: launch with "
+                             f"`deepspeed --num_gpus {shape.ep} -m ds_uniep.tune ...` or torchrun")
+        import deepspeed
+        deepspeed.init_distributed(verbose=False)
+        if torch.distributed.get_world_size() != shape.ep:
+            raise ValueError(f"--ep {shape.ep} but the job has {torch.distributed.get_world_size()} ranks")
+    torch.manual_seed(seed + (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0))
+    layer = UniEPMoE(shape.M, SwiGLU(shape.M, shape.F), num_experts=shape.E, ep_size=shape.ep, k=shape.k,
+                     min_capacity=0, drop_tokens=False, config=cfg)
+    if shape.ep > 1:
+        layer.set_deepspeed_parallelism()
+    dtype = TORCH_DTYPES[shape.dtype]
+    layer = layer.to(device=device, dtype=dtype)
+    layer.deepspeed_moe.gate.wg.float()  # fp32 gate, as BENCHMARKS.md runs it
+    x = torch.randn(shape.T, shape.M, device=device, dtype=dtype, requires_grad=True)
+    return layer, x

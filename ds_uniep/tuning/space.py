@@ -1,0 +1,359 @@
+"""One tuning space: every expert-parallel knob of a layer as a point.
+
+Letters (per rank): T tokens, M hidden, F expert FFN width, E experts,
+k experts per token, ep expert-parallel ranks, L = E / ep local experts.
+
+A :class:`Plan` is one point (the ``overlap`` block of the config plus the
+dispatch dtype). A :class:`Space` knows the layer's :class:`Shape` and the
+:class:`GPUInfo` and says, for every plan, whether it can run and if not why
+(:meth:`Space.check`). Validity is a pure function of (plan, shape, GPU,
+max_tokens_per_rank, allow_numerics_change), so every rank of a job
+enumerates the same points in the same order.
+"""
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+SCHEDULES = ("sequential", "pipelined", "fused")
+ROLES = ("partitioned", "interleaved")
+TILES = (64, 128, 256)
+GRANULARITIES = ("tile", "expert", "rank")
+DISPATCH_DTYPES = ("activation", "fp8_e4m3")
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
+"""Activation dtypes a layer runs in, with their bytes per element."""
+
+K_TILE = 64
+"""GEMM K-slice per pipeline stage: one stage holds a [tile_m, 64] and a [tile_n, 64] operand tile."""
+
+ROW_ROUNDING = 64
+"""Rows per expert are compared with tile_m after rounding up to this (the smallest tile)."""
+
+MIN_GEMM_SM_FRACTION = 0.5
+"""While communication runs beside the GEMM on whole SMs, the GEMM keeps at least this share of SMs:
+below it the grouped GEMM, not the transfer, sets the layer's time at every shape of BENCHMARKS.md."""
+
+DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
+    "schedule": SCHEDULES,
+    "num_chunks": (2, 4, 8),
+    "num_comm_sms": (8, 16, 24, 32),
+    "roles": ROLES,
+    "tile_m": TILES,
+    "tile_n": TILES,
+    "stages": (2, 3, 4, 6),
+    "signal_granularity": GRANULARITIES,
+    "dispatch_dtype": DISPATCH_DTYPES,
+}
+"""The values :meth:`Space.enumerate` walks by default, per knob."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One point of the space: how a layer overlaps, tiles and compresses.
+
+    Knobs that mean nothing under the chosen schedule are normalised so that
+    two plans that run the same way compare and hash equal: ``num_chunks`` is 1
+    unless ``schedule == "pipelined"``, and ``signal_granularity`` is ``"tile"``
+    unless ``schedule == "fused"`` (only the fused kernel waits on arrival
+    signals). ``overlap.timeout_s`` is not a knob: it is kept from the user's
+    config by :meth:`to_overlap_config`.
+    """
+
+    schedule: str = "fused"
+    num_chunks: int = 1
+    num_comm_sms: int = 20
+    roles: str = "partitioned"
+    tile_m: int = 128
+    tile_n: int = 128
+    stages: int = 4
+    signal_granularity: str = "tile"
+    dispatch_dtype: str = "activation"
+
+    def __post_init__(self) -> None:
+        _one_of("schedule", self.schedule, SCHEDULES)
+        _one_of("roles", self.roles, ROLES)
+        _one_of("tile_m", self.tile_m, TILES)
+        _one_of("tile_n", self.tile_n, TILES)
+        _one_of("signal_granularity", self.signal_granularity, GRANULARITIES)
+        _one_of("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
+        for name, lo, hi in (("num_chunks", 1, 64), ("num_comm_sms", 1, 132), ("stages", 2, 8)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(f"Plan.{name}: must be an integer in [{lo}, {hi}], got {v!r}")
+        if self.schedule != "pipelined":
+            object.__setattr__(self, "num_chunks", 1)
+        if self.schedule != "fused":
+            object.__setattr__(self, "signal_granularity", "tile")
+
+    # ------------------------------------------------------------------ forms
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`; unknown or missing keys raise ``ValueError``."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(d, Mapping) or set(d) != names:
+            got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
+            raise ValueError(f"a plan needs exactly the keys {sorted(names)}, got {got}")
+        return cls(**d)
+
+    def key(self) -> str:
+        """Stable text naming the point (same on every rank, run and version of Python)."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    def label(self) -> str:
+        """Short human form for tables and plots."""
+        s = {"sequential": "seq", "pipelined": f"pipe{self.num_chunks}", "fused": "fused"}[self.schedule]
+        if self.schedule == "fused":
+            s += f"/{self.roles[:5]}/{self.signal_granularity}"
+        s += f" sm{self.num_comm_sms} {self.tile_m}x{self.tile_n}s{self.stages}"
+        if self.dispatch_dtype != "activation":
+            s += " fp8"
+        return s
+
+    # ------------------------------------------------------------------ config
+    @classmethod
+    def from_config(cls, config) -> "Plan":
+        """The point a :class:`~ds_uniep.config.UniEPConfig` (or a ds_config dict/path) names."""
+        from ..config import UniEPConfig
+        cfg = UniEPConfig.coerce(config)
+        o = cfg.overlap
+        return cls(schedule=o.schedule, num_chunks=o.num_chunks, num_comm_sms=o.num_comm_sms, roles=o.roles,
+                   tile_m=o.tile_m, tile_n=o.tile_n, stages=o.stages, signal_granularity=o.signal_granularity,
+                   dispatch_dtype=cfg.compression.dispatch_dtype)
+
+    def to_overlap_config(self, timeout_s: Optional[float] = None):
+        """The ``overlap`` block of this plan (``timeout_s`` from the caller, else the config default)."""
+        from ..config import OverlapConfig
+        d = {k: v for k, v in self.to_dict().items() if k != "dispatch_dtype"}
+        if timeout_s is not None:
+            d["timeout_s"] = timeout_s
+        return OverlapConfig(**d)
+
+    def apply(self, config):
+        """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept."""
+        overlap = self.to_overlap_config(config.overlap.timeout_s)
+        compression = config.compression.model_copy(update={"dispatch_dtype": self.dispatch_dtype})
+        return config.model_copy(update={"overlap": overlap, "compression": compression})
+
+    def replace(self, **changes) -> "Plan":
+        return dataclasses.replace(self, **changes)
+
+
+def _one_of(name: str, v: Any, allowed: Sequence[Any]) -> None:
+    if v not in allowed or isinstance(v, bool):
+        raise ValueError(f"Plan.{name}: must be one of {', '.join(map(str, allowed))}, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A layer's per-rank shape: T tokens, M hidden, F expert FFN, E experts, k, activation dtype, ep ranks."""
+
+    T: int
+    M: int
+    F: int
+    E: int
+    k: int
+    dtype: str = "bf16"
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("T", "M", "F", "E", "k", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Shape.{name}: must be a positive integer, got {v!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"Shape.dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.E % self.ep:
+            raise ValueError(f"Shape: E={self.E} experts do not divide over ep={self.ep} ranks")
+        if self.k > self.E:
+            raise ValueError(f"Shape: k={self.k} is larger than E={self.E}")
+
+    @property
+    def num_local_experts(self) -> int:
+        return self.E // self.ep
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPES[self.dtype]
+
+    @property
+    def rows_per_expert(self) -> int:
+        """Rows one local expert receives on average: T*k rows leave each of ep ranks, spread over E experts."""
+        return math.ceil(self.T * self.k * self.ep / self.E)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return f"T={self.T} M={self.M} F={self.F} E={self.E} k={self.k} {self.dtype} ep={self.ep}"
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    """What validity depends on: the SM count and the shared memory one block may use (opt-in maximum)."""
+
+    name: str
+    num_sms: int
+    smem_per_block: int
+
+    @classmethod
+    def detect(cls, device=None) -> "GPUInfo":
+        """The GPU of ``device`` (default: the current CUDA device); raises when CUDA is absent."""
+        import torch
+        if not torch.cuda.is_available():
+            raise RuntimeError("GPUInfo.detect: CUDA is not available; use GPUInfo.preset(...) for a stand-in")
+        p = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
+        smem = getattr(p, "shared_memory_per_block_optin", 0) or getattr(p, "shared_memory_per_block", 0)
+        return cls(p.name, int(p.multi_processor_count), int(smem))
+
+    @classmethod
+    def preset(cls, name: str) -> "GPUInfo":
+        """A stand-in for enumerating a GPU's space on a machine without it (see :data:`GPU_PRESETS`)."""
+        try:
+            return GPU_PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown GPU preset {name!r}; known: {', '.join(GPU_PRESETS)}") from None
+
+    @classmethod
+    def cpu(cls) -> "GPUInfo":
+        """The stand-in used where no GPU exists: H100-sized limits under a name no real GPU reports."""
+        return GPU_PRESETS["cpu"]
+
+
+_HOPPER_SMEM_OPTIN = 227 * 1024
+GPU_PRESETS: Dict[str, GPUInfo] = {
+    "h100": GPUInfo("NVIDIA H100 80GB HBM3 (stand-in)", 132, _HOPPER_SMEM_OPTIN),
+    "h200": GPUInfo("NVIDIA H200 (stand-in)", 132, _HOPPER_SMEM_OPTIN),
+    "cpu": GPUInfo("cpu (H100-sized stand-in)", 132, _HOPPER_SMEM_OPTIN),
+}
+
+
+class Space:
+    """The valid plans for one layer shape on one GPU and ep size.
+
+    ``values`` narrows the knobs walked by :meth:`enumerate` (a mapping from a
+    :class:`Plan` field to the values to try; missing knobs use
+    :data:`DEFAULT_VALUES`). :meth:`check` judges any plan, enumerated or not.
+    """
+
+    def __init__(self, shape: Shape, gpu: GPUInfo, ep: Optional[int] = None, max_tokens_per_rank: int = 8192,
+                 allow_numerics_change: bool = False, values: Optional[Mapping[str, Sequence[Any]]] = None):
+        if ep is not None and ep != shape.ep:
+            raise ValueError(f"Space: ep={ep} disagrees with the shape's ep={shape.ep}")
+        unknown = set(values or {}) - set(DEFAULT_VALUES)
+        if unknown:
+            raise ValueError(f"Space: unknown knobs {sorted(unknown)}; knobs are {', '.join(DEFAULT_VALUES)}")
+        self.shape = shape
+        self.gpu = gpu
+        self.ep = shape.ep
+        self.max_tokens_per_rank = int(max_tokens_per_rank)
+        self.allow_numerics_change = bool(allow_numerics_change)
+        self.values = {k: tuple((values or {}).get(k, v)) for k, v in DEFAULT_VALUES.items()}
+
+    @classmethod
+    def from_config(cls, config, shape: Shape, gpu: GPUInfo, **kw) -> "Space":
+        from ..config import UniEPConfig
+        cfg = UniEPConfig.coerce(config)
+        return cls(shape, gpu, shape.ep, cfg.max_tokens_per_rank, cfg.autotune.allow_numerics_change, **kw)
+
+    # ------------------------------------------------------------------ validity
+    def smem_bytes(self, plan: Plan) -> int:
+        """Shared memory of the GEMM's operand pipeline: stages x ([tile_m, 64] + [tile_n, 64]) elements."""
+        return plan.stages * (plan.tile_m + plan.tile_n) * K_TILE * self.shape.elem_bytes
+
+    def min_gemm_sms(self) -> int:
+        return math.ceil(self.gpu.num_sms * MIN_GEMM_SM_FRACTION)
+
+    def shape_problem(self) -> Optional[str]:
+        """Why no plan at all can run this shape (the symmetric buffer is sized by the config), or None."""
+        if self.shape.T > self.max_tokens_per_rank:
+            return (f"symmetric buffer too small: T={self.shape.T} tokens per rank > max_tokens_per_rank="
+                    f"{self.max_tokens_per_rank} (raise uniep.max_tokens_per_rank)")
+        return None
+
+    def check(self, plan: Plan) -> Optional[str]:
+        """None when ``plan`` can run here, else every reason it cannot, joined by ``"; "``."""
+        s, g = self.shape, self.gpu
+        reasons: List[str] = []
+        problem = self.shape_problem()
+        if problem:
+            reasons.append(problem)
+        if plan.num_comm_sms >= g.num_sms:
+            reasons.append(f"SM budget exceeded: num_comm_sms={plan.num_comm_sms} >= {g.num_sms} SMs on {g.name}")
+        elif self._comm_shares_sms(plan) and g.num_sms - plan.num_comm_sms < self.min_gemm_sms():
+            reasons.append(f"SM budget exceeded: the GEMM is left {g.num_sms - plan.num_comm_sms} of {g.num_sms} "
+                           f"SMs, fewer than {self.min_gemm_sms()} ({MIN_GEMM_SM_FRACTION:.0%})")
+        rows = _round_up(s.rows_per_expert, ROW_ROUNDING)
+        if plan.tile_m > rows:
+            reasons.append(f"tile larger than the rows: tile_m={plan.tile_m} > {rows} rows per expert "
+                           f"(T*k*ep/E = {s.rows_per_expert}, rounded up to {ROW_ROUNDING})")
+        smem = self.smem_bytes(plan)
+        if smem > g.smem_per_block:
+            reasons.append(f"shared memory over the limit: {plan.stages} stages x ({plan.tile_m}+{plan.tile_n}) x "
+                           f"{K_TILE} x {s.elem_bytes} B = {smem} B > {g.smem_per_block} B per block on {g.name}")
+        if plan.schedule == "pipelined" and plan.num_chunks < 2:
+            reasons.append("pipelined with 1 chunk: it is the sequential schedule with extra launches (num_chunks >= 2)")
+        if plan.schedule == "pipelined" and plan.num_chunks > s.T:
+            reasons.append(f"more chunks than tokens: num_chunks={plan.num_chunks} > T={s.T}")
+        if plan.roles == "interleaved" and plan.schedule != "fused":
+            reasons.append(f"interleaved roles need the fused schedule: schedule={plan.schedule} runs communication "
+                           "and GEMMs as separate kernels")
+        if plan.dispatch_dtype != "activation" and not self.allow_numerics_change:
+            reasons.append(f"numerics change not allowed: dispatch_dtype={plan.dispatch_dtype} changes the numbers "
+                           "(set uniep.autotune.allow_numerics_change to explore it)")
+        return "; ".join(reasons) if reasons else None
+
+    @staticmethod
+    def _comm_shares_sms(plan: Plan) -> bool:
+        """Whether communication holds whole SMs while the GEMM runs (so the GEMM gets the rest only)."""
+        return plan.schedule == "pipelined" or (plan.schedule == "fused" and plan.roles == "partitioned")
+
+    def is_valid(self, plan: Plan) -> bool:
+        return self.check(plan) is None
+
+    # ------------------------------------------------------------------ points
+    def baseline(self) -> Plan:
+        """The sequential plan with the smallest tiles: valid whenever :meth:`shape_problem` is None.
+
+        64-row tiles never exceed the rounded rows, two stages of 64x64 bf16 tiles
+        need 32 KiB, and the sequential schedule never runs communication beside
+        the GEMM, so only ``num_comm_sms < num_sms`` binds."""
+        sms = min(16, max(1, self.gpu.num_sms - 1))
+        return Plan(schedule="sequential", num_comm_sms=sms, tile_m=64, tile_n=64, stages=2)
+
+    def candidates(self) -> Iterator[Plan]:
+        """Every distinct plan the knob values make, valid or not, in a fixed order."""
+        seen = set()
+        names = list(DEFAULT_VALUES)
+        for combo in itertools.product(*(self.values[n] for n in names)):
+            plan = Plan(**dict(zip(names, combo)))
+            if plan in seen:
+                continue
+            seen.add(plan)
+            yield plan
+
+    def enumerate(self) -> List[Plan]:
+        """Valid plans only, in :meth:`candidates` order (the tie-break order of the tuner)."""
+        return [p for p in self.candidates() if self.check(p) is None]
+
+    def table(self) -> List[Tuple[Plan, Optional[str]]]:
+        """(plan, reason or None) for every candidate."""
+        return [(p, self.check(p)) for p in self.candidates()]
+
+    def digest(self) -> str:
+        """Hash of the valid plans and the GPU limits: a cached winner from a different space is stale."""
+        h = hashlib.sha256()
+        h.update(json.dumps(dataclasses.asdict(self.gpu), sort_keys=True).encode())
+        for p in self.enumerate():
+            h.update(p.key().encode())
+        return h.hexdigest()[:16]
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
