@@ -44,6 +44,13 @@ def cutlass_include() -> Optional[str]:
     return path if os.path.isdir(os.path.join(path, "cute")) else None
 
 
+def cxx_standard() -> str:
+    """torch >= 2.12 headers need C++20 (as DeepSpeed's own builders decide)."""
+    import torch
+    major, minor = (int(v) for v in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 12) else "-std=c++17"
+
+
 def find_nvcc() -> Optional[str]:
     """The nvcc DeepSpeed and torch would use: ``$CUDA_HOME/bin/nvcc``, else the PATH."""
     try:
@@ -82,7 +89,7 @@ class UniEPBuilder(CUDAOpBuilder):
         return ok and super().is_compatible(verbose)
 
     def cxx_args(self):
-        return ["-O3", "-std=c++17", "-Wno-reorder"]
+        return ["-O3", cxx_standard(), "-Wno-reorder"]
 
     def nvcc_args(self):
         # No --use_fast_math: combine's fp32 sums must round exactly like the reference's.
@@ -90,7 +97,7 @@ class UniEPBuilder(CUDAOpBuilder):
             threads = max(1, int(os.environ.get("DS_NVCC_THREADS", "")))
         except ValueError:
             threads = min(os.cpu_count() or 1, 8)
-        return ["-O3", "-std=c++17", "-lineinfo", f"--threads={threads}"] + GENCODE
+        return ["-O3", cxx_standard(), "-lineinfo", f"--threads={threads}"] + GENCODE
 
 
 def build_requirements(device=None):
