@@ -1,0 +1,180 @@
+"""NVLink dispatch/combine kernels on 2 and 4 GPUs against ds_uniep.layout and a pure torch computation.
+
+Inputs identify themselves: column 0 of x holds the source rank, columns 1 and 2 the
+token index (t // 64, t % 64; exact in bf16), so a misplaced row names itself. The
+expert outputs are y = x * (e + 1) / 8 for the row's global expert e, which makes
+the whole layer a per-token function every rank can compute alone in torch.
+"""
+import pytest
+import torch
+
+from conftest import needs_gpus
+from dist_utils import run_distributed
+
+M = 256
+T_MAX = 4096
+
+
+def _routing(src, case, T, k, E, mode):
+    gen = torch.Generator().manual_seed(7919 * src + 104729 * case + T)
+    if mode == "empty_experts":  # only even experts get tokens
+        pool = torch.arange(0, E, 2)
+    else:
+        pool = torch.arange(E)
+    idx = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(T)]).to(torch.int32)
+    if mode == "one_expert":  # every token's slot 0 goes to expert 1; the others are dropped
+        idx[:, 0] = 1
+        idx[:, 1:] = -1
+    elif mode == "random":
+        idx[torch.rand(idx.shape, generator=gen) < 0.1] = -1
+    gates = torch.rand(idx.shape, generator=gen) * (idx >= 0)
+    return idx, gates.float()
+
+
+def _inputs(src, case, T, dtype):
+    gen = torch.Generator().manual_seed(31 * src + 1009 * case + T)
+    x = torch.randn(T, M, generator=gen)
+    t = torch.arange(T)
+    x[:, 0], x[:, 1], x[:, 2] = float(src), (t // 64).float(), (t % 64).float()
+    return x.to(dtype)
+
+
+def _expert_fn(rows, experts):
+    return (rows.float() * (experts.float().unsqueeze(1) + 1) / 8).to(rows.dtype)
+
+
+def _body(rank, G, dtype_name):
+    import deepspeed.comm as dist
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.layout import build_layout, expert_counts
+    from ds_uniep.megakernel import NVLinkDispatcher, UniEPCapacityError, UniEPTimeoutError
+    from ds_uniep.reference import fp8_roundtrip, weighted_slot_sum
+
+    dtype = getattr(torch, dtype_name)
+    dev = torch.device("cuda", rank)
+    E = 4 * G
+    L = E // G
+    cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T_MAX, "overlap": {"timeout_s": 30.0}})
+    report = []
+    case = 0
+    for k in (1, 2, 6, 8):
+        disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
+        modes = [("random", 1), ("random", 19), ("random", T_MAX), ("one_expert", 19), ("empty_experts", 19),
+                 ("one_expert", T_MAX)]
+        for mode, T in modes:
+            if mode == "one_expert" and k == 1 and T == 19:
+                mode = "empty_experts"
+            case += 1
+            routs = [_routing(s, case, T, k, E, mode) for s in range(G)]
+            xs = [_inputs(s, case, T, dtype) for s in range(G)]
+            counts_all = torch.stack([expert_counts(r[0], E) for r in routs])
+            lays = [build_layout(r[0], counts_all, s) for s, r in enumerate(routs)]
+            idx, gates = routs[rank][0].to(dev), routs[rank][1].to(dev)
+            outs = []
+            for _ in range(2):  # two runs, bitwise identical
+                x = xs[rank].to(dev).requires_grad_(True)
+                g = gates.clone().requires_grad_(True)
+                recv, counts, handle = disp.dispatch(x, idx)
+                R = int(counts.sum())
+                experts = torch.repeat_interleave(torch.arange(L, device=dev) + rank * L, counts)
+                y = _expert_fn(recv, experts)
+                out = disp.combine(y, g, handle)
+                w = torch.randn(out.shape, generator=torch.Generator().manual_seed(case)).to(dev)
+                (out.float() * w).sum().backward()
+                outs.append((recv.detach().clone(), out.detach().clone(), x.grad.clone(), g.grad.clone()))
+            recv, out, gx, gg = outs[0]
+            for a, b, name in zip(outs[0], outs[1], ("recv", "out", "grad_x", "grad_gates")):
+                assert torch.equal(a, b), f"{name} differs between two runs (k={k}, T={T}, {mode})"
+            # Layout: counts and rows are exactly ds_uniep.layout's.
+            lay = lays[rank]
+            assert torch.equal(handle.counts_all.cpu(), counts_all), f"counts_all (k={k}, T={T}, {mode})"
+            assert torch.equal(counts.cpu(), lay.local_expert_counts), f"local_expert_counts (k={k}, T={T})"
+            assert torch.equal(handle.dest_row.cpu().long(), lay.dest_row), f"dest_row (k={k}, T={T}, {mode})"
+            # Every row landed where the layout says: row dest_row of (s, t, j) holds x_s[t].
+            expected = torch.empty(R, M, dtype=dtype)
+            for s in range(G):
+                mine = lays[s].dest_rank == rank
+                t_of = torch.arange(T).unsqueeze(1).expand(T, k)[mine]
+                expected[lays[s].dest_row[mine]] = xs[s][t_of]
+            got = recv.cpu()
+            if not torch.equal(got, expected):
+                bad = (got != expected).any(1).nonzero().flatten()[:5].tolist()
+                who = [(int(got[i, 0]), int(got[i, 1]) * 64 + int(got[i, 2])) for i in bad]
+                want = [(int(expected[i, 0]), int(expected[i, 1]) * 64 + int(expected[i, 2])) for i in bad]
+                raise AssertionError(f"rows {bad} hold (src, token) {who}, layout wants {want} "
+                                     f"(k={k}, T={T}, {mode})")
+            # Outputs and gradients against the same function in torch, on fp32 and in dtype.
+            xr = xs[rank].to(dev).requires_grad_(True)
+            gr = gates.clone().requires_grad_(True)
+            safe = idx.clamp_min(0).long()
+            pair_rows = _expert_fn(xr.unsqueeze(1).expand(T, k, M).reshape(-1, M), safe.reshape(-1)).view(T, k, M)
+            pair_rows = pair_rows * (idx >= 0).unsqueeze(-1).to(dtype)
+            ref = weighted_slot_sum(pair_rows, gr, dtype)
+            w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(case)).to(dev)
+            (ref.float() * w).sum().backward()
+            x64 = xs[rank].to(dev).double().requires_grad_(True)
+            g64 = gates.double().requires_grad_(True)
+            pr64 = (x64.unsqueeze(1) * (safe.double().unsqueeze(-1) + 1) / 8) * (idx >= 0).unsqueeze(-1)
+            ref64 = (g64.unsqueeze(-1) * pr64).sum(1)
+            (ref64 * w.double()).sum().backward()
+
+            def rel(a, b):
+                return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+            for name, mine_v, ref_v, v64 in (("out", out, ref.detach(), ref64.detach()),
+                                             ("grad_x", gx, xr.grad, x64.grad), ("grad_gates", gg, gr.grad,
+                                                                                  g64.grad)):
+                err, ref_err = rel(mine_v, v64), rel(ref_v, v64)
+                assert err <= 2 * ref_err + 1e-6, f"{name}: error {err:.2e} > 2x reference's {ref_err:.2e} " \
+                                                  f"(k={k}, T={T}, {mode})"
+            if rank == 0:
+                report.append(f"k={k} T={T} {mode}: R={R} out bitwise==torch: {torch.equal(out, ref.detach())}")
+    # padded_recv: R_max rows, the first R valid; no host sync.
+    disp = NVLinkDispatcher("test.padded", E, G, M, 2, dtype, cfg, group=None, padded_recv=True)
+    idx, gates = (v.to(dev) for v in _routing(rank, 999, 19, 2, E, "random"))
+    x = _inputs(rank, 999, 19, dtype).to(dev)
+    recv, counts, handle = disp.dispatch(x, idx)
+    assert recv.shape[0] == G * T_MAX * 2
+    recv2, counts2, _ = NVLinkDispatcher("test.exact", E, G, M, 2, dtype, cfg).dispatch(x, idx)
+    assert torch.equal(recv[:int(counts.sum())], recv2)
+    # FP8 dispatch: the reference's roundtrip exactly, deterministic, error reported.
+    fcfg = UniEPConfig.from_dict({"max_tokens_per_rank": T_MAX, "compression": {"dispatch_dtype": "fp8_e4m3"}})
+    fdisp = NVLinkDispatcher("test.fp8", E, G, M, 8, dtype, fcfg)
+    exact = NVLinkDispatcher("test.fp8ref", E, G, M, 8, dtype, cfg)
+    idx, _ = _routing(rank, 555, T_MAX, 8, E, "random")
+    x = torch.randn(T_MAX, M, generator=torch.Generator().manual_seed(rank)).to(dtype).to(dev)
+    r1, _, _ = fdisp.dispatch(x, idx.to(dev))
+    r2, _, _ = fdisp.dispatch(x, idx.to(dev))
+    r0, _, _ = exact.dispatch(x, idx.to(dev))
+    assert torch.equal(r1, r2), "FP8 dispatch differs between two runs"
+    assert torch.equal(r1, fp8_roundtrip(r0)), "FP8 dispatch differs from the reference's fp8_roundtrip"
+    fp8_err = float((r1.double() - r0.double()).norm() / r0.double().norm())
+    # Capacity: an error naming layer, rank and size, before anything moves.
+    with pytest.raises(UniEPCapacityError, match=f"rank {rank} got {T_MAX + 1} tokens"):
+        disp.dispatch(torch.zeros(T_MAX + 1, M, dtype=dtype, device=dev),
+                      torch.zeros(T_MAX + 1, 2, dtype=torch.int32, device=dev))
+    torch.cuda.synchronize()
+    dist.barrier()
+    # Timeout: rank 0 dispatches alone; its wait gives up and names the layer, rank and signal.
+    tcfg = UniEPConfig.from_dict({"max_tokens_per_rank": 64, "overlap": {"timeout_s": 0.5}})
+    lonely = NVLinkDispatcher("test.lonely", E, G, M, 1, dtype, tcfg, padded_recv=True)
+    if rank == 0:
+        lonely.dispatch(torch.ones(4, M, dtype=dtype, device=dev), torch.zeros(4, 1, dtype=torch.int32, device=dev))
+        with pytest.raises(Exception, match="test.lonely: rank 0 timed out .* 'counts' signal of rank 1"):
+            lonely.check(synchronize=True)
+    torch.cuda.synchronize()
+    dist.barrier()
+    if rank == 0:
+        print(f"\n[nvlink G={G} {dtype_name}] " + "; ".join(report))
+        print(f"[nvlink G={G} {dtype_name}] FP8 e4m3 dispatch relative error {fp8_err:.3e} (bitwise = reference)")
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("dtype_name", ["bfloat16", "float32"])
+def test_nvlink_ep2(dtype_name):
+    run_distributed(_body, 2, dtype_name, backend="nccl")
+
+
+@needs_gpus(4)
+def test_nvlink_ep4():
+    run_distributed(_body, 4, "bfloat16", backend="nccl")
