@@ -1,0 +1,148 @@
+"""Dispatch and combine of NVLinkDispatcher against the NVLink peer copy and NCCL all_to_all_single.
+
+    torchrun --nproc_per_node N benchmarks/bench_dispatch.py --out dispatch.json
+
+Per rank: T tokens [T, M] bf16, top-k routing over E = 32 * N / 4 experts (at least k),
+each token's k experts distinct. Payload = T * k * M * 2 bytes per rank (every pair row;
+the NCCL baseline sends the same bytes with equal splits). GB/s = payload / time; the
+ceiling is one large GPU0 -> GPU1 tensor copy measured in the same run. Times are the
+median of CUDA-event timings after warm-up, each iteration started behind a barrier.
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.distributed as dist
+
+
+def timed(fn, iters, warmup, device):
+    """Median milliseconds of fn() over iters runs (CUDA events), after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor(times, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank bounds a collective step
+    return statistics.median(t.tolist())
+
+
+def peer_copy_gbps(nbytes, iters, device):
+    """GPU0 -> GPU1 copy bandwidth (rank 0 measures; broadcast to all)."""
+    out = torch.zeros(1, device=device)
+    if dist.get_rank() == 0 and torch.cuda.device_count() > 1:
+        src = torch.randint(0, 255, (nbytes, ), dtype=torch.uint8, device="cuda:0")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+        for _ in range(3):
+            dst.copy_(src)
+        times = []
+        for _ in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            dst.copy_(src)
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        out[0] = nbytes / (statistics.median(times) * 1e-3) / 1e9
+        del src, dst
+    dist.broadcast(out, 0)
+    return float(out[0])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--out", default="bench_dispatch.json")
+    a = p.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl")
+    G, rank, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", local)
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.megakernel import NVLinkDispatcher
+
+    T, M, k = a.tokens, a.hidden, a.topk
+    E = max(32 * G // 4, k, G)
+    E += (-E) % G
+    gen = torch.Generator().manual_seed(rank)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]).to(torch.int32).to(dev)
+    x = torch.randn(T, M, generator=gen).to(torch.bfloat16).to(dev)
+    gates = torch.rand(T, k, generator=gen).to(dev)
+    payload = T * k * M * 2
+    results = {"world_size": G, "tokens": T, "hidden": M, "topk": k, "experts": E, "payload_bytes": payload}
+
+    results["peer_copy_GBps"] = peer_copy_gbps(1 << 30, 10, dev)
+
+    send = torch.randn(T * k, M, device=dev).to(torch.bfloat16)
+    recv_nccl = torch.empty_like(send)
+    results["nccl_a2a_ms"] = timed(lambda: dist.all_to_all_single(recv_nccl, send), a.iters, a.warmup, dev)
+    del send, recv_nccl
+
+    for name, dtype_cfg in (("bf16", "activation"), ("fp8", "fp8_e4m3")):
+        cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T, "compression": {"dispatch_dtype": dtype_cfg}})
+        disp = NVLinkDispatcher(f"bench.{name}", E, G, M, k, torch.bfloat16, cfg, padded_recv=True)
+        state = {}
+
+        def do_dispatch():
+            state["recv"], state["counts"], state["handle"] = disp.dispatch(x, idx)
+
+        results[f"{name}_dispatch_ms"] = timed(do_dispatch, a.iters, a.warmup, dev)
+        h = state["handle"]
+
+        def stores_only():
+            # The NVLink stores alone: no counts exchange and no copy-out (nobody waits on them).
+            disp.ext.dispatch_rows(x, h.expert_idx, h.dest_row, None, disp.fp8, E, disp.bufs.descriptor,
+                                   disp._next_epoch(1), disp.num_blocks)
+
+        results[f"{name}_dispatch_stores_ms"] = timed(stores_only, a.iters, a.warmup, dev)
+        do_dispatch()  # leave buffers and epochs in step on every rank
+        if name == "bf16":
+            y = state["recv"]
+            results["combine_ms"] = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
+        disp.check(synchronize=True)
+        del disp, state
+        torch.cuda.empty_cache()
+
+    def gbps(ms, nbytes=payload):
+        return nbytes / (ms * 1e-3) / 1e9
+
+    rows = [("NCCL all_to_all_single", results["nccl_a2a_ms"], payload),
+            ("dispatch bf16 (layout+stores+copy-out)", results["bf16_dispatch_ms"], payload),
+            ("dispatch bf16 stores only", results["bf16_dispatch_stores_ms"], payload),
+            ("dispatch fp8 (layout+stores+copy-out)", results["fp8_dispatch_ms"], payload),
+            ("dispatch fp8 stores only", results["fp8_dispatch_stores_ms"], payload),
+            ("combine bf16 (push+reduce)", results["combine_ms"], payload)]
+    table = []
+    for label, ms, nbytes in rows:
+        bw = gbps(ms, nbytes)
+        table.append({"op": label, "ms": ms, "GBps": bw, "of_peer_copy": bw / results["peer_copy_GBps"],
+                      "vs_nccl": results["nccl_a2a_ms"] / ms})
+    results["table"] = table
+    if rank == 0:
+        with open(a.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"\nG={G} T={T} M={M} k={k} E={E} payload/rank={payload / 2**20:.0f} MiB (bf16-equivalent bytes); "
+              f"peer copy {results['peer_copy_GBps']:.0f} GB/s")
+        print(f"{'op':42s} {'ms':>8s} {'GB/s':>8s} {'%peer':>6s} {'xNCCL':>6s}")
+        for r in table:
+            print(f"{r['op']:42s} {r['ms']:8.3f} {r['GBps']:8.1f} {100 * r['of_peer_copy']:5.0f}% {r['vs_nccl']:6.2f}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
