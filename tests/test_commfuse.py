@@ -201,6 +201,59 @@ def _plans_consistent():
                 assert len(steps) == G // 2
 
 
+class _TensorParallelMPU:
+    """The whole world is one tensor-parallel group; each rank is its own data-parallel group."""
+
+    def __init__(self):
+        import torch.distributed as dist
+        self.dist = dist
+        self.dp = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+
+    def get_model_parallel_rank(self):
+        return self.dist.get_rank()
+
+    def get_model_parallel_world_size(self):
+        return self.dist.get_world_size()
+
+    def get_model_parallel_group(self):
+        return self.dist.group.WORLD
+
+    def get_data_parallel_rank(self):
+        return 0
+
+    def get_data_parallel_world_size(self):
+        return 1
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+
+def _check_deepspeed(me, G):
+    """The linears train inside a DeepSpeed engine: one SGD step equals the single-process one."""
+    import deepspeed
+    from ds_uniep.commfuse import ColumnParallelLinear, RowParallelLinear
+    torch.manual_seed(5)
+    l1, l2 = torch.nn.Linear(16, 8 * G), torch.nn.Linear(8 * G, 16)
+    model = torch.nn.Sequential(ColumnParallelLinear.from_linear(l1), torch.nn.GELU(),
+                                RowParallelLinear.from_linear(l2))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg,
+                                      mpu=_TensorParallelMPU())
+    x = _rand((5 * G, 16), 9, torch.float32, "cpu")
+    engine.backward(engine(x.chunk(G)[me].clone()).square().sum())
+    engine.step()
+    ref = torch.nn.Sequential(l1, torch.nn.GELU(), l2)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref(x).square().sum().backward()
+    opt.step()
+    n = 8
+    torch.testing.assert_close(model[0].weight, l1.weight[me * n:(me + 1) * n].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model[0].bias, l1.bias[me * n:(me + 1) * n].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model[2].weight, l2.weight[:, me * n:(me + 1) * n].detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model[2].bias, l2.bias.detach(), rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- spawned bodies
 def _body(rank, G, device_kind, bench_out=None):
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
@@ -215,6 +268,8 @@ def _body(rank, G, device_kind, bench_out=None):
     for dtype in (torch.float32, torch.bfloat16):
         _check_linears(rank, G, device, dtype)
     _check_errors(rank, G, device)
+    if device_kind == "cpu" and G == 2:
+        _check_deepspeed(rank, G)
     if bench_out is not None:
         sys.path.insert(0, os.path.dirname(BENCH))
         import bench_commfuse

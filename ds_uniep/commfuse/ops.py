@@ -22,15 +22,27 @@ Exactness (the promise every schedule keeps):
 messages). GEMMs stay whole blocks: splitting a GEMM by rows may change the
 kernel (and so the rounding) and would break the promise above.
 
-Streams (CUDA): transfers are issued from a side stream, so a transfer never
-waits for a GEMM it does not need, and each GEMM waits (by event) only for the
-transfer that brought its block. Every tensor a transfer touches was allocated
-before the side stream last waited on the compute stream, is recorded on the
-side stream, and the compute stream joins the side stream before returning, so
-the caching allocator cannot hand a buffer to new work while a transfer still
-uses it.
+Schedules. all_gather_matmul: ``ring`` relays blocks between neighbours
+(send to me+1, receive from me-1), ``bidirectional_ring`` relays the blocks of
+the ranks behind one way and of the ranks ahead the other way, so half the
+steps. matmul_reduce_scatter sends each partial straight to the rank that owns
+its rows, peer me+d at step d (``ring``: d = 1..G-1; ``bidirectional_ring``: +d
+and -d together): a relayed running sum would fix the addition order by ring
+position instead of rank order. On a switched fabric (NVSwitch) such shifted
+peers cost what neighbours cost.
+
+Streams (CUDA): transfers are issued from a side stream, so a transfer waits
+only for the GEMM that produced what it sends, and each GEMM waits (by event)
+only for the transfer that brought its block. Buffers a transfer writes are
+allocated before the side stream first waits on the compute stream; every
+tensor a transfer touches is recorded on the side stream; and the compute
+stream joins the side stream before returning. So the caching allocator cannot
+hand out a buffer while a transfer still uses it, and the caller sees finished
+results on its current stream.
+
+Inputs should be contiguous (a non-contiguous ``x_shard`` is copied first, so
+its GEMM is no longer the one a reference on the original view would run).
 """
-import math
 import time
 from typing import List, Optional, Sequence, Tuple
 
@@ -495,7 +507,8 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, schedule
     Returns:
         ``[out_sizes[me], N]``: partials ``x_r[rows] @ w_r`` (input dtype) added
         in rank order 0..G-1 in fp32 and cast once, so bitwise reproducible and
-        independent of the schedule.
+        independent of the schedule. Each partial travels straight to the rank
+        owning its rows (step d: to me+d), not as a relayed running sum.
     Backward: ``d x`` is an :func:`all_gather_matmul` of ``d out`` with ``w^T``;
     ``d w = x^T @ d out_full`` with the ``d out`` gathered on the way.
     """
