@@ -321,9 +321,10 @@ class Space:
     def baseline(self) -> Plan:
         """The sequential plan with the smallest tiles: valid whenever :meth:`shape_problem` is None.
 
-        64-row tiles never exceed the rounded rows, two stages of 64x64 bf16 tiles
-        need 32 KiB, and the sequential schedule never runs communication beside
-        the GEMM, so only ``num_comm_sms < num_sms`` binds."""
+        64-row tiles never exceed the rounded rows, two stages of 64x64 tiles need
+        32 KiB in bf16 (64 KiB in fp32; every GPU since Volta allows more), and the
+        sequential schedule never runs communication beside the GEMM, so only
+        ``num_comm_sms < num_sms`` binds (any GPU of 2 SMs or more)."""
         sms = min(16, max(1, self.gpu.num_sms - 1))
         return Plan(schedule="sequential", num_comm_sms=sms, tile_m=64, tile_n=64, stages=2)
 

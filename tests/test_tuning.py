@@ -1,0 +1,316 @@
+"""The tuning space, the tuner (cache, pruning, rank agreement) and the tune CLI, on CPU."""
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from dist_utils import run_distributed
+from ds_uniep.config import UniEPConfig, UniEPConfigError
+from ds_uniep.tuning import GPUInfo, Plan, PlanCacheWarning, Shape, Space, cache_key, cache_path, tune
+from ds_uniep.tuning import tune_from_config
+from ds_uniep.tuning.presets import preset_shape
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU = GPUInfo("test-gpu", 132, 227 * 1024)
+SMALL = dict(tile_m=64, tile_n=64, stages=2)
+SHAPE = Shape(T=4096, M=1024, F=2048, E=8, k=2, ep=2)  # 2048 rows per expert
+
+
+def small_space(**kw):
+    """Four valid plans: sequential (the baseline), pipelined x2, fused (tiles of the baseline)."""
+    values = dict(schedule=("sequential", "pipelined", "fused"), num_chunks=(2, 4), num_comm_sms=(16,),
+                  roles=("partitioned",), tile_m=(64,), tile_n=(64,), stages=(2,), signal_granularity=("tile",),
+                  dispatch_dtype=("activation",))
+    values.update(kw.pop("values", {}))
+    return Space(SHAPE, GPU, 2, 8192, False, values=values, **kw)
+
+
+# ---------------------------------------------------------------------- space
+def test_each_rejection_reason_is_hit_by_a_plan():
+    space = Space(SHAPE, GPU, 2, max_tokens_per_rank=8192, allow_numerics_change=False)
+    cases = {
+        "SM budget exceeded: num_comm_sms=132 >= 132": Plan(num_comm_sms=132),
+        "SM budget exceeded: the GEMM is left 62 of 132": Plan(schedule="fused", num_comm_sms=70),
+        "shared memory over the limit": Plan(tile_m=256, tile_n=256, stages=4),
+        "pipelined with 1 chunk": Plan(schedule="pipelined", num_chunks=1),
+        "interleaved roles need the fused schedule": Plan(schedule="pipelined", num_chunks=2, roles="interleaved"),
+        "numerics change not allowed": Plan(dispatch_dtype="fp8_e4m3"),
+    }
+    for reason, plan in cases.items():
+        got = space.check(plan)
+        assert got is not None and reason in got, (plan, got)
+    # 19 tokens, k=1, 64 experts: 1 row per expert, rounded up to 64 rows.
+    tiny = Space(Shape(T=19, M=64, F=64, E=64, k=1), GPU)
+    assert "tile larger than the rows: tile_m=128 > 64 rows" in tiny.check(Plan(tile_m=128))
+    assert tiny.check(Plan(tile_m=64)) is None
+    # bf16: 3 stages x (256+256) x 64 x 2 B = 196608 B fits 227 KiB; 4 stages do not.
+    assert space.check(Plan(tile_m=256, tile_n=256, stages=3)) is None
+    big = Space(Shape(T=9000, M=64, F=64, E=8, k=2), GPU, max_tokens_per_rank=8192)
+    assert "symmetric buffer too small: T=9000" in big.check(big.baseline())
+    # Interleaved roles keep every SM for the GEMM; the sequential schedule never overlaps.
+    assert space.check(Plan(schedule="fused", roles="interleaved", num_comm_sms=70)) is None
+    assert space.check(Plan(schedule="sequential", num_comm_sms=70)) is None
+    # The default plan of the config is valid at BENCHMARKS.md shapes.
+    assert space.check(Plan.from_config(UniEPConfig())) is None
+
+
+def test_sequential_baseline_always_valid_and_enumeration_only_valid():
+    shapes = [SHAPE, Shape(1, 64, 64, 64, 1), Shape(19, 64, 128, 8, 8, dtype="fp32"), Shape(111, 32, 32, 2, 2, ep=2),
+              preset_shape("mixtral-like", 4), preset_shape("dsv2lite-like", 8), preset_shape("dsv3-like", 8)]
+    gpus = [GPU, GPUInfo("small", 16, 96 * 1024), GPUInfo("tiny", 2, 64 * 1024)]  # 64 KiB: two fp32 64x64 stages
+    for shape in shapes:
+        for gpu in gpus:
+            for allow in (False, True):
+                space = Space(shape, gpu, shape.ep, 8192, allow, values=dict(num_comm_sms=(1, 8, 16)))
+                base = space.baseline()
+                assert base.schedule == "sequential" and space.check(base) is None, (shape, gpu)
+                plans = space.enumerate()
+                assert len(plans) == len(set(plans))
+                assert all(space.check(p) is None for p in plans)
+                assert any(p.dispatch_dtype == "fp8_e4m3" for p in plans) == allow
+
+
+def test_plan_forms_normalisation_and_config_round_trip():
+    p = Plan(schedule="fused", num_chunks=1, signal_granularity="expert", dispatch_dtype="fp8_e4m3")
+    assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    assert Plan(schedule="fused", num_chunks=1).key() == Plan(schedule="fused").key()
+    # Knobs a schedule ignores are normalised, so equal work has one key.
+    assert Plan(schedule="sequential", signal_granularity="rank") == Plan(schedule="sequential")
+    assert Plan.from_config(UniEPConfig()).num_chunks == 1
+    cfg = UniEPConfig.from_dict({"overlap": {"schedule": "pipelined", "num_chunks": 4, "tile_m": 64,
+                                             "timeout_s": 7.0}, "compression": {"dispatch_dtype": "fp8_e4m3"}})
+    plan = Plan.from_config(cfg)
+    assert (plan.schedule, plan.num_chunks, plan.tile_m, plan.dispatch_dtype) == ("pipelined", 4, 64, "fp8_e4m3")
+    applied = Plan(schedule="fused", stages=3).apply(cfg)
+    assert applied.overlap.timeout_s == 7.0 and applied.overlap.stages == 3
+    assert applied.compression.dispatch_dtype == "activation" and Plan.from_config(applied) == Plan(stages=3)
+    assert plan.to_overlap_config().num_chunks == 4
+    with pytest.raises(ValueError, match="tile_m"):
+        Plan(tile_m=96)
+    with pytest.raises(ValueError, match="exactly the keys"):
+        Plan.from_dict({"schedule": "fused"})
+
+
+# ---------------------------------------------------------------------- cache keys
+def test_cache_key_changes_with_every_field():
+    base = cache_key(SHAPE, GPU)
+    variants = [cache_key(Shape(T=4097, M=1024, F=2048, E=8, k=2, ep=2), GPU),
+                cache_key(Shape(T=4096, M=2048, F=2048, E=8, k=2, ep=2), GPU),
+                cache_key(Shape(T=4096, M=1024, F=1024, E=8, k=2, ep=2), GPU),
+                cache_key(Shape(T=4096, M=1024, F=2048, E=16, k=2, ep=2), GPU),
+                cache_key(Shape(T=4096, M=1024, F=2048, E=8, k=1, ep=2), GPU),
+                cache_key(Shape(T=4096, M=1024, F=2048, E=8, k=2, ep=2, dtype="fp16"), GPU),
+                cache_key(Shape(T=4096, M=1024, F=2048, E=8, k=2, ep=4), GPU),
+                cache_key(SHAPE, GPUInfo("other-gpu", 132, 227 * 1024)),
+                cache_key(SHAPE, GPU, backend="reference")]
+    assert all(v != base for v in variants)
+    paths = {cache_path("/c", k) for k in [base] + variants}
+    assert len(paths) == 1 + len(variants)
+    # The version is in the key but not the file name: an upgrade finds the old file and calls it stale.
+    old = cache_key(SHAPE, GPU, version="0.0.1")
+    assert old != base and cache_path("/c", old) == cache_path("/c", base)
+
+
+def _fake_runner(ms_by_plan, calls, default_ms=2.0):
+    def run_plan(plan):
+        calls.append(plan)
+        time.sleep(ms_by_plan.get(plan, default_ms) / 1e3)
+    return run_plan
+
+
+def _tune(space, run_plan, tmp_path=None, **kw):
+    kw.setdefault("budget_s", 30.0)
+    return tune(space, run_plan, warmup=kw.pop("warmup", 0), repeats=kw.pop("repeats", 3), progress=False,
+                cache_dir=None if tmp_path is None else str(tmp_path), **kw)
+
+
+def test_cache_hit_does_not_run_plans(tmp_path):
+    space = small_space()
+    calls = []
+    first = _tune(space, _fake_runner({}, calls), tmp_path)
+    assert calls and not first.from_cache and os.path.exists(first.cache_file)
+    calls.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hit = _tune(space, _fake_runner({}, calls), tmp_path)
+    assert calls == [] and hit.from_cache and hit.winner == first.winner
+    assert hit.best_ms == first.best_ms and hit.cache_file == first.cache_file
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]  # the atomic write left no temp file
+
+
+@pytest.mark.parametrize("content, why", [
+    ("{not json", "corrupt: not readable JSON"),
+    (json.dumps({"schema": 99, "plan": {}}), "corrupt: wrong schema"),
+    (json.dumps([1, 2, 3]), "corrupt: wrong schema"),
+    ("INVALID_PLAN", "stale: the cached plan"),
+    ("OLD_VERSION", "stale: written for another key (version: '0.0.1' (cache)"),
+    ("BAD_TILE", "corrupt: wrong schema (bad plan"),
+])
+def test_stale_or_corrupt_cache_is_ignored_and_rewritten(tmp_path, content, why):
+    space = small_space()
+    calls = []
+    good = _tune(space, _fake_runner({}, calls), tmp_path)
+    path = good.cache_file
+    entry = json.load(open(path))
+    if content == "INVALID_PLAN":
+        entry["plan"] = Plan(tile_m=256, tile_n=256, stages=6).to_dict()  # over the shared memory limit
+        content = json.dumps(entry)
+    elif content == "OLD_VERSION":
+        entry["key"]["version"] = "0.0.1"
+        content = json.dumps(entry)
+    elif content == "BAD_TILE":
+        entry["plan"]["tile_m"] = 96
+        content = json.dumps(entry)
+    with open(path, "w") as f:
+        f.write(content)
+    calls.clear()
+    with pytest.warns(PlanCacheWarning) as rec:
+        again = _tune(space, _fake_runner({}, calls), tmp_path)
+    msg = str(rec[0].message)
+    assert path in msg and why in msg, msg
+    assert calls and not again.from_cache  # re-tuned ...
+    reread = json.load(open(path))  # ... and rewritten with a trustworthy entry
+    assert reread["key"] == cache_key(space.shape, space.gpu) and Plan.from_dict(reread["plan"]) == again.winner
+
+
+def test_cached_plan_from_another_space_is_stale(tmp_path):
+    calls = []
+    _tune(small_space(), _fake_runner({}, calls), tmp_path)
+    wider = small_space(values=dict(stages=(3, 4)))
+    with pytest.warns(PlanCacheWarning, match="the tuning space changed"):
+        _tune(wider, _fake_runner({}, calls), tmp_path)
+
+
+# ---------------------------------------------------------------------- measuring
+def test_early_stopping_prunes_a_slow_plan_and_picks_the_fastest():
+    space = small_space()
+    seq, pipe2, pipe4, fused = (Plan("sequential", 1, 16, **SMALL), Plan("pipelined", 2, 16, **SMALL),
+                                Plan("pipelined", 4, 16, **SMALL), Plan("fused", 1, 16, **SMALL))
+    assert set(space.enumerate()) == {seq, pipe2, pipe4, fused}
+    ms = {seq: 4.0, pipe2: 40.0, pipe4: 3.0, fused: 1.5}
+    calls = []
+    r = _tune(space, _fake_runner(ms, calls), warmup=1, repeats=8, default_plan=seq, cost_model=lambda p, s: 0.0)
+    slow = next(x for x in r.records if x.plan == pipe2)
+    assert slow.status == "pruned" and "> 1.5 x best" in slow.reason
+    assert calls.count(pipe2) == 1 + 3  # warm-up + probe runs only
+    assert calls.count(fused) == 1 + 8
+    assert r.winner == fused and r.default_ms == pytest.approx(4.0, abs=2.0)
+    assert r.speedup is not None and r.speedup > 1.5
+    assert "fused" in r.table() and "speedup" in r.summary()
+
+
+def test_tie_goes_to_the_earlier_plan_and_budget_skips(monkeypatch):
+    from ds_uniep.tuning import tuner
+    space = small_space()
+    order = space.enumerate()
+    with monkeypatch.context() as m:
+        m.setattr(tuner._Timer, "run", lambda self, fn, n: [fn() or 1.0 for _ in range(n)])
+        # Measured last-first by the cost model; every median is exactly 1.0 ms.
+        r = _tune(space, lambda p: None, default_plan=order[-1], cost_model=lambda p, s: -order.index(p))
+    assert [x.status for x in r.records] == ["measured"] * 4
+    assert r.winner == order[0] and r.best_ms == 1.0
+    r2 = _tune(space, lambda p: time.sleep(0.002), budget_s=1e-9, default_plan=order[-1])
+    statuses = {x.plan: x.status for x in r2.records}
+    assert statuses[order[-1]] == "measured" and statuses[space.baseline()] == "measured"
+    assert list(statuses.values()).count("skipped") == 2
+
+
+def _rank_agreement_body(rank, world_size, result_path):
+    import deepspeed.comm as dist
+    import torch
+    space = small_space()
+    seq, pipe2, pipe4, fused = space.enumerate()
+    # Rank 0 alone would pick fused (1 ms); rank 1 is slow on it (12 ms). MAX: fused 12, pipe4 5, seq 6, pipe2 8.
+    local = [{seq: 6.0, pipe2: 8.0, pipe4: 5.0, fused: 1.0}, {seq: 3.0, pipe2: 4.0, pipe4: 5.0, fused: 12.0}][rank]
+    r = tune(space, _fake_runner(local, []), budget_s=30, warmup=0, repeats=3, progress=False, default_plan=seq,
+             prune_ratio=100.0)
+    winners = [None] * world_size
+    dist.all_gather_object(winners, (r.winner.key(), [x.median_ms for x in r.records]))
+    assert winners[0] == winners[1], winners
+    assert r.winner == pipe4, r.table()
+    if rank == 0:
+        torch.save(winners[0][0], result_path)
+
+
+def test_ranks_agree_on_the_slowest_ranks_time(tmp_path):
+    out = str(tmp_path / "winner.pt")
+    run_distributed(_rank_agreement_body, 2, out)
+    import torch
+    assert Plan.from_dict(json.loads(torch.load(out))) == Plan("pipelined", 4, 16, **SMALL)
+
+
+# ---------------------------------------------------------------------- config
+def test_autotune_block_parses_and_drives_tuning(tmp_path):
+    cfg = UniEPConfig.from_ds_config({"train_batch_size": 8, "uniep": {
+        "max_tokens_per_rank": 4096,
+        "overlap": {"schedule": "pipelined", "num_chunks": 4, "num_comm_sms": 16},
+        "autotune": {"enabled": True, "cache_dir": str(tmp_path / "c"), "budget_s": 5, "allow_numerics_change": True,
+                     "warmup": 0, "repeats": 2}}})
+    at = cfg.autotune
+    assert at.enabled and at.budget_s == 5.0 and at.allow_numerics_change and at.repeats == 2
+    assert UniEPConfig().autotune.enabled is False and UniEPConfig().autotune.allow_numerics_change is False
+    for bad, key in (({"budget_s": 0}, "uniep.autotune.budget_s"), ({"enabled": "yes"}, "uniep.autotune.enabled"),
+                     ({"repeats": 0}, "uniep.autotune.repeats"), ({"budget": 3}, "uniep.autotune.budget")):
+        with pytest.raises(UniEPConfigError, match=key):
+            UniEPConfig.from_dict({"autotune": bad})
+    calls = []
+    values = dict(num_comm_sms=(16,), roles=("partitioned",), tile_m=(128,), tile_n=(128,), stages=(4,),
+                  signal_granularity=("tile",), num_chunks=(4,))
+    r = tune_from_config(cfg, SHAPE, _fake_runner({}, calls), gpu=GPU, progress=False, values=values)
+    assert r.default_plan == Plan("pipelined", 4, 16) and r.default_ms is not None
+    assert any(p.dispatch_dtype == "fp8_e4m3" for p in calls)  # allowed, so explored
+    assert len(calls) == 2 * len(set(calls))  # warmup 0, repeats 2
+    assert os.path.dirname(r.cache_file) == str(tmp_path / "c")
+    # max_tokens_per_rank sizes the buffer: a larger T cannot be tuned at all.
+    with pytest.raises(ValueError, match="symmetric buffer too small"):
+        tune_from_config(cfg, Shape(T=8192, M=64, F=64, E=8, k=2), lambda p: None, gpu=GPU, progress=False)
+
+
+# ---------------------------------------------------------------------- CLI
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ds_uniep.tune", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_cli_help():
+    p = _cli("--help")
+    assert p.returncode == 0
+    for opt in ("--ds-config", "--shape", "--preset", "--ep", "--out", "--backend", "mixtral-like"):
+        assert opt in p.stdout
+
+
+def test_cli_space_only_writes_the_plot(tmp_path):
+    ds = tmp_path / "ds_config.json"
+    ds.write_text(json.dumps({"train_batch_size": 8, "uniep": {"overlap": {"schedule": "fused"}}}))
+    p = _cli("--ds-config", str(ds), "--preset", "dsv2lite-like", "--ep", "4", "--out", str(tmp_path / "o"),
+             "--top", "3")
+    assert p.returncode == 0, p.stderr
+    assert "only enumerating and validating the space; no plan is timed" in p.stdout
+    assert "1200 valid" in p.stdout and "shared memory over the limit" in p.stdout
+    assert "NOT measured" in p.stdout
+    png = tmp_path / "o" / "tune-dsv2lite-like-ep4-space.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "o" / "tune-dsv2lite-like-ep4-space.json").read_text())
+    assert data["measured"] is False and len(data["plans"]) == 4032
+
+
+def test_cli_reference_backend_says_the_knobs_do_not_matter(tmp_path):
+    p = _cli("--shape", "64,32,64,4,2", "--backend", "reference", "--allow-numerics-change", "--out",
+             str(tmp_path), "--warmup", "1", "--repeats", "3", "--no-progress")
+    assert p.returncode == 0, p.stderr
+    assert "only dispatch_dtype changes its path" in p.stdout and "time.perf_counter" in p.stdout
+    data = json.loads((tmp_path / "tune-shape-64x32x64x4x2-ep1-reference.json").read_text())
+    assert {r["plan"]["dispatch_dtype"] for r in data["records"] if r["status"] == "measured"} == \
+        {"activation", "fp8_e4m3"}
+    assert (tmp_path / "tune-shape-64x32x64x4x2-ep1-reference.png").exists()
+
+
+def test_cli_errors(tmp_path):
+    p = _cli("--shape", "1,2,3", "--out", str(tmp_path))
+    assert p.returncode == 2 and "expected five integers" in p.stderr
+    p = _cli("--preset", "mixtral-like", "--backend", "megakernel", "--out", str(tmp_path))
+    assert p.returncode == 2 and "megakernel backend cannot run here" in p.stderr
