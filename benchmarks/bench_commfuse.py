@@ -255,7 +255,10 @@ def main(argv=None):
                "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "symm_mem": symm_note or "enabled", "ops": {}}
     timelines = {}
-    sync = (lambda: dist.barrier(group=group))  # noqa: E731
+    if gloo:
+        sync = (lambda: dist.barrier(group=group))  # noqa: E731
+    else:
+        sync = (lambda: dist.barrier(group=group, device_ids=[device.index]))  # noqa: E731
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
         variants = _variants(op, a, G, group, device, dtype, gloo, symm)
         res = {}
