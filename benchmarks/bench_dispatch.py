@@ -4,8 +4,9 @@
 
 Per rank: T tokens [T, M] bf16, top-k routing over E = 32 * N / 4 experts (at least k),
 each token's k experts distinct. Payload = T * k * M * 2 bytes per rank (every pair row;
-the NCCL baseline sends the same bytes with equal splits). GB/s = payload / time; the
-ceiling is one large GPU0 -> GPU1 tensor copy measured in the same run. Times are the
+the NCCL baseline exchanges the same buffer with equal splits). GB/s = bytes / time; the
+bytes counted are those leaving each rank (pairs routed to other ranks; for NCCL
+(G-1)/G of its buffer); the ceiling is one large GPU0 -> GPU1 tensor copy measured in the same run. Times are the
 median of CUDA-event timings after warm-up, each iteration started behind a barrier.
 """
 import argparse
@@ -83,7 +84,13 @@ def main():
     x = torch.randn(T, M, generator=gen).to(torch.bfloat16).to(dev)
     gates = torch.rand(T, k, generator=gen).to(dev)
     payload = T * k * M * 2
-    results = {"world_size": G, "tokens": T, "hidden": M, "topk": k, "experts": E, "payload_bytes": payload}
+    # Bytes that leave this rank: pairs routed to experts of other ranks (max over ranks).
+    off = ((idx.long() // (E // G)) != rank).sum().to(torch.float64) * M * 2
+    dist.all_reduce(off, op=dist.ReduceOp.MAX)
+    off_rank = float(off)
+    nccl_off_rank = payload * (G - 1) / G
+    results = {"world_size": G, "tokens": T, "hidden": M, "topk": k, "experts": E, "payload_bytes": payload,
+               "off_rank_bytes": off_rank, "nccl_off_rank_bytes": nccl_off_rank}
 
     results["peer_copy_GBps"] = peer_copy_gbps(1 << 30, 10, dev)
 
@@ -120,12 +127,13 @@ def main():
     def gbps(ms, nbytes=payload):
         return nbytes / (ms * 1e-3) / 1e9
 
-    rows = [("NCCL all_to_all_single", results["nccl_a2a_ms"], payload),
-            ("dispatch bf16 (layout+stores+copy-out)", results["bf16_dispatch_ms"], payload),
-            ("dispatch bf16 stores only", results["bf16_dispatch_stores_ms"], payload),
-            ("dispatch fp8 (layout+stores+copy-out)", results["fp8_dispatch_ms"], payload),
-            ("dispatch fp8 stores only", results["fp8_dispatch_stores_ms"], payload),
-            ("combine bf16 (push+reduce)", results["combine_ms"], payload)]
+    # fp8 rows are counted at their bf16 size: the rate at which activations leave the rank.
+    rows = [("NCCL all_to_all_single", results["nccl_a2a_ms"], nccl_off_rank),
+            ("dispatch bf16 (layout+stores+copy-out)", results["bf16_dispatch_ms"], off_rank),
+            ("dispatch bf16 stores only", results["bf16_dispatch_stores_ms"], off_rank),
+            ("dispatch fp8 (layout+stores+copy-out)", results["fp8_dispatch_ms"], off_rank),
+            ("dispatch fp8 stores only", results["fp8_dispatch_stores_ms"], off_rank),
+            ("combine bf16 (push+reduce)", results["combine_ms"], off_rank)]
     table = []
     for label, ms, nbytes in rows:
         bw = gbps(ms, nbytes)
@@ -135,7 +143,8 @@ def main():
     if rank == 0:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
-        print(f"\nG={G} T={T} M={M} k={k} E={E} payload/rank={payload / 2**20:.0f} MiB (bf16-equivalent bytes); "
+        print(f"\nG={G} T={T} M={M} k={k} E={E} payload/rank={payload / 2**20:.0f} MiB, leaving the rank {off_rank / 2**20:.0f} MiB "
+              f"(NCCL {nccl_off_rank / 2**20:.0f} MiB; bf16-equivalent bytes); "
               f"peer copy {results['peer_copy_GBps']:.0f} GB/s")
         print(f"{'op':42s} {'ms':>8s} {'GB/s':>8s} {'%peer':>6s} {'xNCCL':>6s}")
         for r in table:

@@ -21,7 +21,10 @@ def _routing(src, case, T, k, E, mode):
         pool = torch.arange(0, E, 2)
     else:
         pool = torch.arange(E)
-    idx = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:k]] for _ in range(T)]).to(torch.int32)
+    idx = torch.full((T, k), -1, dtype=torch.int32)
+    n = min(k, len(pool))  # slots past the pool's size stay dropped
+    if T:
+        idx[:, :n] = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:n]] for _ in range(T)])
     if mode == "one_expert":  # every token's slot 0 goes to expert 1; the others are dropped
         idx[:, 0] = 1
         idx[:, 1:] = -1
