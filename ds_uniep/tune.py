@@ -148,11 +148,14 @@ def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, ra
             "signals are megakernel settings), so one plan per dispatch dtype is timed; the default plan and "
             "the sequential baseline run the same reference path, and any difference between them is noise")
         space = reference_paths(space)
+        default = space.baseline().replace(dispatch_dtype=cfg.compression.dispatch_dtype)
+    else:
+        default = Plan.from_config(cfg)
     layer, x = build_layer(space.shape, cfg, mode, device)
     result = tune(space, layer_runner(layer, x), budget_s=args.budget_s or at.budget_s,
                   warmup=at.warmup if args.warmup is None else args.warmup,
                   repeats=at.repeats if args.repeats is None else args.repeats,
-                  progress=not args.no_progress, default_plan=Plan.from_config(cfg),
+                  progress=not args.no_progress, default_plan=default,
                   cache_dir=at.cache_dir if args.cache else None, backend=mode)
     if not rank0:
         return 0

@@ -300,12 +300,14 @@ def test_cli_space_only_writes_the_plot(tmp_path):
 
 def test_cli_reference_backend_says_the_knobs_do_not_matter(tmp_path):
     p = _cli("--shape", "64,32,64,4,2", "--backend", "reference", "--allow-numerics-change", "--out",
-             str(tmp_path), "--warmup", "1", "--repeats", "3", "--no-progress")
+             str(tmp_path), "--warmup", "0", "--repeats", "2", "--no-progress")
     assert p.returncode == 0, p.stderr
     assert "only dispatch_dtype changes its path" in p.stdout and "time.perf_counter" in p.stdout
     data = json.loads((tmp_path / "tune-shape-64x32x64x4x2-ep1-reference.json").read_text())
-    assert {r["plan"]["dispatch_dtype"] for r in data["records"] if r["status"] == "measured"} == \
-        {"activation", "fp8_e4m3"}
+    # One plan per dispatch dtype; fp8's quantisation may make it slow enough to be pruned on CPU.
+    assert sorted((r["plan"]["dispatch_dtype"], r["status"] in ("measured", "pruned")) for r in data["records"]) \
+        == [("activation", True), ("fp8_e4m3", True)]
+    assert data["default_ms"] is not None and data["default_ms"] == data["baseline_ms"]
     assert (tmp_path / "tune-shape-64x32x64x4x2-ep1-reference.png").exists()
 
 

@@ -298,7 +298,7 @@ class Space:
             reasons.append(f"shared memory over the limit: {plan.stages} stages x ({plan.tile_m}+{plan.tile_n}) x "
                            f"{K_TILE} x {s.elem_bytes} B = {smem} B > {g.smem_per_block} B per block on {g.name}")
         if plan.schedule == "pipelined" and plan.num_chunks < 2:
-            reasons.append("pipelined with 1 chunk: it is the sequential schedule with extra launches (num_chunks >= 2)")
+            reasons.append("pipelined with 1 chunk: the sequential schedule with extra launches (num_chunks >= 2)")
         if plan.schedule == "pipelined" and plan.num_chunks > s.T:
             reasons.append(f"more chunks than tokens: num_chunks={plan.num_chunks} > T={s.T}")
         if plan.roles == "interleaved" and plan.schedule != "fused":
