@@ -17,6 +17,9 @@ constexpr int kMaxTopK = 16;
 constexpr int kFp8GroupSize = 128;
 // Largest finite e4m3 value; amax of a group maps onto it.
 constexpr float kFp8Max = 448.0f;
+// Its fp32 reciprocal: the scale is amax * (1 / 448), rounded as torch rounds a division
+// by a Python scalar (multiplication by the reciprocal), so FP8 rows match the reference.
+constexpr float kFp8InvMax = 1.0f / 448.0f;
 // Floor of a group's amax, so an all-zero group gets a finite scale.
 constexpr float kFp8MinAmax = 1e-12f;
 

@@ -114,8 +114,8 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_fp8_kernel(
       for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
 #pragma unroll
       for (int off = 4; off >= 1; off /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-      // The reference's rounding exactly: scale = max(amax, 1e-12) / 448, q = e4m3(x / scale).
-      const float scale = __fdiv_rn(fmaxf(amax, kFp8MinAmax), kFp8Max);
+      // The reference's rounding exactly: scale = max(amax, 1e-12) * fp32(1 / 448), q = e4m3(x / scale).
+      const float scale = __fmul_rn(fmaxf(amax, kFp8MinAmax), kFp8InvMax);
       int4 q;
       __nv_fp8x2_storage_t* qp = reinterpret_cast<__nv_fp8x2_storage_t*>(&q);
 #pragma unroll
