@@ -160,6 +160,7 @@ def _body(rank, G, dtype_name):
         fp8_note += " e.g. " + ", ".join(f"x={float(r0[a, b]):.6g} mine={float(r1[a, b]):.6g} "
                                          f"ref={float(ref8[a, b]):.6g}" for a, b in i)
     assert fp8_err <= 1.05 * ref8_err + 1e-6, f"FP8 error {fp8_err:.3e} vs the reference roundtrip's {ref8_err:.3e}"
+    assert not diff.any(), "FP8 dispatch must round exactly as ds_uniep.reference.fp8_roundtrip: " + fp8_note
     # Capacity: an error naming layer, rank and size, before anything moves.
     with pytest.raises(UniEPCapacityError, match=f"rank {rank} got {T_MAX + 1} tokens"):
         disp.dispatch(torch.zeros(T_MAX + 1, M, dtype=dtype, device=dev),
