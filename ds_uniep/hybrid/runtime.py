@@ -1,0 +1,156 @@
+"""HybridEP inside ``UniEPMoE``: experts gathered inside a domain, tokens sent only across domains.
+
+Letters: G expert-parallel ranks, S ranks per domain, D = G / S domains, L local
+experts per rank, E = G * L experts. EP rank ``r`` is offset ``r % S`` of domain
+``r // S``; domains are contiguous runs of EP ranks, so domain ``d`` owns the
+experts ``[d * S * L, (d + 1) * S * L)``.
+
+One layer on rank r:
+
+1. Gather: every rank of the domain receives the weights of all S * L experts of
+   its domain (its own included, through the same path).
+2. Dispatch over the *offset group* (the D ranks with r's offset, one per
+   domain): a token routed to expert e goes to the rank of e's domain with r's
+   offset, which holds a replica of e. A token whose expert lives in r's own
+   domain stays on r. This is the reference dispatcher with D "ranks" of S * L
+   experts each, so the deterministic layout carries over unchanged.
+3. Each replica runs over its rows (``torch.func.functional_call`` on the
+   expert module with the gathered weights).
+4. Combine over the offset group, in slot order in fp32.
+
+Backward: the gradient of a replica comes back to its owner through the
+gather's backward, which all-gathers the domain's replica gradients and adds
+them in domain-rank order (fp32), so each owner parameter receives exactly one
+gradient per backward, before DeepSpeed's expert-data-parallel reduction.
+With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
+"""
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from ..reference import ReferenceDispatcher
+
+
+class HybridGroups:
+    """The domain and offset process groups of one expert-parallel group.
+
+    Creating it is collective over the whole world: every rank builds every
+    group, in the same order, as ``torch.distributed.new_group`` requires.
+    """
+
+    def __init__(self, ep_group, domain_size: int):
+        G = torch_dist.get_world_size(ep_group)
+        if domain_size < 1 or G % domain_size != 0:
+            raise ValueError(f'"uniep": {{"hybrid": {{"domain_size": {domain_size}}}}} must divide the '
+                             f"expert-parallel size {G}")
+        S = domain_size
+        self.domain_size, self.ep_size = S, G
+        self.ep_rank = torch_dist.get_rank(ep_group)
+        self.domain, self.offset = divmod(self.ep_rank, S)
+        # Every EP group of the world, in a fixed order, so all ranks create the same groups.
+        mine = torch_dist.get_process_group_ranks(ep_group)
+        everyone: List[Optional[List[int]]] = [None] * torch_dist.get_world_size()
+        torch_dist.all_gather_object(everyone, mine)
+        ep_groups = sorted({tuple(g) for g in everyone})
+        self.domain_group = self.offset_group = None
+        for ranks in ep_groups:
+            for d in range(G // S):
+                g = torch_dist.new_group(list(ranks[d * S:(d + 1) * S]))
+                if list(ranks) == mine and d == self.domain:
+                    self.domain_group = g
+            for o in range(S):
+                g = torch_dist.new_group(list(ranks[o::S]))
+                if list(ranks) == mine and o == self.offset:
+                    self.offset_group = g
+
+
+class _GatherDomain(torch.autograd.Function):
+    """Forward: ``[S, ...]`` replicas of each local tensor across the domain. Backward: the
+    owner's gradient is the sum of the S replica gradients, added in domain-rank order in fp32."""
+
+    @staticmethod
+    def forward(ctx, group, S: int, offset: int, counter: Optional[Dict[str, int]], *local: Tensor):
+        ctx.group, ctx.S, ctx.offset, ctx.counter = group, S, offset, counter
+        out = []
+        for t in local:
+            parts = [torch.empty_like(t) for _ in range(S)]
+            torch_dist.all_gather(parts, t.detach().contiguous(), group=group)
+            out.append(torch.stack(parts))
+        return tuple(out)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):
+        S = ctx.S
+        result = []
+        for g in grads:
+            # Rank j contributed g_j[offset] for this rank's tensor: gather every rank's [S, ...]
+            # gradient and add the owner's slice of each in rank order.
+            parts = [torch.empty_like(g) for _ in range(S)]
+            torch_dist.all_gather(parts, g.contiguous(), group=ctx.group)
+            acc = torch.zeros_like(g[0], dtype=torch.float32)
+            for j in range(S):
+                acc = acc + parts[j][ctx.offset].float()
+            result.append(acc.to(g.dtype))
+        if ctx.counter is not None:
+            ctx.counter["owner_reductions"] = ctx.counter.get("owner_reductions", 0) + 1
+        return (None, None, None, None) + tuple(result)
+
+
+def _compressed_replicas(stacked: Sequence[Tensor], num_params: int, offset: int, ratio: float) -> List[Tensor]:
+    """What compressed migration delivers: for each parameter, the domain's shared base (the mean of
+    all S * L experts' copies) with each *other* owner's top-``ratio`` positions restored; this
+    rank's own experts stay exact. ``stacked[l * P + i]``: ``[S, ...]`` replicas of local expert l,
+    parameter i. The gradient passes straight through to the owners."""
+    from .compress import decode, encode, shared_base
+    out = list(stacked)
+    L = len(stacked) // num_params
+    for i in range(num_params):
+        replicas = [stacked[l * num_params + i] for l in range(L)]  # L x [S, ...]
+        base = shared_base(torch.cat([r.detach() for r in replicas]))
+        for l, r in enumerate(replicas):
+            approx = torch.stack([r[s].detach() if s == offset else decode(encode(r[s].detach(), base, ratio), base)
+                                  for s in range(r.shape[0])])
+            out[l * num_params + i] = r + (approx - r).detach()
+    return out
+
+
+class HybridExperts:
+    """Runs the domain's S * L experts on this rank from gathered weights."""
+
+    def __init__(self, experts: Sequence[nn.Module], groups: HybridGroups, num_experts: int,
+                 compression_ratio: Optional[float] = None):
+        self.experts = list(experts)
+        self.groups = groups
+        self.compression_ratio = compression_ratio
+        self.names = [n for n, _ in self.experts[0].named_parameters()]
+        self.dispatcher = ReferenceDispatcher(num_experts, groups.ep_size // groups.domain_size,
+                                              groups.offset_group, rank=groups.domain)
+        #: Backward passes that reduced replica gradients to their owners (tests count them).
+        self.counter: Dict[str, int] = {}
+
+    def gather(self) -> List[Dict[str, Tensor]]:
+        """``[S * L]`` parameter dicts, domain expert order (owner offset, then local index)."""
+        g = self.groups
+        local = [p for e in self.experts for p in e.parameters()]
+        stacked = _GatherDomain.apply(g.domain_group, g.domain_size, g.offset, self.counter, *local)
+        P = len(self.names)
+        if self.compression_ratio is not None:
+            stacked = _compressed_replicas(stacked, P, g.offset, self.compression_ratio)
+        L = len(self.experts)
+        return [{name: stacked[l * P + i][s] for i, name in enumerate(self.names)}
+                for s in range(g.domain_size) for l in range(L)]
+
+    def run(self, recv: Tensor, counts: Tensor) -> Tensor:
+        params = self.gather()
+        L = len(self.experts)
+        outs = []
+        for j, rows in enumerate(recv.split(counts.tolist())):
+            out = functional_call(self.experts[j % L], params[j], (rows, ))
+            if isinstance(out, tuple):
+                out = out[0]
+            outs.append(out)
+        return torch.cat(outs) if outs else recv

@@ -1,0 +1,153 @@
+"""HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains: exact against plain EP, replica gradients reduced once."""
+import itertools
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+CASES = list(itertools.product((1, 2, 4), (True, False)))
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def _layer_pair(world_size, k, drop, dtype, domain_size, rank):
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, distinct_experts
+    layers = []
+    for S in (None, domain_size):
+        torch.manual_seed(5)
+        cfg = {"backend": "reference"}
+        if S is not None:
+            cfg["hybrid"] = {"enabled": True, "domain_size": S}
+        layer = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=k, min_capacity=4,
+                         drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+        distinct_experts(layer, rank)
+        layer = layer.to(dtype)
+        layer.set_deepspeed_parallelism()
+        layers.append(layer)
+    return layers
+
+
+def _layer_exactness(rank, world_size):
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for k, drop in CASES:
+            for S in (1, 2):
+                plain, hybrid = _layer_pair(world_size, k, drop, dtype, S, rank)
+                assert (hybrid._hybrid is None) == (S == 1)
+                g = torch.Generator().manual_seed(rank)
+                x = torch.randn(24, 16, generator=g).to(dtype)
+                gy = torch.randn(24, 16, generator=g).to(dtype)
+                res = []
+                for layer in (plain, hybrid):
+                    xi = x.clone().requires_grad_(True)
+                    out, l_aux, counts = layer(xi)
+                    ((out.float() * gy.float()).sum() + l_aux).backward()
+                    res.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+                where = f"rank {rank} {dtype} k={k} drop={drop} S={S}"
+                for a, b in zip(*res):
+                    if S == 1:
+                        assert torch.equal(a, b), where  # domain size 1 is plain EP, bit for bit
+                    else:
+                        assert _rel(b, a) <= tol, f"{where}: relative error {_rel(b, a)}"
+                if S == 2:
+                    assert hybrid._hybrid.counter["owner_reductions"] == 1, where
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_hybrid_layer_matches_plain_ep(world_size):
+    run_distributed(_layer_exactness, world_size)
+
+
+class _Net(torch.nn.Module):
+
+    def __init__(self, world_size, rank, cfg, k, drop):
+        from ds_uniep import UniEPMoE
+        from moe_models import MLP
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16)
+        self.moe = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=k, min_capacity=4,
+                            drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+        self.out = torch.nn.Linear(16, 1)
+        with torch.no_grad():  # distinct experts per rank
+            for p in self.moe.deepspeed_moe.experts.parameters():
+                p.add_(0.1 * rank)
+
+    def forward(self, x):
+        h, l_aux, _ = self.moe(torch.tanh(self.inp(x)))
+        return self.out(h).squeeze(-1), l_aux
+
+
+def _batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, 6, 8, generator=g), torch.randn(4, 6, generator=g)
+
+
+def _cfg(hybrid):
+    cfg = {"backend": "reference"}
+    if hybrid:
+        cfg["hybrid"] = {"enabled": True, "domain_size": 2}
+    return cfg
+
+
+def _hundred_steps(rank, world_size, steps):
+    """Plain EP and HybridEP side by side for ``steps`` AdamW steps; weights must agree."""
+    for k, drop in CASES:
+        nets, opts = [], []
+        for hybrid in (False, True):
+            net = _Net(world_size, rank, _cfg(hybrid), k, drop)
+            net.moe.set_deepspeed_parallelism()
+            nets.append(net)
+            opts.append(torch.optim.AdamW(net.parameters(), lr=1e-3))
+        for step in range(steps):
+            x, y = _batch(step, rank)
+            for net, opt in zip(nets, opts):
+                opt.zero_grad()
+                pred, l_aux = net(x)
+                (((pred - y)**2).mean() + 0.01 * l_aux).backward()
+                opt.step()
+        assert nets[1].moe._hybrid.counter["owner_reductions"] == steps
+        for (n, a), b in zip(nets[0].named_parameters(), nets[1].parameters()):
+            assert _rel(b, a) <= 1e-5, f"rank {rank} k={k} drop={drop} {n}: {_rel(b, a)}"
+
+
+def test_hybrid_weights_match_plain_ep_after_100_steps():
+    run_distributed(_hundred_steps, 4, 100)
+
+
+def _zero_counts(rank, world_size, steps):
+    """Under ZeRO-1 and 2, every expert parameter gets exactly one gradient per step."""
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    for stage in (1, 2):
+        weights = []
+        for hybrid in (False, True):
+            model = _Net(world_size, rank, _cfg(hybrid), 2, True)
+            arrivals = {"n": 0}
+            for p in model.moe.deepspeed_moe.experts.parameters():
+                p.register_hook(lambda g: arrivals.__setitem__("n", arrivals["n"] + 1))
+            groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                            "name": "params"})
+            engine, *_ = deepspeed.initialize(
+                model=model, optimizer=torch.optim.AdamW(groups, lr=1e-3),
+                config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+                        "zero_allow_untested_optimizer": True})
+            for step in range(steps):
+                x, y = _batch(step, rank)
+                pred, l_aux = engine(x)
+                engine.backward(((pred - y)**2).mean() + 0.01 * l_aux)
+                engine.step()
+            n_params = len(list(model.moe.deepspeed_moe.experts.parameters()))
+            assert arrivals["n"] == steps * n_params, (stage, hybrid, arrivals, steps * n_params)
+            if hybrid:
+                assert model.moe._hybrid.counter["owner_reductions"] == steps
+            weights.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+        for n in weights[0]:
+            assert _rel(weights[1][n], weights[0][n]) <= 1e-5, f"stage {stage} {n}"
+
+
+def test_hybrid_under_zero_1_and_2_reduces_each_replica_gradient_once():
+    run_distributed(_zero_counts, 4, 5)
