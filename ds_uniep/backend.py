@@ -23,7 +23,8 @@ def megakernel_status(device: torch.device) -> Tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
     try:
-        from ds_uniep.ops import megakernel_available
+        from .megakernel import ops_package
+        megakernel_available = ops_package().megakernel_available
     except ImportError as err:
         return False, f"the UniEP ops cannot be imported ({err})"
     return megakernel_available(device)

@@ -81,7 +81,8 @@ class CompressionConfig(_Block):
 class AutotuneConfig(_Block):
     """Search of the tuning space (``ds_uniep.tuning``) on the live shapes."""
 
-    enabled: bool = Field(False, description="Tune each layer shape on its first forward and cache the plan.")
+    enabled: bool = Field(False, description="Tune each layer shape on its first forward and cache the plan "
+                          "(not yet wired into UniEPMoE: a warning says so; use python -m ds_uniep.tune).")
     cache_dir: str = Field("~/.cache/ds_uniep", description="Directory of the JSON plan cache.")
     budget_s: float = Field(60.0, gt=0, description="Seconds one layer shape may spend tuning.")
     allow_numerics_change: bool = Field(
@@ -93,9 +94,11 @@ class AutotuneConfig(_Block):
 class CommFuseConfig(_Block):
     """All-gather+GEMM and GEMM+reduce-scatter as peer-to-peer steps (``ds_uniep.commfuse``)."""
 
-    enabled: bool = Field(False, description="Use CommFuse in the parallel linears and expert tensor parallelism.")
+    enabled: bool = Field(False, description="For callers choosing between CommFuse's parallel linears and plain "
+                          "ones; ColumnParallelLinear/RowParallelLinear read schedule and num_chunks.")
     schedule: Literal["ring", "bidirectional_ring"] = Field(
-        "ring", description="ring: one neighbour per step; bidirectional_ring: half of each block each way.")
+        "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
+        "round, half the steps.")
     num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into.")
 
 
@@ -115,13 +118,14 @@ class HybridConfig(_Block):
 
     enabled: bool = Field(False, description="Gather experts inside a domain; send tokens only across domains.")
     site_size: Union[int, Literal["auto"]] = Field(
-        "auto", description="Ranks joined by fast links, or auto: the ranks of one node (LOCAL_WORLD_SIZE).")
+        "auto", description="Ranks joined by fast links (planner input), or auto: the ranks of one node.")
     domain_size: Union[int, Literal["auto"]] = Field(
-        "auto", description="Ranks per domain, or auto: chosen by the cost model.")
+        "auto", description="Ranks per domain (must divide the EP size; 1 is plain EP). auto is refused at run "
+        "time for now: python -m ds_uniep.hybrid plan prints the size to set.")
     intra_site_bandwidth: Union[float, Literal["measure"]] = Field(
-        "measure", description="Bytes/s per rank between ranks of one site, or measure at start-up.")
+        "measure", description="Bytes/s per rank between ranks of one site (planner input; measure: not yet).")
     inter_site_bandwidth: Union[float, Literal["measure"]] = Field(
-        "measure", description="Bytes/s per rank between sites, or measure at start-up.")
+        "measure", description="Bytes/s per rank between sites (planner input; measure: not yet).")
     compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
                                                  description="Compressed expert migration.")
 
@@ -152,7 +156,10 @@ class UniEPConfig(_Block):
         True, description="Keep the fixed token order; results are bitwise identical run to run.")
     max_tokens_per_rank: int = Field(
         8192, ge=1, description="Largest token count one rank feeds a layer; sizes the symmetric buffers.")
-    overlap: OverlapConfig = Field(default_factory=OverlapConfig, description="Overlap schedule and kernel knobs.")
+    overlap: OverlapConfig = Field(default_factory=OverlapConfig,
+                                   description="Overlap schedule and kernel knobs (the tuning space; the current "
+                                   "megakernel backend runs dispatch, grouped GEMM and combine in sequence and reads "
+                                   "timeout_s only).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")
