@@ -4,7 +4,19 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# DeepSpeed picks its accelerator once per process; spawned ranks inherit this.
+os.environ.setdefault("DS_ACCELERATOR", "cuda" if _has_cuda() else "cpu")
 
 
 def cuda_gpus() -> int:
