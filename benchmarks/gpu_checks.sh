@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of ds_uniep, on one host with N >= 2 GPUs:
+#   bash benchmarks/gpu_checks.sh OUTDIR [tests] [dispatch] [layer] [commfuse] [gpt]   (default: all)
+# GPU tests (kernels, megakernel vs reference layer, determinism over NCCL,
+# CommFuse over NCCL), then the benchmarks, then a 20-step GPT-MoE training run
+# per backend. Each step's log goes to OUTDIR; a summary is printed last.
+set -u
+OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [dispatch] [layer] [commfuse] [gpt]}
+shift
+WANT=" ${*:-tests dispatch layer commfuse gpt} "
+want() { [[ $WANT == *" $1 "* ]]; }
+mkdir -p "$OUT"
+export DS_ACCELERATOR=cuda NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+NGPU=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+declare -A STATUS
+
+step() {  # step NAME CMD...
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  STATUS[$name]="rc=$rc $((SECONDS - t0))s"
+  tail -n 25 "$OUT/$name.log"
+}
+
+want tests && step tests python3 -m pytest -q -rs tests/test_nvlink_kernels.py tests/test_megakernel_layer.py \
+  tests/test_determinism.py tests/test_commfuse.py
+want dispatch && step bench_dispatch torchrun --nproc_per_node "$NGPU" benchmarks/bench_dispatch.py --out "$OUT/dispatch.json"
+want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/bench_moe_layer.py --out "$OUT"
+want commfuse && step bench_commfuse torchrun --nproc_per_node "$NGPU" benchmarks/bench_commfuse.py --out "$OUT/commfuse"
+want gpt && for backend in deepspeed reference megakernel megakernel_again; do
+  step "gpt_$backend" python3 -m deepspeed.launcher.runner --num_gpus "$NGPU" examples/gpt_moe/train.py \
+    --deepspeed_config configs/ds_config_uniep_zero0_bf16.json --num-experts $((2 * NGPU)) \
+    --moe-expert-parallel-size "$NGPU" --topk 2 --train-iters 20 --hidden-size 256 --num-attention-heads 4 \
+    --seq-length 256 --eval-interval 1000 --log-interval 5 --backend "${backend%_again}" \
+    --loss-log "$OUT/loss_$backend.json"
+done
+
+echo "=== summary (ngpu=$NGPU)"
+for k in "${!STATUS[@]}"; do echo "$k ${STATUS[$k]}"; done | sort
+grep -h "final:" "$OUT"/gpt_*.log || true
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+logs = {}
+for b in ("deepspeed", "reference", "megakernel", "megakernel_again"):
+    p = os.path.join(out, f"loss_{b}.json")
+    if os.path.exists(p):
+        logs[b] = {int(k): float.fromhex(v) if isinstance(v, str) else v for k, v in json.load(open(p)).items()}
+if "megakernel" in logs and "megakernel_again" in logs:
+    print("megakernel losses bitwise equal across two runs:", logs["megakernel"] == logs["megakernel_again"])
+if "megakernel" in logs and "reference" in logs:
+    d = max(abs(logs["megakernel"][s] - logs["reference"][s]) for s in logs["reference"])
+    print(f"max |loss megakernel - reference| over 20 steps: {d:.3e}")
+for b, l in logs.items():
+    print(b, "step0", round(l[min(l)], 4), "last", round(l[max(l)], 4))
+PY
