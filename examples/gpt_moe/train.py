@@ -230,7 +230,8 @@ def main(argv=None):
             rate = tokens_per_step * timed_steps / train_time if timed_steps else float("nan")
             bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{rate:,.0f}", refresh=False)
             bar.update(1)
-            if args.log_interval and step % args.log_interval == 0 and not sys.stdout.isatty():
+            evaluated = args.eval_interval and step % args.eval_interval == 0
+            if args.log_interval and step % args.log_interval == 0 and not evaluated and not sys.stdout.isatty():
                 bar.write(f"[gpt_moe] step {step}: loss {loss_value:.4f}")
         if args.save and args.save_interval and step % args.save_interval == 0:
             save(step)
