@@ -23,7 +23,8 @@ def _compare(rank, world_size):
                 torch.manual_seed(11)
                 layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
                                  drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
-                                 config={"backend": backend, "max_tokens_per_rank": 4096})
+                                 config={"backend": backend, "max_tokens_per_rank": 4096,
+                                         "overlap": {"timeout_s": 5.0}})
                 with torch.no_grad():
                     g = torch.Generator().manual_seed(100 + rank)
                     for p in layer.deepspeed_moe.experts.parameters():
