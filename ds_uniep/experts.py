@@ -40,14 +40,28 @@ class GeLUExpert(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
+class _AddGroupBias(torch.autograd.Function):
+    """``y [R, N] + bias[l]`` on the rows of group ``l``; the bias gradient sums each group's rows
+    with one reduction per group (a fixed order), not a scatter-add over rows."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, bias: Tensor, counts: Tensor) -> Tensor:
+        ctx.splits = counts.tolist()
+        return y + torch.repeat_interleave(bias, counts, dim=0, output_size=y.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        parts = grad.split(ctx.splits)
+        return grad, torch.stack([p.sum(0) for p in parts]), None
+
+
 def _grouped_linear(x: Tensor, linears: Sequence[nn.Linear], offs: Tensor, counts: Tensor) -> Tensor:
     """Rows of group ``l`` of ``x [R, K]`` times ``linears[l].weight.T``; ``offs``: ``[L]`` int32 ends."""
     # [L, N, K] stacked then viewed as [L, K, N]: the column-major B operand grouped_mm takes.
     w = torch.stack([lin.weight for lin in linears]).transpose(-2, -1)
     y = torch._grouped_mm(x, w, offs=offs)
     if linears[0].bias is not None:
-        bias = torch.stack([lin.bias for lin in linears])  # [L, N]
-        y = y + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
+        y = _AddGroupBias.apply(y, torch.stack([lin.bias for lin in linears]), counts)  # bias [L, N]
     return y
 
 

@@ -83,6 +83,27 @@ class _FP8Dispatch(torch.autograd.Function):
         return grad
 
 
+class _GatherPairs(torch.autograd.Function):
+    """``x [T, M] -> rows [N, M]``, row i a copy of token ``pairs[i] // k``.
+
+    Its gradient adds each token's (up to k) row gradients in slot order in fp32,
+    the combine's order, instead of ``index_select``'s backward, whose scatter-add
+    on GPUs orders duplicate indices by arrival."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, pairs: Tensor, k: int) -> Tensor:
+        ctx.save_for_backward(pairs)
+        ctx.k, ctx.T = k, x.shape[0]
+        return x.index_select(0, pairs // k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (pairs, ) = ctx.saved_tensors
+        per_pair = grad.new_zeros(ctx.T * ctx.k, grad.shape[1]).index_copy(0, pairs, grad)
+        ones = grad.new_ones(ctx.T, ctx.k, dtype=torch.float32)
+        return weighted_slot_sum(per_pair.view(ctx.T, ctx.k, -1), ones, grad.dtype), None, None
+
+
 class DispatchHandle:
     """What combine needs from dispatch: the layout, the split sizes and the capacity."""
 
@@ -136,8 +157,7 @@ class ReferenceDispatcher:
             raise RuntimeError(f"{int(counts.max())} rows routed to one expert exceed the capacity {capacity}")
         layout = build_layout(expert_idx, gather_counts(counts, self.group, self.ep_size), self.rank)
         handle = DispatchHandle(layout, expert_idx, capacity)
-        tokens = layout.send_pairs // k
-        send = x.index_select(0, tokens)  # [N, M], in (destination rank, destination row) order
+        send = _GatherPairs.apply(x, layout.send_pairs, k)  # [N, M], (destination rank, destination row) order
         if self.fp8:
             send = _FP8Dispatch.apply(send)
         if capacity is None:

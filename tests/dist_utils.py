@@ -5,6 +5,7 @@ in the parent, so a test cannot pass because a rank died quietly.
 """
 import os
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -41,8 +42,14 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, errq)) for r in range(world_size)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(timeout)
+    # A rank that fails leaves its peers blocked in their next collective: stop them all
+    # at the first failure instead of waiting for the peers' collective timeouts.
+    deadline = time.monotonic() + timeout
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        if not errq.empty() or any(p.exitcode not in (None, 0) for p in procs):
+            time.sleep(2.0)  # let the failing rank finish reporting
+            break
+        time.sleep(0.05)
     for p in procs:
         if p.is_alive():
             p.kill()
