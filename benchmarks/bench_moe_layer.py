@@ -33,7 +33,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["mixtral-like", "dsv2lite-like", "dsv3-like"])
     p.add_argument("--experts", type=int, default=None, help="override E (default: the shape's; dsv3-like: "
-                   "8 per rank below ep 8, 256 from ep 8)")
+                   "32 up to ep 4, 256 from ep 8)")
     p.add_argument("--tokens", type=int, default=None, help="override T tokens per rank")
     p.add_argument("--backends", nargs="+", default=["stock", "reference", "megakernel"],
                    choices=["stock", "reference", "megakernel"])
@@ -45,11 +45,8 @@ def parse_args(argv=None):
 
 
 def experts_for(shape, ep, override):
-    if override:
-        return override
-    if shape.name == "dsv3-like" and ep < 8:
-        return 8 * ep
-    return shape.num_experts
+    from ds_uniep.tuning.presets import num_experts_at
+    return override or num_experts_at(shape.name, ep)
 
 
 def peer_copy_gbps(nbytes=256 << 20):

@@ -1,19 +1,25 @@
 """The three layer shapes of BENCHMARKS.md (per rank), as :class:`Shape` for a given ep."""
 
+from ..hybrid.presets import PRESETS
 from .space import Shape
 
-PRESET_NAMES = ("mixtral-like", "dsv2lite-like", "dsv3-like")
+PRESET_NAMES = tuple(PRESETS)
+
+
+def num_experts_at(name: str, ep: int) -> int:
+    """``dsv3-like`` has 32 experts up to ep=4 and 256 from ep=8 on, as benchmarked; others their own."""
+    if name == "dsv3-like" and ep <= 4:
+        return 32
+    return PRESETS[name].num_experts
 
 
 def preset_shape(name: str, ep: int = 1, dtype: str = "bf16") -> Shape:
-    """``dsv3-like`` has 32 experts up to ep=4 and 256 from ep=8 on, as benchmarked."""
-    if name == "mixtral-like":
-        return Shape(T=8192, M=4096, F=14336, E=8, k=2, dtype=dtype, ep=ep)
-    if name == "dsv2lite-like":
-        return Shape(T=8192, M=2048, F=1408, E=64, k=6, dtype=dtype, ep=ep)
-    if name == "dsv3-like":
-        return Shape(T=4096, M=7168, F=2048, E=32 if ep <= 4 else 256, k=8, dtype=dtype, ep=ep)
-    raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
+    """One of the shapes of BENCHMARKS.md (``ds_uniep.hybrid.presets.PRESETS``) at ``ep``."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
+    p = PRESETS[name]
+    return Shape(T=p.tokens_per_rank, M=p.hidden, F=p.ffn, E=num_experts_at(name, ep), k=p.top_k, dtype=dtype,
+                 ep=ep)
 
 
 def parse_shape(text: str, ep: int = 1, dtype: str = "bf16") -> Shape:

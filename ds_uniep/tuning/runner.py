@@ -15,25 +15,12 @@ import os
 from typing import List, Optional, Tuple
 
 import torch
-from torch import nn
 
+from ..experts import SwiGLUExpert
 from .space import DISPATCH_DTYPES, Plan, Shape, Space
 from .tuner import RunPlan
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-class SwiGLU(nn.Module):
-    """The experts of BENCHMARKS.md: ``w2(silu(w1 x) * w3 x)``, x ``[rows, M]``."""
-
-    def __init__(self, hidden: int, ffn: int):
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
 
 
 def apply_plan(layer, plan: Plan) -> None:
@@ -107,7 +94,7 @@ def build_layer(shape: Shape, config, backend: str, device: torch.device, seed: 
         if torch.distributed.get_world_size() != shape.ep:
             raise ValueError(f"--ep {shape.ep} but the job has {torch.distributed.get_world_size()} ranks")
     torch.manual_seed(seed + (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0))
-    layer = UniEPMoE(shape.M, SwiGLU(shape.M, shape.F), num_experts=shape.E, ep_size=shape.ep, k=shape.k,
+    layer = UniEPMoE(shape.M, SwiGLUExpert(shape.M, shape.F), num_experts=shape.E, ep_size=shape.ep, k=shape.k,
                      min_capacity=0, drop_tokens=False, config=cfg)
     if shape.ep > 1:
         layer.set_deepspeed_parallelism()
