@@ -9,6 +9,7 @@ dispatcher moves rows in the deterministic layout (``layout.py``), the local
 experts run, and the combine adds each token's slots in slot order in fp32.
 """
 
+import inspect
 import itertools
 import os
 from typing import Any, Mapping, Optional, Tuple, Union
@@ -34,7 +35,8 @@ class UniEPMoE(MoE):
 
     Arguments are those of ``deepspeed.moe.layer.MoE`` (any ``k`` >= 1, as DeepSpeed's
     ``TopKGate``), plus ``config``: a :class:`UniEPConfig`, a ds_config path or dict
-    holding a ``"uniep"`` block, or the block itself. ``forward(hidden_states
+    holding a ``"uniep"`` block, or the block itself. Without ``config`` the layer
+    takes the ``"uniep"`` block of the ds_config that ``deepspeed.initialize`` gets. ``forward(hidden_states
     [..., hidden_size], used_token=None)`` returns ``(output, l_aux, exp_counts)``.
     """
 
@@ -57,6 +59,9 @@ class UniEPMoE(MoE):
                  *,
                  config: Union[UniEPConfig, str, os.PathLike, Mapping[str, Any], None] = None) -> None:
         _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
+        # Without config=, the ds_config's "uniep" block is read when deepspeed.initialize sets up
+        # the layer (set_deepspeed_parallelism), so swapping the class is the only change a model needs.
+        self._config_from_engine = config is None
         self.uniep_config = UniEPConfig.coerce(config)
         backend_mod.check_requested(self.uniep_config.backend)
         _check_implemented(self.uniep_config)
@@ -77,6 +82,12 @@ class UniEPMoE(MoE):
         if torch.distributed.is_initialized() and self.ep_size > torch.distributed.get_world_size():
             raise ValueError(f"{self.layer_name}: ep_size={self.ep_size} is larger than the world size "
                              f"{torch.distributed.get_world_size()}")
+        if self._config_from_engine:
+            engine = _calling_engine()
+            if engine is not None:
+                self.uniep_config = UniEPConfig.from_engine(engine)
+                backend_mod.check_requested(self.uniep_config.backend)
+                _check_implemented(self.uniep_config)
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
         self._dispatchers.clear()
         hyb = self.uniep_config.hybrid
@@ -157,6 +168,21 @@ class UniEPMoE(MoE):
         if device is None:
             return next(iter(self._backend_by_device.values()), None)
         return self._backend_by_device.get(torch.device(device))
+
+
+def _calling_engine():
+    """The DeepSpeedEngine whose initialisation is calling us, if any (its config holds "uniep")."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, DeepSpeedEngine):
+                return candidate
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
 
 
 def _check_implemented(cfg: UniEPConfig) -> None:

@@ -89,6 +89,24 @@ def _checkpoints(rank, world_size, tmp):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=tag)
 
 
+def _config_from_engine(rank, world_size):
+    import deepspeed
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    model.moe = UniEPMoE(8, MLP(8, 8), num_experts=2, ep_size=world_size)  # no config=
+    assert model.moe.uniep_config.backend == "auto"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    deepspeed.initialize(model=model, optimizer=opt,
+                         config={"train_micro_batch_size_per_gpu": 2, "uniep": {"backend": "reference",
+                                                                                 "max_tokens_per_rank": 512}})
+    assert model.moe.uniep_config.backend == "reference" and model.moe.uniep_config.max_tokens_per_rank == 512
+
+
+def test_layer_without_config_reads_the_uniep_block_at_initialize():
+    run_distributed(_config_from_engine, 2)
+
+
 def test_zero_0_1_2_train_like_stock_moe():
     run_distributed(_zero_stages, 2)
 
