@@ -120,8 +120,8 @@ class HybridConfig(_Block):
     site_size: Union[int, Literal["auto"]] = Field(
         "auto", description="Ranks joined by fast links (planner input), or auto: the ranks of one node.")
     domain_size: Union[int, Literal["auto"]] = Field(
-        "auto", description="Ranks per domain (must divide the EP size; 1 is plain EP). auto is refused at run "
-        "time for now: python -m ds_uniep.hybrid plan prints the size to set.")
+        "auto", description="Ranks per domain (must divide the EP size; 1 is plain EP), or auto: chosen by the "
+        "planner from the site size and the two bandwidths, which must then be numbers.")
     intra_site_bandwidth: Union[float, Literal["measure"]] = Field(
         "measure", description="Bytes/s per rank between ranks of one site (planner input; measure: not yet).")
     inter_site_bandwidth: Union[float, Literal["measure"]] = Field(

@@ -91,12 +91,24 @@ class UniEPMoE(MoE):
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
         self._dispatchers.clear()
         hyb = self.uniep_config.hybrid
-        if hyb.enabled and hyb.domain_size > 1:
-            from .hybrid.runtime import HybridExperts, HybridGroups
+        self._hybrid = None
+        if not hyb.enabled:
+            return
+        from .hybrid.runtime import HybridExperts, HybridGroups, choose_domain_size
+        S = hyb.domain_size
+        if S == "auto":
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
+            S, plan = choose_domain_size(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
+                                         self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank,
+                                         self.num_local_experts, local_world)
+            logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S} (predicted speedup "
+                        f"{plan.speedup:.2f}x over plain EP)")
+        self.hybrid_domain_size = S
+        if S > 1:
             ratio = hyb.compression.ratio if hyb.compression.enabled else None
             self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts,
-                                         HybridGroups(self.ep_group, hyb.domain_size), self.num_experts, ratio)
-            logger.info(f"{self.layer_name}: HybridEP with domains of {hyb.domain_size} ranks "
+                                         HybridGroups(self.ep_group, S), self.num_experts, ratio)
+            logger.info(f"{self.layer_name}: HybridEP with domains of {S} ranks "
                         f"(reference transport{', compressed migration' if ratio else ''})")
 
     @property
@@ -187,10 +199,11 @@ def _calling_engine():
 
 def _check_implemented(cfg: UniEPConfig) -> None:
     """Options the layer cannot honour yet fail or warn here, rather than being dropped silently."""
-    if cfg.hybrid.enabled and cfg.hybrid.domain_size == "auto":
-        raise NotImplementedError('"uniep": {"hybrid": {"domain_size": "auto"}} is not resolved at run time in '
-                                  "this version: run `python -m ds_uniep.hybrid plan ...` for your model and "
-                                  "links, and set the domain_size it prints")
+    if cfg.hybrid.enabled and cfg.hybrid.domain_size == "auto" and "measure" in (
+            cfg.hybrid.intra_site_bandwidth, cfg.hybrid.inter_site_bandwidth):
+        raise NotImplementedError('"uniep": {"hybrid": {"domain_size": "auto"}} needs intra_site_bandwidth and '
+                                  "inter_site_bandwidth in bytes/s (measuring them is not available in this "
+                                  "version); or set the domain_size that `python -m ds_uniep.hybrid plan` prints")
     if cfg.autotune.enabled:
         logger.warning('"uniep": {"autotune": {"enabled": true}}: layers do not tune themselves in this version; '
                        "they run the configured overlap settings (results are the same, only speed differs)")

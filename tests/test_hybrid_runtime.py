@@ -151,3 +151,24 @@ def _zero_counts(rank, world_size, steps):
 
 def test_hybrid_under_zero_1_and_2_reduces_each_replica_gradient_once():
     run_distributed(_zero_counts, 4, 5)
+
+
+def _auto_domain(rank, world_size):
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP
+    chosen = {}
+    # Same 10 Mbps links between sites of one rank; what differs is what migration moves.
+    for name, ffn, tokens in (("small experts, many tokens", 24, 4096), ("big experts, one token", 8192, 1)):
+        cfg = {"backend": "reference", "max_tokens_per_rank": tokens,
+               "hybrid": {"enabled": True, "domain_size": "auto", "site_size": 1, "intra_site_bandwidth": 4e11,
+                          "inter_site_bandwidth": 1.25e6}}
+        layer = UniEPMoE(16, MLP(16, ffn), num_experts=2 * world_size, ep_size=world_size, k=2, config=cfg)
+        layer.set_deepspeed_parallelism()
+        chosen[name] = layer.hybrid_domain_size
+        assert (layer._hybrid is None) == (chosen[name] == 1)
+    # Gathering 3 KiB experts beats sending 512 KiB of tokens; 1 MiB experts for 128 bytes of tokens do not.
+    assert chosen["small experts, many tokens"] > 1 and chosen["big experts, one token"] == 1, chosen
+
+
+def test_auto_domain_size_follows_the_planner():
+    run_distributed(_auto_domain, 4)

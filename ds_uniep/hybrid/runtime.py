@@ -154,3 +154,39 @@ class HybridExperts:
                 out = out[0]
             outs.append(out)
         return torch.cat(outs) if outs else recv
+
+
+def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int, k: int,
+                       max_tokens_per_rank: int, experts_per_rank: int, local_world_size: int):
+    """``(S, plan)`` for ``"domain_size": "auto"``: the planner of :mod:`.model` on this layer.
+
+    Inputs: the configured site size (auto: the ranks of one node, ``local_world_size``, as
+    far as it divides the EP size) and bandwidths (bytes/s); token bytes D = T_max * k * M *
+    element size; expert bytes from the expert's parameters; expert compute from its FLOPs and
+    pre-expert compute from the attention projections' (2 * T * 4 * M^2), both at
+    :data:`ds_uniep.hybrid.presets.DEFAULT_TFLOPS`, as the ``plan`` CLI estimates them. The runtime migrates whole domains, so the
+    planner chooses between plain EP and full migration (fractions 0 and 1).
+    """
+    import math
+
+    from .model import Cluster, Workload, plan
+    from .presets import DEFAULT_TFLOPS
+    missing = [f"uniep.hybrid.{n}" for n in ("intra_site_bandwidth", "inter_site_bandwidth")
+               if getattr(hybrid_cfg, n) == "measure"]
+    if missing:
+        raise NotImplementedError(f'"domain_size": "auto" needs {" and ".join(missing)} in bytes/s; measuring '
+                                  "them at start-up is not available in this version")
+    site = hybrid_cfg.site_size if hybrid_cfg.site_size != "auto" else math.gcd(local_world_size, ep_size)
+    params = list(expert.parameters())
+    expert_bytes = float(sum(p.numel() * p.element_size() for p in params))
+    elsize = params[0].element_size() if params else 2
+    token_bytes = float(max_tokens_per_rank * k * hidden_size * elsize)
+    flops = 2.0 * sum(p.numel() for p in params) * max_tokens_per_rank * k
+    wl = Workload(token_bytes=token_bytes, expert_bytes=expert_bytes, experts_per_rank=experts_per_rank,
+                  pre_expert_compute_s=2.0 * max_tokens_per_rank * 4 * hidden_size**2 / (DEFAULT_TFLOPS * 1e12),
+                  expert_compute_s=flops / (DEFAULT_TFLOPS * 1e12))
+    cl = Cluster(num_ranks=ep_size, site_size=site, intra_site_bandwidth_bytes_per_s=hybrid_cfg.intra_site_bandwidth,
+                 inter_site_bandwidth_bytes_per_s=hybrid_cfg.inter_site_bandwidth)
+    ratio = hybrid_cfg.compression.ratio if hybrid_cfg.compression.enabled else None
+    p = plan(wl, cl, "auto", compression_ratio=ratio, fractions=(0.0, 1.0))
+    return (p.domain_size if p.migrated_fraction > 0 else 1), p
