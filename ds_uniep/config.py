@@ -121,11 +121,13 @@ class HybridConfig(_Block):
         "auto", description="Ranks joined by fast links (planner input), or auto: the ranks of one node.")
     domain_size: Union[int, Literal["auto"]] = Field(
         "auto", description="Ranks per domain (must divide the EP size; 1 is plain EP), or auto: chosen by the "
-        "planner from the site size and the two bandwidths, which must then be numbers.")
+        "planner from the layer's sizes, the site size and the two bandwidths.")
     intra_site_bandwidth: Union[float, Literal["measure"]] = Field(
-        "measure", description="Bytes/s per rank between ranks of one site (planner input; measure: not yet).")
+        "measure", description="Bytes/s per rank between ranks of one site (planner input), or measure: timed "
+        "ring exchanges at start-up.")
     inter_site_bandwidth: Union[float, Literal["measure"]] = Field(
-        "measure", description="Bytes/s per rank between sites (planner input; measure: not yet).")
+        "measure", description="Bytes/s per rank between sites (planner input), or measure: timed ring "
+        "exchanges at start-up.")
     compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
                                                  description="Compressed expert migration.")
 

@@ -100,7 +100,7 @@ class UniEPMoE(MoE):
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
             S, plan = choose_domain_size(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
                                          self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank,
-                                         self.num_local_experts, local_world)
+                                         self.num_local_experts, local_world, self.ep_group)
             logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S} (predicted speedup "
                         f"{plan.speedup:.2f}x over plain EP)")
         self.hybrid_domain_size = S
@@ -199,11 +199,6 @@ def _calling_engine():
 
 def _check_implemented(cfg: UniEPConfig) -> None:
     """Options the layer cannot honour yet fail or warn here, rather than being dropped silently."""
-    if cfg.hybrid.enabled and cfg.hybrid.domain_size == "auto" and "measure" in (
-            cfg.hybrid.intra_site_bandwidth, cfg.hybrid.inter_site_bandwidth):
-        raise NotImplementedError('"uniep": {"hybrid": {"domain_size": "auto"}} needs intra_site_bandwidth and '
-                                  "inter_site_bandwidth in bytes/s (measuring them is not available in this "
-                                  "version); or set the domain_size that `python -m ds_uniep.hybrid plan` prints")
     if cfg.autotune.enabled:
         logger.warning('"uniep": {"autotune": {"enabled": true}}: layers do not tune themselves in this version; '
                        "they run the configured overlap settings (results are the same, only speed differs)")

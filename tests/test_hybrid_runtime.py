@@ -172,3 +172,27 @@ def _auto_domain(rank, world_size):
 
 def test_auto_domain_size_follows_the_planner():
     run_distributed(_auto_domain, 4)
+
+
+def _measured(rank, world_size):
+    import deepspeed.comm as dist
+    from ds_uniep import UniEPMoE
+    from ds_uniep.hybrid.runtime import measure_bandwidths
+    from moe_models import MLP
+    layer = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=2,
+                     config={"backend": "reference", "max_tokens_per_rank": 64,
+                             "hybrid": {"enabled": True, "site_size": 2}})  # domain_size auto, bandwidths measured
+    layer.set_deepspeed_parallelism()
+    intra, inter = measure_bandwidths(layer.ep_group, 2, nbytes=1 << 20, repeats=2)
+    assert 0 < intra < float("inf") and 0 < inter < float("inf")
+    # Every rank must plan the same domains, or the groups would not match.
+    sizes = [None] * world_size
+    dist.all_gather_object(sizes, (layer.hybrid_domain_size, intra, inter))
+    assert len(set(sizes)) == 1, sizes
+    x = torch.randn(8, 16)
+    out, _, _ = layer(x)
+    assert out.shape == x.shape
+
+
+def test_auto_domain_size_with_measured_bandwidths_is_the_same_on_every_rank():
+    run_distributed(_measured, 4)

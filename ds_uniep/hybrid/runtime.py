@@ -156,12 +156,61 @@ class HybridExperts:
         return torch.cat(outs) if outs else recv
 
 
+def _ring_exchange_s(ep_group, peer_next: int, peer_prev: int, nbytes: int, repeats: int, device) -> float:
+    """Slowest rank's median seconds to send ``nbytes`` to ``peer_next`` while receiving from
+    ``peer_prev`` (EP-group ranks)."""
+    import statistics
+    import time
+    to_global = torch_dist.get_process_group_ranks(ep_group)
+    send = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    recv = torch.empty_like(send)
+    times = []
+    for _ in range(repeats + 1):  # the first exchange sets up the connections; not counted
+        torch_dist.barrier(group=ep_group)
+        t0 = time.perf_counter()
+        reqs = torch_dist.batch_isend_irecv([
+            torch_dist.P2POp(torch_dist.isend, send, to_global[peer_next], group=ep_group),
+            torch_dist.P2POp(torch_dist.irecv, recv, to_global[peer_prev], group=ep_group)])
+        for r in reqs:
+            r.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    worst = torch.tensor([statistics.median(times[1:])], dtype=torch.float64, device=device)
+    torch_dist.all_reduce(worst, op=torch_dist.ReduceOp.MAX, group=ep_group)
+    return float(worst.item())
+
+
+def measure_bandwidths(ep_group, site_size: int, nbytes: int = 8 << 20, repeats: int = 3):
+    """(intra-site, inter-site) bytes/s per rank, from ring exchanges inside a site and between
+    same-offset ranks of neighbouring sites. Every rank gets the same numbers (the slowest rank's
+    time), so every rank plans the same domain size. A level that does not exist (one site, or
+    sites of one rank) takes the other level's number."""
+    G = torch_dist.get_world_size(ep_group)
+    r = torch_dist.get_rank(ep_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch_dist.get_backend(ep_group) == "nccl" \
+        else torch.device("cpu")
+    site, off = divmod(r, site_size)
+    intra = inter = None
+    if site_size > 1:
+        t = _ring_exchange_s(ep_group, site * site_size + (off + 1) % site_size,
+                             site * site_size + (off - 1) % site_size, nbytes, repeats, device)
+        intra = nbytes / t
+    if G > site_size:
+        t = _ring_exchange_s(ep_group, (r + site_size) % G, (r - site_size) % G, nbytes, repeats, device)
+        inter = nbytes / t
+    if intra is None and inter is None:
+        raise ValueError("measuring bandwidths needs at least 2 ranks")
+    return (intra if intra is not None else inter), (inter if inter is not None else intra)
+
+
 def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int, k: int,
-                       max_tokens_per_rank: int, experts_per_rank: int, local_world_size: int):
+                       max_tokens_per_rank: int, experts_per_rank: int, local_world_size: int, ep_group=None):
     """``(S, plan)`` for ``"domain_size": "auto"``: the planner of :mod:`.model` on this layer.
 
     Inputs: the configured site size (auto: the ranks of one node, ``local_world_size``, as
-    far as it divides the EP size) and bandwidths (bytes/s); token bytes D = T_max * k * M *
+    far as it divides the EP size) and bandwidths (bytes/s, or measured over ``ep_group`` by
+    :func:`measure_bandwidths`); token bytes D = T_max * k * M *
     element size; expert bytes from the expert's parameters; expert compute from its FLOPs and
     pre-expert compute from the attention projections' (2 * T * 4 * M^2), both at
     :data:`ds_uniep.hybrid.presets.DEFAULT_TFLOPS`, as the ``plan`` CLI estimates them. The runtime migrates whole domains, so the
@@ -171,12 +220,14 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
 
     from .model import Cluster, Workload, plan
     from .presets import DEFAULT_TFLOPS
-    missing = [f"uniep.hybrid.{n}" for n in ("intra_site_bandwidth", "inter_site_bandwidth")
-               if getattr(hybrid_cfg, n) == "measure"]
-    if missing:
-        raise NotImplementedError(f'"domain_size": "auto" needs {" and ".join(missing)} in bytes/s; measuring '
-                                  "them at start-up is not available in this version")
     site = hybrid_cfg.site_size if hybrid_cfg.site_size != "auto" else math.gcd(local_world_size, ep_size)
+    if ep_size % site != 0:
+        raise ValueError(f'"uniep": {{"hybrid": {{"site_size": {site}}}}} must divide the expert-parallel size {ep_size}')
+    intra, inter = hybrid_cfg.intra_site_bandwidth, hybrid_cfg.inter_site_bandwidth
+    if "measure" in (intra, inter):
+        m_intra, m_inter = measure_bandwidths(ep_group, site)
+        intra = m_intra if intra == "measure" else intra
+        inter = m_inter if inter == "measure" else inter
     params = list(expert.parameters())
     expert_bytes = float(sum(p.numel() * p.element_size() for p in params))
     elsize = params[0].element_size() if params else 2
@@ -185,8 +236,8 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     wl = Workload(token_bytes=token_bytes, expert_bytes=expert_bytes, experts_per_rank=experts_per_rank,
                   pre_expert_compute_s=2.0 * max_tokens_per_rank * 4 * hidden_size**2 / (DEFAULT_TFLOPS * 1e12),
                   expert_compute_s=flops / (DEFAULT_TFLOPS * 1e12))
-    cl = Cluster(num_ranks=ep_size, site_size=site, intra_site_bandwidth_bytes_per_s=hybrid_cfg.intra_site_bandwidth,
-                 inter_site_bandwidth_bytes_per_s=hybrid_cfg.inter_site_bandwidth)
+    cl = Cluster(num_ranks=ep_size, site_size=site, intra_site_bandwidth_bytes_per_s=intra,
+                 inter_site_bandwidth_bytes_per_s=inter)
     ratio = hybrid_cfg.compression.ratio if hybrid_cfg.compression.enabled else None
     p = plan(wl, cl, "auto", compression_ratio=ratio, fractions=(0.0, 1.0))
     return (p.domain_size if p.migrated_fraction > 0 else 1), p
