@@ -16,8 +16,6 @@ from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 from deepspeed.moe.layer import MoE
-from deepspeed.utils import groups
-from deepspeed.utils.bwc import bwc_tensor_model_parallel_world_size
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -26,6 +24,7 @@ from .config import UniEPConfig
 from .env import logger
 from .experts import run_experts
 from .reference import ReferenceDispatcher
+from .tensor_parallel import even_sizes, run_tp_sharded_experts, tp_context, tp_gather, tp_slice
 
 _layer_ids = itertools.count()
 
@@ -123,16 +122,19 @@ class UniEPMoE(MoE):
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"{self.layer_name}: input hidden size {hidden_states.shape[-1]} does not match "
                              f"hidden_size={self.hidden_size} (input shape {tuple(hidden_states.shape)})")
-        if bwc_tensor_model_parallel_world_size(groups.mpu) > 1:
-            raise NotImplementedError(f"{self.layer_name}: a tensor-parallel non-expert model (mpu with "
-                                      "tensor parallel size > 1) is not supported by ds_uniep's backends yet; "
-                                      'set "uniep": {"enabled": false} to run DeepSpeed\'s MOELayer')
         moe = self.deepspeed_moe
         x = hidden_states.reshape(-1, self.hidden_size)
         # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts.
         l_aux, capacity, _, route_idx, _, route_gates, exp_counts = moe.gate(x, used_token, True)
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         expert_idx, gates = route_idx.t(), route_gates.t()
+        tp_group, tp, tp_rank = tp_context()
+        if tp > 1:  # this TP rank moves only its slice of the (replicated) tokens
+            sizes = even_sizes(x.shape[0], tp)
+            x = tp_slice(x, sizes, tp_rank, tp_group)
+            gates = tp_slice(gates, sizes, tp_rank, tp_group)
+            off = sum(sizes[:tp_rank])
+            expert_idx = expert_idx[off:off + sizes[tp_rank]]
         # 2-4. Dispatch, local experts, combine.
         dispatcher = self._hybrid.dispatcher if self._hybrid is not None else self._dispatcher(x)
         if isinstance(dispatcher, ReferenceDispatcher):
@@ -143,9 +145,15 @@ class UniEPMoE(MoE):
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx)
         if self._hybrid is not None:
             y = self._hybrid.run(recv, local_counts)
+        elif tp > 1 and self.enable_expert_tensor_parallelism:
+            y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
+                                       self.uniep_config.commfuse.schedule)
         else:
             y = run_experts(moe.experts.deepspeed_experts, recv, local_counts)
-        output = dispatcher.combine(y, gates, handle).reshape(hidden_states.shape)
+        output = dispatcher.combine(y, gates, handle)
+        if tp > 1:
+            output = tp_gather(output, sizes, tp_rank, tp_group)
+        output = output.reshape(hidden_states.shape)
 
         if self.use_residual:
             output_mlp = self.mlp(hidden_states)

@@ -31,3 +31,20 @@ def needs_gpus(n: int):
     """Skip (with the reason) unless ``n`` CUDA GPUs are present."""
     have = cuda_gpus()
     return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPU(s), found {have}")
+
+
+_SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+@pytest.fixture(autouse=True)
+def _remove_deepspeed_shm_buffers():
+    """DeepSpeed's CPU all-reduce leaves a shared-memory buffer per run in /dev/shm; launched examples
+    and spawned ranks would otherwise pile them up until the machine runs out of memory."""
+    import glob
+    before = set(glob.glob(_SHM_PATTERN))
+    yield
+    for path in set(glob.glob(_SHM_PATTERN)) - before:
+        try:
+            os.remove(path)
+        except OSError:
+            pass

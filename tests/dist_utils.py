@@ -3,6 +3,7 @@
 Every rank's exit code is asserted and a failing rank's traceback is re-raised
 in the parent, so a test cannot pass because a rank died quietly.
 """
+import glob
 import os
 import socket
 import time
@@ -54,6 +55,13 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
         if p.is_alive():
             p.kill()
             p.join()
+    # DeepSpeed's CPU all-reduce keeps shared-memory buffers named after the master port; a run
+    # that ends leaves them in /dev/shm, and enough of them fill the machine's memory.
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
     errors = []
     while not errq.empty():
         errors.append(errq.get())

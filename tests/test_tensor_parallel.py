@@ -1,0 +1,75 @@
+"""UniEPMoE beside a tensor-parallel model (4 gloo ranks, TP 2), with replicated experts and with
+TP-sharded experts (enable_expert_tensor_parallelism): the same tokens give the same output, input
+gradient, l_aux, exp_counts and gate gradient as the layer without tensor parallelism on full experts.
+
+(Stock DeepSpeed MoE cannot be the reference here: its gather_tokens calls all_gather_into_tensor
+with shapes gloo refuses.)
+"""
+import itertools
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+
+
+def _tp_equivalence(rank, world_size, expert_tp):
+    """expert_tp: False (replicated experts), "module" (a sharded expert doing its own all-reduce),
+    or "commfuse" (ds_uniep's TPGeLUExpert, run through all_gather_matmul / matmul_reduce_scatter)."""
+    import deepspeed.comm as dist
+    from deepspeed.utils import groups
+    from ds_uniep import UniEPMoE
+    from ds_uniep.tensor_parallel import TPGeLUExpert
+    from moe_models import MLP, TinyMPU, TPMLP
+
+    tp = 2
+    mpu = TinyMPU(tp)
+    M, F, T, E = 16, 32, 23, 4  # 23 tokens: TP slices of 12 and 11
+    for k, drop in itertools.product((1, 2), (True, False)):
+        layers = {}
+        # The TP layer first: DeepSpeed creates the "ep_size_2" groups once, and TP-sharded experts
+        # need the groups it builds with the mpu (TP ranks of one expert in one EP position).
+        for mode in ("tp", "plain"):
+            groups.mpu = mpu if mode == "tp" else None
+            sharded = mode == "tp" and bool(expert_tp)
+            torch.manual_seed(1234)
+            biased = expert_tp != "module"  # the Megatron-style test expert has no biases
+            expert = MLP(M, F, bias=biased) if not sharded else TPMLP(M, F, tp) if expert_tp == "module" else \
+                TPGeLUExpert(M, F, tp)
+            layer = UniEPMoE(M, expert, num_experts=E, ep_size=2, k=k,
+                             min_capacity=4, drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False,
+                             enable_expert_tensor_parallelism=sharded,
+                             config={"backend": "reference", "commfuse": {"schedule": "bidirectional_ring"}})
+            layer.set_deepspeed_parallelism()
+            ep_rank = dist.get_rank(layer.ep_group)
+            tp_rank = mpu.get_tensor_model_parallel_rank()
+            with torch.no_grad():  # expert e: the same full weights, or this TP rank's shard of them
+                layer.deepspeed_moe.gate.wg.weight.copy_(torch.randn(E, M, generator=torch.Generator().manual_seed(7)))
+                for l, e in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+                    g = torch.Generator().manual_seed(100 + ep_rank * 2 + l)
+                    w1, w2 = torch.randn(F, M, generator=g) * 0.3, torch.randn(M, F, generator=g) * 0.3
+                    if e.fc1.bias is not None:  # fc1's bias sharded like its rows; fc2's whole
+                        b1, b2 = torch.randn(F, generator=g), torch.randn(M, generator=g)
+                        e.fc1.bias.copy_(b1.chunk(tp)[tp_rank] if sharded else b1)
+                        e.fc2.bias.copy_(b2)
+                    e.fc1.weight.copy_(w1.chunk(tp, 0)[tp_rank] if sharded else w1)
+                    e.fc2.weight.copy_(w2.chunk(tp, 1)[tp_rank] if sharded else w2)
+            # Activations are replicated over a TP group: seed by the TP group.
+            gen = torch.Generator().manual_seed(rank // tp)
+            x = torch.randn(T, M, generator=gen)
+            gy = torch.randn(T, M, generator=gen)
+            xi = x.clone().requires_grad_(True)
+            out, l_aux, counts = layer(xi)
+            ((out * gy).sum() + l_aux).backward()
+            layers[mode] = [out.detach(), l_aux.detach(), counts, xi.grad, layer.deepspeed_moe.gate.wg.weight.grad]
+        groups.mpu = None
+        where = f"rank {rank} expert_tp={expert_tp} k={k} drop={drop}"
+        for i, (a, b) in enumerate(zip(layers["plain"], layers["tp"])):
+            # fp32, reductions split over the TP ranks in another order: ~1e-6 absolute on values ~5.
+            torch.testing.assert_close(b.float(), a.float(), rtol=1e-5, atol=1e-5, msg=f"{where} tensor {i}")
+        assert layers["tp"][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("expert_tp", [False, "module", "commfuse"])
+def test_tensor_parallel_matches_the_layer_without_it(expert_tp):
+    run_distributed(_tp_equivalence, 4, expert_tp)
