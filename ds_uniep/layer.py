@@ -94,6 +94,9 @@ class UniEPMoE(MoE):
         if not hyb.enabled:
             return
         from .hybrid.runtime import HybridExperts, HybridGroups, choose_domain_size
+        if tp_context()[1] > 1:
+            raise NotImplementedError(f'{self.layer_name}: "uniep": {{"hybrid": {{"enabled": true}}}} beside a '
+                                      "tensor-parallel mpu is not supported in this version")
         S = hyb.domain_size
         if S == "auto":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
