@@ -8,6 +8,7 @@ instead of a Python loop. Letters: R rows, M hidden, F expert FFN width, L
 local experts.
 """
 
+import warnings
 from typing import List, Sequence
 
 import torch
@@ -104,6 +105,9 @@ def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts:
     for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
         out = expert(rows)
         if isinstance(out, tuple):
+            if len(out) > 1 and out[1] is not None:
+                warnings.warn(f"{type(expert).__name__} returned (out, bias): the bias is not added, as in "
+                              "DeepSpeed's MoE; add it inside the expert if it belongs to the output", UserWarning)
             out = out[0]
         outs.append(out)
     return torch.cat(outs) if outs else recv
