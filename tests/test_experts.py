@@ -30,3 +30,11 @@ def test_grouped_matches_loop_forward_and_backward(kind):
 def test_unrecognised_or_fp32_experts_take_the_loop():
     assert not _grouped_ok([torch.nn.Linear(8, 8)], torch.randn(2, 8, dtype=torch.bfloat16))
     assert not _grouped_ok([SwiGLUExpert(8, 8)], torch.randn(2, 8))
+
+
+def test_a_dropped_expert_bias_is_announced():
+    from moe_models import BiasTupleMLP
+    experts = [BiasTupleMLP(8, 8)]
+    with pytest.warns(UserWarning, match=r"returned \(out, bias\): the bias is not added"):
+        y = run_experts(experts, torch.randn(3, 8), torch.tensor([3]))
+    assert y.shape == (3, 8)
