@@ -30,6 +30,9 @@ def _entry(rank, world_size, port, backend, fn, args, errq):
         fn(rank, world_size, *args)
         import deepspeed.comm as dist
         dist.barrier()
+        # Tear the group down together: a rank whose peer has already exited can abort in
+        # gloo's destructor (SIGABRT after a successful run).
+        torch.distributed.destroy_process_group()
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         errq.put((rank, traceback.format_exc()))
         raise
