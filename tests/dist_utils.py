@@ -6,6 +6,7 @@ in the parent, so a test cannot pass because a rank died quietly.
 import glob
 import os
 import socket
+import sys
 import time
 import traceback
 
@@ -30,12 +31,16 @@ def _entry(rank, world_size, port, backend, fn, args, errq):
         fn(rank, world_size, *args)
         import deepspeed.comm as dist
         dist.barrier()
-        # Tear the group down together: a rank whose peer has already exited can abort in
-        # gloo's destructor (SIGABRT after a successful run).
         torch.distributed.destroy_process_group()
     except BaseException:  # noqa: BLE001 - forwarded to the parent
         errq.put((rank, traceback.format_exc()))
         raise
+    # Every rank finished and met the others at the barrier. Leave without running C++ static
+    # destructors: a background thread of the communication stack can end the process with
+    # "terminate called without an active exception" (SIGABRT) after a successful run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 600.0):
