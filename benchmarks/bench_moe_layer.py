@@ -115,7 +115,7 @@ def time_layer(layer, inputs, mode, args, dist):
     ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
     with ctx:
         r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=inputs, sync=dist.barrier)
-    return slowest(r["median_ms"], dist), r
+    return slowest(r["median_ms"], dist)
 
 
 def gemm_alone(layer, x, mode, args, dist):
@@ -178,8 +178,7 @@ def main(argv=None):
             passes = 1 if mode == "fwd" else 2
             row = {"shape": name, "mode": mode, "T": T, "M": shape.hidden, "F": shape.ffn, "E": E, "k": shape.top_k}
             for bname, layer in layers.items():
-                ms, _ = time_layer(layer, inputs, mode, args, dist)
-                row[bname + "_ms"] = ms
+                row[bname + "_ms"] = time_layer(layer, inputs, mode, args, dist)
             any_uni = layers.get("reference") or next(iter(layers.values()))
             gemm_ms, rows = gemm_alone(any_uni, inputs(0)[0], mode, args, dist)
             flops = 2 * 3 * shape.hidden * shape.ffn * rows * (3 if mode == "fwdbwd" else 1)

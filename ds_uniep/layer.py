@@ -113,6 +113,14 @@ class UniEPMoE(MoE):
             logger.info(f"{self.layer_name}: HybridEP with domains of {S} ranks "
                         f"(reference transport{', compressed migration' if ratio else ''})")
 
+    def set_plan(self, plan) -> None:
+        """Run the next forward under ``plan`` (a :class:`ds_uniep.tuning.Plan`): its overlap knobs and
+        dispatch dtype replace the config's; dispatchers built for the old settings are dropped."""
+        cfg = plan.apply(self.uniep_config)
+        if cfg != self.uniep_config:
+            self.uniep_config = cfg
+            self._dispatchers.clear()
+
     @property
     def ep_group(self):
         return self.deepspeed_moe.ep_group

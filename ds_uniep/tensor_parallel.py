@@ -124,7 +124,6 @@ class TPGeLUExpert(nn.Module):
         self.fc2 = nn.Linear(ffn_size // tp_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        from ds_uniep.commfuse import all_gather_matmul, matmul_reduce_scatter
         group, size, rank = tp_context()
         # Replicated rows: each TP rank owns a slice; gathering the slices back makes the
         # same two CommFuse steps the MoE path runs, so both give the same numbers.

@@ -1,5 +1,4 @@
 """UniEPMoE inside deepspeed.initialize: ZeRO 0/1/2 training and checkpoints shared with stock MoE."""
-import pytest
 import torch
 from torch import nn
 

@@ -45,7 +45,6 @@ def _check(routings, E):
     for d in range(G):
         arrived = []
         for s, (r, lay) in enumerate(zip(routings, layouts)):
-            k = r.shape[1]
             sent = lay.send_pairs.tolist()
             off = int(lay.send_counts[:d].sum())
             chunk = sent[off:off + int(lay.send_counts[d])]

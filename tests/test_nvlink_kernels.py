@@ -50,7 +50,7 @@ def _body(rank, G, dtype_name):
     import deepspeed.comm as dist
     from ds_uniep.config import UniEPConfig
     from ds_uniep.layout import build_layout, expert_counts
-    from ds_uniep.megakernel import NVLinkDispatcher, UniEPCapacityError, UniEPTimeoutError
+    from ds_uniep.megakernel import NVLinkDispatcher, UniEPCapacityError
     from ds_uniep.reference import fp8_roundtrip, weighted_slot_sum
 
     dtype = getattr(torch, dtype_name)

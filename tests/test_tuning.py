@@ -316,3 +316,22 @@ def test_cli_errors(tmp_path):
     assert p.returncode == 2 and "expected five integers" in p.stderr
     p = _cli("--preset", "mixtral-like", "--backend", "megakernel", "--out", str(tmp_path))
     assert p.returncode == 2 and "megakernel backend cannot run here" in p.stderr
+
+
+def test_set_plan_changes_what_the_next_forward_runs():
+    import torch
+
+    from ds_uniep import UniEPMoE
+    from ds_uniep.tuning.runner import apply_plan
+    torch.manual_seed(0)
+    layer = UniEPMoE(128, torch.nn.Linear(128, 128), num_experts=2, min_capacity=0, use_rts=False,
+                     config={"backend": "reference"})
+    x = torch.randn(16, 128)
+    exact = layer(x)[0]
+    base = Plan.from_config(layer.uniep_config)
+    apply_plan(layer, base.replace(dispatch_dtype="fp8_e4m3"))
+    assert layer.uniep_config.compression.dispatch_dtype == "fp8_e4m3"
+    fp8 = layer(x)[0]
+    assert not torch.equal(fp8, exact)  # rows travelled as FP8: the numbers changed
+    apply_plan(layer, base)
+    assert torch.equal(layer(x)[0], exact)

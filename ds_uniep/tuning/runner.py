@@ -24,15 +24,8 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.flo
 
 
 def apply_plan(layer, plan: Plan) -> None:
-    """Make ``layer``'s next forward run ``plan``."""
-    setter = getattr(layer, "set_plan", None)
-    if setter is not None:
-        setter(plan)
-        return
-    cfg = plan.apply(layer.uniep_config)
-    if cfg != layer.uniep_config:
-        layer.uniep_config = cfg
-        layer._dispatchers.clear()
+    """Make ``layer``'s next forward run ``plan`` (``UniEPMoE.set_plan``)."""
+    layer.set_plan(plan)
 
 
 def layer_runner(layer, x: torch.Tensor, *, backward: bool = True, seed: int = 0) -> RunPlan:
