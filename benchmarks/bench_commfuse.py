@@ -10,7 +10,9 @@ total split over the G tensor-parallel ranks), bf16, forward:
 
 Per op, in one run: GEMM alone, collective alone, unfused (collective then
 GEMM, or GEMM then collective), ``torch.ops.symm_mem`` fused op, and CommFuse
-per schedule and chunk count. Exposed communication = time - GEMM alone, as a
+per transport (``p2p``: NCCL send/recv; ``copy_engine``: copies into peers'
+symmetric buffers), schedule and chunk count (chunks apply to ``p2p`` only),
+named ``cf.<transport>.<schedule>.c<chunks>``. Exposed communication = time - GEMM alone, as a
 fraction of the collective-alone time. Times are the slowest rank's median.
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
 step: transfers on the side stream, GEMMs and adds on the compute stream) to
@@ -45,7 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--schedules", nargs="+", default=["ring", "bidirectional_ring"],
                    choices=["ring", "bidirectional_ring"])
-    p.add_argument("--num-chunks", type=int, nargs="+", default=[1], help="CommFuse chunk counts to time")
+    p.add_argument("--num-chunks", type=int, nargs="+", default=[1], help="CommFuse chunk counts to time (p2p)")
+    p.add_argument("--transports", nargs="+", default=["p2p", "copy_engine"], choices=["p2p", "copy_engine"],
+                   help="CommFuse transports to time (copy_engine needs CUDA; skipped on gloo)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--pool", type=int, default=3, help="fresh input sets cycled through the runs")
@@ -75,6 +79,18 @@ def _reduce_scatter(out, y, group, gloo):
 
 
 # --------------------------------------------------------------------------- variants
+def _commfuse_points(a, gloo):
+    """``(name, transport, schedule, chunks)`` of every CommFuse variant to time."""
+    out = []
+    for t in a.transports:
+        if t == "copy_engine" and gloo:
+            continue
+        for s in a.schedules:
+            for c in (a.num_chunks if t == "p2p" else [1]):
+                out.append((f"cf.{t}.{s}.c{c}", t, s, c))
+    return out
+
+
 def _variants(op, a, G, group, device, dtype, gloo, symm):
     """``{name: (fn, setup)}`` for one op. Shapes from ``a`` (parsed args)."""
     from ds_uniep.commfuse import all_gather_matmul_impl, even_split, matmul_reduce_scatter_impl
@@ -106,10 +122,9 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
             out["torch_symm_mem"] = (
                 lambda x, w: torch.ops.symm_mem.fused_all_gather_matmul(x, [w], 0, name, return_A=False)[1][0],
                 inputs)
-        for s in a.schedules:
-            for c in a.num_chunks:
-                out[f"commfuse_{s}_c{c}"] = (
-                    lambda x, w, s=s, c=c: all_gather_matmul_impl(x, w, group, s, c, shard_sizes=sizes)[0], inputs)
+        for name, t, s, c in _commfuse_points(a, gloo):
+            out[name] = (lambda x, w, s=s, c=c, t=t: all_gather_matmul_impl(
+                x, w, group, s, c, shard_sizes=sizes, transport=t, keep_full=False)[0], inputs)
     else:
         inputs = rotating(lambda i: (rnd(T, F), rnd(F, H)), a.pool)
         partials = rotating(lambda i: (rnd(T, H), ), a.pool)
@@ -126,10 +141,9 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
             name = group.group_name
             out["torch_symm_mem"] = (
                 lambda x, w: torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w, "sum", 0, name), inputs)
-        for s in a.schedules:
-            for c in a.num_chunks:
-                out[f"commfuse_{s}_c{c}"] = (
-                    lambda x, w, s=s, c=c: matmul_reduce_scatter_impl(x, w, group, s, c, out_sizes=sizes)[0], inputs)
+        for name, t, s, c in _commfuse_points(a, gloo):
+            out[name] = (lambda x, w, s=s, c=c, t=t: matmul_reduce_scatter_impl(
+                x, w, group, s, c, out_sizes=sizes, transport=t)[0], inputs)
     return out
 
 
@@ -140,7 +154,7 @@ def _slowest(value, device):
     return None if t.item() < 0 else t.item()
 
 
-def _checks(op, variants, G, group, gloo):
+def _checks(op, variants, G, group, gloo, points):
     """Max |difference| of every variant's output against the unfused one, on the same input."""
     fn0, setup = variants["unfused"]
     args = setup(0)
@@ -160,25 +174,24 @@ def _checks(op, variants, G, group, gloo):
         gathered = torch.empty(x.shape[0] * G, x.shape[1], dtype=x.dtype, device=x.device)
         _all_gather(gathered, x.contiguous(), group, gloo)
         blockwise = torch.cat([b.clone() @ w for b in gathered.chunk(G)])
-        for name in variants:
-            if name.startswith("commfuse_"):
-                parts = name.split("_")
-                sched, c = "_".join(parts[1:-1]), int(parts[-1][1:])
-                y = all_gather_matmul_impl(x, w, group, sched, c)[0]
-                out[name + "_bitwise_vs_blockwise"] = bool(torch.equal(y, blockwise))
+        for name, t, sched, c in points:
+            y = all_gather_matmul_impl(x, w, group, sched, c, transport=t)[0]
+            out[name + "_bitwise_vs_blockwise"] = bool(torch.equal(y, blockwise))
     return out
 
 
-def _timeline(op, a, G, group, device, dtype, schedule, num_chunks):
+def _timeline(op, a, G, group, device, dtype, schedule, num_chunks, transport):
     from ds_uniep.commfuse import Timeline, all_gather_matmul_impl, even_split, matmul_reduce_scatter_impl
     H, F, T = a.hidden, a.ffn // G, a.tokens
     sizes = even_split(T, G)
     if op == "all_gather_matmul":
         x, w = torch.randn(T // G, H, device=device, dtype=dtype), torch.randn(H, F, device=device, dtype=dtype)
-        run = lambda tl: all_gather_matmul_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl)  # noqa: E731
+        run = lambda tl: all_gather_matmul_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl,  # noqa
+                                                transport=transport, keep_full=False)
     else:
         x, w = torch.randn(T, F, device=device, dtype=dtype), torch.randn(F, H, device=device, dtype=dtype)
-        run = lambda tl: matmul_reduce_scatter_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl)  # noqa
+        run = lambda tl: matmul_reduce_scatter_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl,  # noqa
+                                                    transport=transport)
     run(None)  # warm
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -282,14 +295,16 @@ def main(argv=None):
                 r["exposed_comm_ms"] = t - t_gemm
                 r["exposed_frac_of_unfused_comm"] = (t - t_gemm) / t_comm
         try:
-            checks = _checks(op, variants, G, group, gloo)
+            checks = _checks(op, variants, G, group, gloo, _commfuse_points(a, gloo))
         except Exception as e:  # noqa: BLE001
             checks = {"error": f"{type(e).__name__}: {e}"}
         results["ops"][op] = {"times": res, "checks": checks}
-        for s in a.schedules:
-            key = f"{op} {s} c{a.num_chunks[0]}"
+        for _, t, s, c in _commfuse_points(a, gloo):
+            if c != (a.num_chunks[0] if t == "p2p" else 1):
+                continue
+            key = f"{op} {t} {s} c{c}"
             try:
-                timelines[key] = _timeline(op, a, G, group, device, dtype, s, a.num_chunks[0])
+                timelines[key] = _timeline(op, a, G, group, device, dtype, s, c, t)
             except Exception as e:  # noqa: BLE001
                 timelines[key] = {"spans": [], "transfer_after_last_compute_ms": float("nan"),
                                   "error": f"{type(e).__name__}: {e}"}
@@ -305,12 +320,12 @@ def main(argv=None):
             json.dump(results, f, indent=1, default=str)
         print(f"\nCommFuse, {G} ranks, {results['device']}, H={a.hidden} F={a.ffn} T={a.tokens} {a.dtype}; "
               f"slowest rank's median of {a.repeats}; symm_mem: {results['symm_mem']}")
-        print(f"{'op':<22} {'variant':<32} {'ms':>9} {'vs unfused':>10} {'exposed/comm':>12}  check")
+        print(f"{'op':<22} {'variant':<34} {'ms':>9} {'vs unfused':>10} {'exposed/comm':>12}  check")
         for op, d in results["ops"].items():
             for name, r in d["times"].items():
                 t = r["median_ms"]
                 if t is None:
-                    print(f"{op:<22} {name:<32} {'failed':>9}  {r['error']}")
+                    print(f"{op:<22} {name:<34} {'failed':>9}  {r['error']}")
                     continue
                 sp = r.get("speedup_vs_unfused")
                 ex = r.get("exposed_frac_of_unfused_comm")
@@ -318,7 +333,7 @@ def main(argv=None):
                 bit = d["checks"].get(name + "_bitwise_vs_blockwise")
                 chk = (f"max|d|={chk:.3g}" if isinstance(chk, float) else str(chk)) + \
                     ("" if bit is None else f" bitwise={bit}")
-                print(f"{op:<22} {name:<32} {t:9.3f} {'' if sp is None else f'{sp:9.2f}x':>10} "
+                print(f"{op:<22} {name:<34} {t:9.3f} {'' if sp is None else f'{sp:9.2f}x':>10} "
                       f"{'' if ex is None else f'{100 * ex:11.1f}%':>12}  {chk}")
         print(f"timeline: {png}; JSON: {os.path.join(a.out, 'commfuse_results.json')}")
     dist.barrier(group=group)

@@ -87,13 +87,13 @@ def tp_gather(x: Tensor, sizes: List[int], rank: int, group) -> Tensor:
 
 
 def run_tp_sharded_experts(experts, recv: Tensor, counts: Tensor, group, rank: int, size: int,
-                           schedule: str = "ring") -> Tensor:
+                           schedule: str = "ring", transport: str = "auto") -> Tensor:
     """Run TP-sharded experts on the rows of all TP ranks; returns this rank's rows' outputs.
 
     ``recv [R_r, M]``, ``counts [L]``: this TP rank's rows, expert-major.
     """
     if experts and all(isinstance(e, TPGeLUExpert) for e in experts):
-        return run_tp_commfuse_experts(experts, recv, counts, group, rank, size, schedule)
+        return run_tp_commfuse_experts(experts, recv, counts, group, rank, size, schedule, transport)
     L = counts.numel()
     all_counts = torch.stack(_all_gather_rows(counts.view(1, L), [1] * size, group)).view(size, L)
     per_rank = all_counts.sum(1).tolist()
@@ -132,24 +132,27 @@ class TPGeLUExpert(nn.Module):
         y = self.sharded(mine, sizes, group)
         return tp_gather(y, sizes, rank, group)
 
-    def sharded(self, x_shard: Tensor, sizes: List[int], group, schedule: str = "ring") -> Tensor:
+    def sharded(self, x_shard: Tensor, sizes: List[int], group, schedule: str = "ring",
+                transport: str = "auto") -> Tensor:
         """Rows ``x_shard [sizes[rank], M]`` of this TP rank -> their outputs ``[sizes[rank], M]``."""
         from ds_uniep.commfuse import all_gather_matmul, matmul_reduce_scatter
-        h = all_gather_matmul(x_shard, self.fc1.weight.t(), group, schedule=schedule, shard_sizes=sizes)
+        h = all_gather_matmul(x_shard, self.fc1.weight.t(), group, schedule=schedule, shard_sizes=sizes,
+                              transport=transport)
         if self.fc1.bias is not None:
             h = h + self.fc1.bias
-        y = matmul_reduce_scatter(F.gelu(h), self.fc2.weight.t(), group, schedule=schedule, out_sizes=sizes)
+        y = matmul_reduce_scatter(F.gelu(h), self.fc2.weight.t(), group, schedule=schedule, out_sizes=sizes,
+                                  transport=transport)
         return y + self.fc2.bias if self.fc2.bias is not None else y
 
 
 def run_tp_commfuse_experts(experts, recv: Tensor, counts: Tensor, group, rank: int, size: int,
-                            schedule: str = "ring") -> Tensor:
+                            schedule: str = "ring", transport: str = "auto") -> Tensor:
     """:class:`TPGeLUExpert` s over this TP rank's rows ``recv [R_r, M]`` (``counts [L]``), expert by expert."""
     L = counts.numel()
     all_counts = torch.stack(_all_gather_rows(counts.view(1, L), [1] * size, group)).view(size, L)
     outs = []
     for l, rows in enumerate(recv.split(counts.tolist())):
-        outs.append(experts[l].sharded(rows, all_counts[:, l].tolist(), group, schedule))
+        outs.append(experts[l].sharded(rows, all_counts[:, l].tolist(), group, schedule, transport))
     return torch.cat(outs) if outs else recv
 
 

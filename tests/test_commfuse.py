@@ -30,10 +30,10 @@ def _shard_sizes(G):
 
 
 # --------------------------------------------------------------------------- exactness
-def _check_ops(me, G, device, dtype, schedule, num_chunks, seed):
+def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto"):
     from ds_uniep.commfuse import (all_gather_matmul, matmul_reduce_scatter, ref_all_gather_matmul,
                                    ref_matmul_reduce_scatter)
-    tag = f"[{dtype} {schedule} chunks={num_chunks}]"
+    tag = f"[{dtype} {schedule} chunks={num_chunks} transport={transport}]"
     K, N = 37, 29
 
     # all_gather_matmul: odd blocks, a different w per rank (column-parallel).
@@ -43,14 +43,15 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed):
     gys = [_rand((sum(sizes), N), seed + 200 + r, dtype, device) for r in range(G)]
     x = xs[me].clone().requires_grad_()
     w = ws[me].clone().requires_grad_()
-    y = all_gather_matmul(x, w, schedule=schedule, num_chunks=num_chunks)
+    y = all_gather_matmul(x, w, schedule=schedule, num_chunks=num_chunks, transport=transport)
     assert torch.equal(y, ref_all_gather_matmul(xs, ws[me])), f"all_gather_matmul forward {tag}"
     y.backward(gys[me])
     ref_gx = ref_matmul_reduce_scatter(gys, [wr.t() for wr in ws], out_sizes=sizes)[me]
     assert torch.equal(x.grad, ref_gx), f"all_gather_matmul d x_shard {tag}"
     assert torch.equal(w.grad, torch.cat(xs).t() @ gys[me]), f"all_gather_matmul d w {tag}"
     # Known sizes skip the size gather and give the same bits.
-    y2 = all_gather_matmul(xs[me], ws[me], schedule=schedule, num_chunks=num_chunks, shard_sizes=sizes)
+    y2 = all_gather_matmul(xs[me], ws[me], schedule=schedule, num_chunks=num_chunks, shard_sizes=sizes,
+                           transport=transport)
     assert torch.equal(y2, y), f"all_gather_matmul with shard_sizes {tag}"
 
     # matmul_reduce_scatter: odd T, a different K_r per rank, default and explicit row splits.
@@ -61,11 +62,12 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed):
         ref = ref_matmul_reduce_scatter(xs, ws, out_sizes)
         x = xs[me].clone().requires_grad_()
         w = ws[me].clone().requires_grad_()
-        out = matmul_reduce_scatter(x, w, schedule=schedule, num_chunks=num_chunks, out_sizes=out_sizes)
+        out = matmul_reduce_scatter(x, w, schedule=schedule, num_chunks=num_chunks, out_sizes=out_sizes,
+                                    transport=transport)
         assert out.dtype == dtype
         assert torch.equal(out, ref[me]), f"matmul_reduce_scatter forward {tag} out_sizes={out_sizes}"
         again = matmul_reduce_scatter(xs[me], ws[me], schedule=schedule, num_chunks=num_chunks,
-                                      out_sizes=out_sizes)
+                                      out_sizes=out_sizes, transport=transport)
         assert torch.equal(again, out), f"matmul_reduce_scatter run to run {tag}"
         gos = [_rand(tuple(r_.shape), seed + 500 + r, dtype, device) for r, r_ in enumerate(ref)]
         out.backward(gos[me])
@@ -74,7 +76,7 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed):
         assert torch.equal(w.grad, xs[me].t() @ go_full), f"matmul_reduce_scatter d w {tag}"
 
 
-def _check_fixed_order(me, G, device):
+def _check_fixed_order(me, G, device, transport="auto"):
     """Partials that cancel only in rank order: the fp32 sum must follow it exactly."""
     from ds_uniep.commfuse import matmul_reduce_scatter
     # Rank r's partial is c_r * ones; the sum in rank order 0..G-1 of
@@ -86,8 +88,9 @@ def _check_fixed_order(me, G, device):
     for v in vals[1:]:
         acc = acc + torch.tensor(v, dtype=torch.float32)
     for schedule in ("ring", "bidirectional_ring"):
-        out = matmul_reduce_scatter(x, w, schedule=schedule)
-        assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), f"rank-order sum {schedule}: {out[0, 0]}"
+        out = matmul_reduce_scatter(x, w, schedule=schedule, transport=transport)
+        assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), \
+            f"rank-order sum {schedule} {transport}: {out[0, 0]}"
 
 
 # --------------------------------------------------------------------------- parallel linears
@@ -263,8 +266,21 @@ def _body(rank, G, device_kind, bench_out=None):
         # Every value of each option, and every pair of dtype and schedule, at a quarter of the cost.
         combos = [combos[i] for i in (0, 3, 5, 6)]
     for i, (dtype, schedule, num_chunks) in enumerate(combos):
-        _check_ops(rank, G, device, dtype, schedule, num_chunks, 1000 * (i + 1))
-    _check_fixed_order(rank, G, device)
+        _check_ops(rank, G, device, dtype, schedule, num_chunks, 1000 * (i + 1), transport="p2p")
+    _check_fixed_order(rank, G, device, "p2p")
+    if device_kind == "cuda":
+        # The copy-engine transport: the same bits as the references, chunks do not apply.
+        for i, (dtype, schedule) in enumerate([(d, s) for d in (torch.float32, torch.bfloat16)
+                                               for s in ("ring", "bidirectional_ring")]):
+            _check_ops(rank, G, device, dtype, schedule, 1, 5000 + 1000 * i, transport="copy_engine")
+        _check_fixed_order(rank, G, device, "copy_engine")
+    else:
+        from ds_uniep.commfuse import all_gather_matmul
+        x = torch.ones(2, 3)
+        with pytest.raises(RuntimeError, match="copy_engine.*needs CUDA"):
+            all_gather_matmul(x, torch.ones(3, 2), transport="copy_engine")
+        with pytest.raises(ValueError, match="transport must be one of"):
+            all_gather_matmul(x, torch.ones(3, 2), transport="nvlink")
     for dtype in (torch.float32, torch.bfloat16):
         _check_linears(rank, G, device, dtype)
     _check_errors(rank, G, device)

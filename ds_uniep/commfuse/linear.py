@@ -28,20 +28,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ops import all_gather_matmul, check_schedule, even_split, matmul_reduce_scatter
+from .ops import all_gather_matmul, check_schedule, check_transport, even_split, matmul_reduce_scatter
 
 
 def _commfuse_args(config):
+    """``(schedule, num_chunks, transport)`` of a CommFuseConfig (defaults for None)."""
     if config is None:
-        return "ring", 1
+        return "ring", 1, "auto"
     sub = getattr(config, "commfuse", config)  # a whole UniEPConfig works too
     try:
         schedule, num_chunks = sub.schedule, sub.num_chunks
     except AttributeError:
         raise TypeError(f"config must be a CommFuseConfig (UniEPConfig.commfuse), got {type(config).__name__}") \
             from None
+    transport = getattr(sub, "transport", "auto")
     check_schedule(schedule, num_chunks)
-    return schedule, num_chunks
+    check_transport(transport)
+    return schedule, num_chunks, transport
 
 
 def _group_size_rank(group):
@@ -79,7 +82,8 @@ class _ParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"tp={self.tp_size}, schedule={self.schedule}, num_chunks={self.num_chunks}")
+                f"tp={self.tp_size}, schedule={self.schedule}, num_chunks={self.num_chunks}, "
+                f"transport={self.transport}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -106,7 +110,7 @@ class ColumnParallelLinear(_ParallelLinear):
             raise ValueError(f"ColumnParallelLinear: out_features={out_features} is not divisible by the group "
                              f"size {self.tp_size}")
         self.group, self.in_features, self.out_features = group, in_features, out_features
-        self.schedule, self.num_chunks = _commfuse_args(config)
+        self.schedule, self.num_chunks, self.transport = _commfuse_args(config)
         n = out_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(n, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device)) if bias else None
@@ -134,7 +138,7 @@ class ColumnParallelLinear(_ParallelLinear):
         width = math.prod(inner)
         rows = None if shard_sizes is None else [s * width for s in shard_sizes]
         y = all_gather_matmul(x.reshape(-1, self.in_features), self.weight.t(), self.group, self.schedule,
-                              self.num_chunks, rows)
+                              self.num_chunks, rows, self.transport)
         if self.bias is not None:
             y = y + self.bias
         return y.view(-1, *inner, y.shape[-1])
@@ -162,7 +166,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible by the group "
                              f"size {self.tp_size}")
         self.group, self.in_features, self.out_features = group, in_features, out_features
-        self.schedule, self.num_chunks = _commfuse_args(config)
+        self.schedule, self.num_chunks, self.transport = _commfuse_args(config)
         k = in_features // self.tp_size
         self.weight = nn.Parameter(torch.empty(out_features, k, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
@@ -192,7 +196,7 @@ class RowParallelLinear(_ParallelLinear):
             raise ValueError(f"RowParallelLinear: seq_sizes {seq} must have {self.tp_size} entries summing to "
                              f"x.shape[0] = {x.shape[0]}")
         y = matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), self.weight.t(), self.group, self.schedule,
-                                  self.num_chunks, [s * width for s in seq])
+                                  self.num_chunks, [s * width for s in seq], self.transport)
         if self.bias is not None:
             y = y + _AllReduceGrad.apply(self.bias, self.group)
         return y.view(-1, *inner, self.out_features)

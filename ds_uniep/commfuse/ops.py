@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 SCHEDULES = ("ring", "bidirectional_ring")
+TRANSPORTS = ("auto", "p2p", "copy_engine")
 
 # cuBLAS may pick a different kernel for operands that are less aligned than a
 # fresh allocation; such operands are copied so every block GEMM matches the
@@ -89,6 +90,39 @@ def check_schedule(schedule: str, num_chunks: int) -> None:
         raise ValueError(f"commfuse schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     if not isinstance(num_chunks, int) or isinstance(num_chunks, bool) or num_chunks < 1:
         raise ValueError(f"commfuse num_chunks must be a positive integer, got {num_chunks!r}")
+
+
+def check_transport(transport: str) -> None:
+    if transport not in TRANSPORTS:
+        raise ValueError(f"commfuse transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+
+
+def resolve_transport(transport: str, group, G: int, device: torch.device) -> str:
+    """``p2p`` or ``copy_engine`` for this call. ``auto``: the copy engine on CUDA with torch symmetric
+    memory (measured faster, see README), NCCL/gloo send/recv otherwise; one rank needs no transport."""
+    check_transport(transport)
+    if transport == "p2p" or G == 1:
+        return "p2p"
+    from . import copy_engine
+    ok, reason = copy_engine.available(group, device)
+    if ok:
+        return "copy_engine"
+    if transport == "copy_engine":
+        raise RuntimeError(f"commfuse transport 'copy_engine' is not usable here: {reason}")
+    return "p2p"
+
+
+def _peer_order(G: int, schedule: str) -> List[int]:
+    """Offsets d of the peers in the order the copy-engine transport serves them: ``ring`` 1..G-1,
+    ``bidirectional_ring`` +1, -1, +2, -2, ... (each peer once)."""
+    if schedule == "ring":
+        return list(range(1, G))
+    order = []
+    for k in range(1, G):
+        for d in (k, -k):
+            if d % G and d % G not in [o % G for o in order]:
+                order.append(d)
+    return order
 
 
 def _check_pair(op: str, a_name: str, a: torch.Tensor, w: torch.Tensor, a_shape: str, w_shape: str) -> None:
@@ -283,8 +317,9 @@ def _ag_plan(G: int, me: int, schedule: str):
 
 def all_gather_matmul_impl(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedule: str = "ring",
                            num_chunks: int = 1, shard_sizes: Optional[Sequence[int]] = None,
-                           timeline: Optional[Timeline] = None):
-    """No-autograd core of :func:`all_gather_matmul`; returns ``(y [T, N], x_full [T, K], shard_sizes)``."""
+                           timeline: Optional[Timeline] = None, transport: str = "p2p", keep_full: bool = True):
+    """No-autograd core of :func:`all_gather_matmul`; returns ``(y [T, N], x_full [T, K], shard_sizes)``
+    (``x_full`` is None when ``keep_full`` is False and the copy-engine transport ran)."""
     g, G, me, ranks = _resolve_group(group)
     x_shard = x_shard.contiguous()
     if shard_sizes is None:
@@ -294,6 +329,11 @@ def all_gather_matmul_impl(x_shard: torch.Tensor, w: torch.Tensor, group=None, s
         raise ValueError(f"all_gather_matmul: shard_sizes {shard_sizes} must have one entry per rank ({G}) and "
                          f"entry {me} must equal x_shard.shape[0] = {x_shard.shape[0]}")
     offs = _offsets(shard_sizes)
+    if resolve_transport(transport, g, G, x_shard.device) == "copy_engine":
+        from .copy_engine import all_gather_matmul_ce
+        out, x_full = all_gather_matmul_ce(x_shard, w, g, me, shard_sizes, offs, _peer_order(G, schedule),
+                                           keep_full, _mm_into, timeline)
+        return out, x_full, shard_sizes
     T, K, N = sum(shard_sizes), x_shard.shape[1], w.shape[1]
     x_full = x_shard.new_empty(T, K)
     out = torch.empty(T, N, dtype=torch.result_type(x_shard, w), device=x_shard.device)
@@ -348,7 +388,7 @@ def _rs_plan(G: int, schedule: str) -> List[List[int]]:
 
 def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, schedule: str = "ring",
                                num_chunks: int = 1, out_sizes: Optional[Sequence[int]] = None,
-                               timeline: Optional[Timeline] = None):
+                               timeline: Optional[Timeline] = None, transport: str = "p2p"):
     """No-autograd core of :func:`matmul_reduce_scatter`; returns ``(out [T_me, N], out_sizes)``."""
     g, G, me, ranks = _resolve_group(group)
     T, N = x.shape[0], w.shape[1]
@@ -357,6 +397,9 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
         raise ValueError(f"matmul_reduce_scatter: out_sizes {out_sizes} must have one non-negative entry per "
                          f"rank ({G}) summing to x.shape[0] = {T}")
     offs = _offsets(out_sizes)
+    if resolve_transport(transport, g, G, x.device) == "copy_engine":
+        from .copy_engine import matmul_reduce_scatter_ce
+        return matmul_reduce_scatter_ce(x, w, g, me, out_sizes, offs, _peer_order(G, schedule), timeline), out_sizes
     dtype = torch.result_type(x, w)
     t_me = out_sizes[me]
 
@@ -424,49 +467,53 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
 class _AllGatherMatmul(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x_shard, w, group, schedule, num_chunks, shard_sizes):
-        y, x_full, sizes = all_gather_matmul_impl(x_shard, w, group, schedule, num_chunks, shard_sizes)
+    def forward(ctx, x_shard, w, group, schedule, num_chunks, shard_sizes, transport):
+        y, x_full, sizes = all_gather_matmul_impl(x_shard, w, group, schedule, num_chunks, shard_sizes,
+                                                  transport=transport, keep_full=ctx.needs_input_grad[1])
         # x_full is kept (not re-gathered) for the weight gradient.
         ctx.save_for_backward(x_full if ctx.needs_input_grad[1] else None, w)
-        ctx.args = (group, schedule, num_chunks, sizes)
+        ctx.args = (group, schedule, num_chunks, sizes, transport)
         return y
 
     @staticmethod
     def backward(ctx, gy):
         x_full, w = ctx.saved_tensors
-        group, schedule, num_chunks, sizes = ctx.args
+        group, schedule, num_chunks, sizes, transport = ctx.args
         gy = gy.contiguous()
         gx = gw = None
         if ctx.needs_input_grad[0]:
             # d x_full = sum over ranks of gy_r @ w_r^T; each rank keeps its own rows.
-            gx, _ = matmul_reduce_scatter_impl(gy, w.t(), group, schedule, num_chunks, out_sizes=sizes)
+            gx, _ = matmul_reduce_scatter_impl(gy, w.t(), group, schedule, num_chunks, out_sizes=sizes,
+                                               transport=transport)
         if ctx.needs_input_grad[1]:
             gw = x_full.t() @ gy
-        return gx, gw, None, None, None, None
+        return gx, gw, None, None, None, None, None
 
 
 class _MatmulReduceScatter(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, w, group, schedule, num_chunks, out_sizes):
-        out, sizes = matmul_reduce_scatter_impl(x, w, group, schedule, num_chunks, out_sizes)
+    def forward(ctx, x, w, group, schedule, num_chunks, out_sizes, transport):
+        out, sizes = matmul_reduce_scatter_impl(x, w, group, schedule, num_chunks, out_sizes, transport=transport)
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, w)
-        ctx.args = (group, schedule, num_chunks, sizes)
+        ctx.args = (group, schedule, num_chunks, sizes, transport)
         return out
 
     @staticmethod
     def backward(ctx, gout):
         x, w = ctx.saved_tensors
-        group, schedule, num_chunks, sizes = ctx.args
+        group, schedule, num_chunks, sizes, transport = ctx.args
         # d x_r = gout_full @ w_r^T, and the gathered gout_full also gives d w_r.
         gx, gout_full, _ = all_gather_matmul_impl(gout.contiguous(), w.t(), group, schedule, num_chunks,
-                                                  shard_sizes=sizes)
+                                                  shard_sizes=sizes, transport=transport,
+                                                  keep_full=ctx.needs_input_grad[1])
         gw = x.t() @ gout_full if ctx.needs_input_grad[1] else None
-        return (gx if ctx.needs_input_grad[0] else None), gw, None, None, None, None
+        return (gx if ctx.needs_input_grad[0] else None), gw, None, None, None, None, None
 
 
 def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedule: str = "ring",
-                      num_chunks: int = 1, shard_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+                      num_chunks: int = 1, shard_sizes: Optional[Sequence[int]] = None,
+                      transport: str = "auto") -> torch.Tensor:
     """``all_gather(x_shard) @ w`` as overlapped peer-to-peer steps.
 
     Args:
@@ -479,6 +526,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedu
         num_chunks: messages each block transfer is split into.
         shard_sizes: rows of every rank's block, if known; otherwise gathered
             once (a small all-gather and, on GPU, a host sync).
+        transport: ``"p2p"`` (NCCL or gloo send/recv), ``"copy_engine"``
+            (copies into peers' symmetric buffers, CUDA only; ``num_chunks``
+            does not apply) or ``"auto"`` (the copy engine where usable).
 
     Returns:
         ``[T, N]``, rows in rank order, bitwise equal to
@@ -488,18 +538,20 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedu
     """
     _check_pair("all_gather_matmul", "x_shard", x_shard, w, "[T_r, K]", "[K, N]")
     check_schedule(schedule, num_chunks)
+    check_transport(transport)
     return _AllGatherMatmul.apply(x_shard, w, group, schedule, num_chunks,
-                                  None if shard_sizes is None else tuple(int(s) for s in shard_sizes))
+                                  None if shard_sizes is None else tuple(int(s) for s in shard_sizes), transport)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, schedule: str = "ring",
-                          num_chunks: int = 1, out_sizes: Optional[Sequence[int]] = None) -> torch.Tensor:
+                          num_chunks: int = 1, out_sizes: Optional[Sequence[int]] = None,
+                          transport: str = "auto") -> torch.Tensor:
     """This rank's row block of ``sum over ranks r of x_r @ w_r``, as overlapped peer-to-peer steps.
 
     Args:
         x: ``[T, K_r]`` bf16/fp16/fp32, the same T on every rank.
         w: ``[K_r, N]`` same dtype and device, the same N on every rank.
-        group, schedule, num_chunks: as in :func:`all_gather_matmul`.
+        group, schedule, num_chunks, transport: as in :func:`all_gather_matmul`.
         out_sizes: rows of each rank's output block (the same list on every
             rank, summing to T); default :func:`even_split`: ``T // G`` each and
             one more on the first ``T % G`` ranks.
@@ -514,5 +566,6 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, schedule
     """
     _check_pair("matmul_reduce_scatter", "x", x, w, "[T, K_r]", "[K_r, N]")
     check_schedule(schedule, num_chunks)
+    check_transport(transport)
     return _MatmulReduceScatter.apply(x, w, group, schedule, num_chunks,
-                                      None if out_sizes is None else tuple(int(s) for s in out_sizes))
+                                      None if out_sizes is None else tuple(int(s) for s in out_sizes), transport)

@@ -1,0 +1,246 @@
+"""CommFuse's copy-engine transport: blocks pushed into peers' symmetric buffers.
+
+The ``p2p`` transport (``ops.py``) moves blocks with NCCL send/recv, whose
+kernels take SMs from the GEMMs they should hide behind. Here a block travels
+as a device-to-device copy into the peer's symmetric buffer (torch symmetric
+memory over NVLink), which the copy engines execute without SMs, and a
+stream-ordered signal tells the peer that the block is there:
+
+* all-gather + GEMM: a barrier (every peer has finished reading its buffer in
+  the previous call), then this rank copies its block to ``me+1, me+2, ...``
+  in turn, signalling each peer after its copy. The compute stream multiplies
+  the local block first, then blocks ``me-1, me-2, ...`` in arrival order,
+  each behind the wait for its signal. One GEMM per block, the same call as
+  the reference, so the result stays bitwise equal to it.
+* GEMM + reduce-scatter: the partial of rank ``me+1``'s rows first, copied to
+  it while the partial of ``me+2``'s rows is computed, and so on; this rank's
+  own partial last, so the last copy hides behind it. Partials are then added
+  in rank order into fp32 and cast once, the same operations as the ``p2p``
+  transport, so both transports give the same bits.
+
+Buffers: one symmetric workspace per (group, device), grown collectively when
+a call needs more (every rank asks for the same size: all-gather needs
+``T * K``, reduce-scatter ``G * max(out_sizes) * N`` elements). Signals use
+channel 1 of the workspace's signal pad, barriers channel 0.
+"""
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+_DATA_CHANNEL = 1
+_BARRIER_CHANNEL = 0
+_ALIGN_ELEMS = 128
+
+_workspaces: Dict[Tuple[str, int], "_Workspace"] = {}
+_streams: Dict[Tuple[int, int], torch.cuda.Stream] = {}
+_unavailable: Dict[Tuple[str, int], str] = {}
+
+
+def _rendezvous(buf: torch.Tensor, group):
+    from torch.distributed import _symmetric_memory as symm_mem
+    try:
+        return symm_mem.rendezvous(buf, group)
+    except RuntimeError:
+        # Older torch needs the group registered first (deprecated and unneeded in newer ones).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            symm_mem.enable_symm_mem_for_group(group.group_name)
+        return symm_mem.rendezvous(buf, group)
+
+
+class _Workspace:
+    """A symmetric byte buffer of one group on one device, with views of every peer's copy."""
+
+    def __init__(self, group, device: torch.device, nbytes: int):
+        from torch.distributed import _symmetric_memory as symm_mem
+        self.nbytes = nbytes
+        self.buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.handle = _rendezvous(self.buf, group)
+        self._views: Dict[tuple, torch.Tensor] = {}
+
+    def view(self, peer: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        key = (peer, tuple(shape), dtype)
+        v = self._views.get(key)
+        if v is None:
+            v = self.handle.get_buffer(peer, list(shape), dtype)
+            self._views[key] = v
+        return v
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _group_key(group, device: torch.device) -> Tuple[str, int]:
+    return (group.group_name, device.index)
+
+
+def available(group, device: torch.device) -> Tuple[bool, str]:
+    """(usable, reason) for the copy-engine transport on ``group`` and ``device``."""
+    if device.type != "cuda":
+        return False, f"needs CUDA tensors (got {device.type})"
+    if dist.get_backend(group) != "nccl":
+        return False, f"needs an NCCL group (got {dist.get_backend(group)})"
+    reason = _unavailable.get(_group_key(group, device))
+    if reason:
+        return False, reason
+    try:
+        from torch.distributed import _symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return False, f"torch symmetric memory cannot be imported ({e})"
+    return True, "symmetric memory on CUDA"
+
+
+def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
+    """The group's workspace, grown (collectively: every rank asks for the same size) when too small."""
+    key = _group_key(group, device)
+    ws = _workspaces.get(key)
+    if ws is None or ws.nbytes < nbytes:
+        if ws is not None:
+            torch.cuda.current_stream(device).synchronize()
+        size = max(nbytes, 2 * ws.nbytes if ws is not None else 0)
+        try:
+            ws = _Workspace(group, device, size)
+        except RuntimeError as e:
+            _unavailable[key] = f"symmetric memory rendezvous failed: {e}"
+            raise
+        _workspaces[key] = ws
+    return ws
+
+
+def _side_stream(device: torch.device, compute: torch.cuda.Stream) -> torch.cuda.Stream:
+    key = (device.index, compute.cuda_stream)
+    s = _streams.get(key)
+    if s is None:
+        s = _streams[key] = torch.cuda.Stream(device=device)
+    return s
+
+
+def _round_up(n: int) -> int:
+    return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
+
+
+def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int, shard_sizes: List[int],
+                         offs: List[int], order: Sequence[int], keep_full: bool, mm_into, timeline=None):
+    """``(y [T, N], x_full [T, K] or None)``. ``order``: the offsets d of the peers, in the order this
+    rank sends to ``me+d`` (and multiplies the block of ``me-d``); ``mm_into(a, b, out)`` is the
+    reference's block GEMM."""
+    G = len(shard_sizes)
+    T, K, N = sum(shard_sizes), x_shard.shape[1], w.shape[1]
+    device, dtype = x_shard.device, x_shard.dtype
+    out = torch.empty(T, N, dtype=torch.result_type(x_shard, w), device=device)
+    ws = _workspace(group, device, T * K * _element_bytes(dtype))
+    mine = ws.view(me, (T, K), dtype)
+    compute = torch.cuda.current_stream(device)
+    comm = _side_stream(device, compute)
+    comm.wait_stream(compute)
+
+    def rows(t, b):
+        return t[offs[b]:offs[b] + shard_sizes[b]]
+
+    def mark(stream):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    with torch.cuda.stream(comm):
+        ws.handle.barrier(_BARRIER_CHANNEL)
+        for i, d in enumerate(order):
+            p = (me + d) % G
+            t0 = mark(comm) if timeline else None
+            if shard_sizes[me]:
+                rows(ws.view(p, (T, K), dtype), me).copy_(x_shard)
+            ws.handle.put_signal(p, _DATA_CHANNEL)
+            if timeline:
+                timeline.entries.append(("transfer", i, t0, mark(comm)))
+    x_shard.record_stream(comm)
+
+    def gemm(step, a, b):
+        t0 = mark(compute) if timeline else None
+        mm_into(a, w, rows(out, b))
+        if timeline:
+            timeline.entries.append(("gemm", step, t0, mark(compute)))
+
+    gemm(0, x_shard, me)
+    for i, d in enumerate(order):
+        src = (me - d) % G
+        ws.handle.wait_signal(src, _DATA_CHANNEL)
+        gemm(i + 1, rows(mine, src), src)
+    x_full = None
+    if keep_full:
+        # Kept for the weight gradient: the next call may overwrite the workspace.
+        x_full = torch.empty(T, K, dtype=dtype, device=device)
+        a, b = offs[me], offs[me] + shard_sizes[me]
+        x_full[:a].copy_(mine[:a])
+        x_full[a:b].copy_(x_shard)
+        x_full[b:].copy_(mine[b:T])
+    compute.wait_stream(comm)
+    return out, x_full
+
+
+def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, out_sizes: List[int],
+                             offs: List[int], order: Sequence[int], timeline=None) -> torch.Tensor:
+    """``out [out_sizes[me], N]``: partials added in rank order 0..G-1 in fp32, cast once. ``order``:
+    the offsets d of the peers in the order their partials (rows of ``me+d``) are computed and sent."""
+    G = len(out_sizes)
+    N = w.shape[1]
+    device = x.device
+    dtype = torch.result_type(x, w)
+    t_max = _round_up(max(out_sizes))
+    ws = _workspace(group, device, G * t_max * N * _element_bytes(dtype))
+    mine = ws.view(me, (G, t_max, N), dtype)
+    compute = torch.cuda.current_stream(device)
+    comm = _side_stream(device, compute)
+    comm.wait_stream(compute)
+
+    def mark(stream):
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def partial(step, j):
+        t0 = mark(compute) if timeline else None
+        p = x[offs[j]:offs[j] + out_sizes[j]] @ w
+        if timeline:
+            timeline.entries.append(("gemm", step, t0, mark(compute)))
+        return p
+
+    with torch.cuda.stream(comm):
+        ws.handle.barrier(_BARRIER_CHANNEL)
+    sent = []
+    for i, d in enumerate(order):
+        dst = (me + d) % G
+        p = partial(i, dst)
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        comm.wait_event(ready)
+        with torch.cuda.stream(comm):
+            t0 = mark(comm) if timeline else None
+            if out_sizes[dst]:
+                ws.view(dst, (G, t_max, N), dtype)[me, :out_sizes[dst]].copy_(p)
+            ws.handle.put_signal(dst, _DATA_CHANNEL)
+            if timeline:
+                timeline.entries.append(("transfer", i, t0, mark(comm)))
+        p.record_stream(comm)
+        sent.append(p)
+    own = partial(len(order), me)
+    t_me = out_sizes[me]
+    acc: Optional[torch.Tensor] = None
+    for src in range(G):
+        if src == me:
+            p = own
+        else:
+            ws.handle.wait_signal(src, _DATA_CHANNEL)
+            p = mine[src, :t_me]
+        t0 = mark(compute) if timeline else None
+        if acc is None:
+            acc = p.to(torch.float32, copy=True)
+        else:
+            acc.add_(p)
+        if timeline:
+            timeline.entries.append(("reduce", src, t0, mark(compute)))
+    compute.wait_stream(comm)
+    del sent
+    return acc if dtype == torch.float32 else acc.to(dtype)
