@@ -122,8 +122,8 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
             out["torch_symm_mem"] = (
                 lambda x, w: torch.ops.symm_mem.fused_all_gather_matmul(x, [w], 0, name, return_A=False)[1][0],
                 inputs)
-        for name, t, s, c in _commfuse_points(a, gloo):
-            out[name] = (lambda x, w, s=s, c=c, t=t: all_gather_matmul_impl(
+        for key, t, s, c in _commfuse_points(a, gloo):
+            out[key] = (lambda x, w, s=s, c=c, t=t: all_gather_matmul_impl(
                 x, w, group, s, c, shard_sizes=sizes, transport=t, keep_full=False)[0], inputs)
     else:
         inputs = rotating(lambda i: (rnd(T, F), rnd(F, H)), a.pool)
@@ -141,8 +141,8 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
             name = group.group_name
             out["torch_symm_mem"] = (
                 lambda x, w: torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w, "sum", 0, name), inputs)
-        for name, t, s, c in _commfuse_points(a, gloo):
-            out[name] = (lambda x, w, s=s, c=c, t=t: matmul_reduce_scatter_impl(
+        for key, t, s, c in _commfuse_points(a, gloo):
+            out[key] = (lambda x, w, s=s, c=c, t=t: matmul_reduce_scatter_impl(
                 x, w, group, s, c, out_sizes=sizes, transport=t)[0], inputs)
     return out
 

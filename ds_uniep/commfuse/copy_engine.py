@@ -24,7 +24,7 @@ a call needs more (every rank asks for the same size: all-gather needs
 channel 1 of the workspace's signal pad, barriers channel 0.
 """
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
     mine = ws.view(me, (T, K), dtype)
     compute = torch.cuda.current_stream(device)
     comm = _side_stream(device, compute)
-    comm.wait_stream(compute)
+    comm.wait_stream(compute)  # before the local GEMM is queued: the copies do not wait for it
 
     def rows(t, b):
         return t[offs[b]:offs[b] + shard_sizes[b]]
@@ -145,6 +145,13 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
         ev.record(stream)
         return ev
 
+    def gemm(step, a, b):
+        t0 = mark(compute) if timeline else None
+        mm_into(a, w, rows(out, b))
+        if timeline:
+            timeline.entries.append(("gemm", step, t0, mark(compute)))
+
+    gemm(0, x_shard, me)  # queued first, so the GPU starts on it while the copies are being issued
     with torch.cuda.stream(comm):
         ws.handle.barrier(_BARRIER_CHANNEL)
         for i, d in enumerate(order):
@@ -156,14 +163,6 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
             if timeline:
                 timeline.entries.append(("transfer", i, t0, mark(comm)))
     x_shard.record_stream(comm)
-
-    def gemm(step, a, b):
-        t0 = mark(compute) if timeline else None
-        mm_into(a, w, rows(out, b))
-        if timeline:
-            timeline.entries.append(("gemm", step, t0, mark(compute)))
-
-    gemm(0, x_shard, me)
     for i, d in enumerate(order):
         src = (me - d) % G
         ws.handle.wait_signal(src, _DATA_CHANNEL)
@@ -227,20 +226,50 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
         sent.append(p)
     own = partial(len(order), me)
     t_me = out_sizes[me]
-    acc: Optional[torch.Tensor] = None
     for src in range(G):
-        if src == me:
-            p = own
-        else:
+        if src != me:
             ws.handle.wait_signal(src, _DATA_CHANNEL)
-            p = mine[src, :t_me]
-        t0 = mark(compute) if timeline else None
-        if acc is None:
-            acc = p.to(torch.float32, copy=True)
-        else:
-            acc.add_(p)
-        if timeline:
-            timeline.entries.append(("reduce", src, t0, mark(compute)))
+    parts = [own if src == me else mine[src, :t_me] for src in range(G)]
+    t0 = mark(compute) if timeline else None
+    out = ordered_sum(parts)
+    if timeline:
+        timeline.entries.append(("reduce", 0, t0, mark(compute)))
     compute.wait_stream(comm)
     del sent
+    return out
+
+
+_SUM_KERNELS: Dict[int, object] = {}
+_SUM_FALLBACK = [False]
+
+
+def _sum_kernel(n: int):
+    """An elementwise kernel (NVRTC, through torch's jiterator) adding n inputs in order in fp32, cast once."""
+    fn = _SUM_KERNELS.get(n)
+    if fn is None:
+        from torch.cuda.jiterator import _create_jit_fn
+        args = ", ".join(f"T p{i}" for i in range(n))
+        body = "".join(f" acc += static_cast<float>(p{i});" for i in range(1, n))
+        code = (f"template <typename T> T ordered_sum{n}({args}) {{ float acc = static_cast<float>(p0);{body} "
+                "return static_cast<T>(acc); }")
+        fn = _SUM_KERNELS[n] = _create_jit_fn(code)
+    return fn
+
+
+def ordered_sum(parts: List[torch.Tensor]) -> torch.Tensor:
+    """``cast(((float(p0) + p1) + p2) + ...)``: fp32 adds in list order, one cast; the same bits as
+    ``acc = p0.float(); acc += p1; ...; acc.to(p0.dtype)``, in one pass over the inputs where the
+    elementwise compiler is available (else exactly those steps)."""
+    dtype = parts[0].dtype
+    if len(parts) > 1 and parts[0].is_cuda and dtype in (torch.bfloat16, torch.float16, torch.float32) \
+            and len(parts) <= 8 and not _SUM_FALLBACK[0]:
+        try:
+            return _sum_kernel(len(parts))(*parts)
+        except Exception as e:  # noqa: BLE001 - the step-by-step form gives the same bits
+            _SUM_FALLBACK[0] = True
+            warnings.warn(f"ds_uniep.commfuse: fused ordered sum unavailable ({type(e).__name__}: {e}); "
+                          "adding partials one by one")
+    acc = parts[0].to(torch.float32, copy=True)
+    for p in parts[1:]:
+        acc.add_(p)
     return acc if dtype == torch.float32 else acc.to(dtype)
