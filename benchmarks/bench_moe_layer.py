@@ -15,13 +15,25 @@ are measured in the same run:
 
 All layers use the same DeepSpeed gate weights and SwiGLU experts, bf16, fp32 gate.
 A short table is printed last; everything goes to ``--out/bench_moe_layer.json``.
+
+``--autotune`` adds, per shape, the megakernel layer tuned by its own autotune
+path (``"autotune": {"enabled": true}``, fwd+bwd, ``--autotune-budget-s`` per
+shape) and timed under its plan, and every single fixed plan a user could set
+for all shapes without tuning: the config default and each ``num_comm_sms``
+value the tuner walks. The best single fixed plan is the one with the smallest
+geometric mean time over the shapes run; the table gives tuned ms, its ms and
+their ratio per shape (JSON key ``"autotune"``)::
+
+    torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --autotune --out bench_out
 """
 
 import argparse
 import copy
 import json
+import math
 import os
 import sys
+import time
 
 import torch
 
@@ -41,6 +53,11 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", default="bench_out")
+    p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
+                   "fixed plan (config default, each num_comm_sms value) per shape")
+    p.add_argument("--autotune-budget-s", type=float, default=40.0, help="tuning budget per shape (default 40)")
+    p.add_argument("--autotune-cache", default=None, help="plan cache directory (default OUT/plan_cache; a cached "
+                   "plan is used without tuning)")
     return p.parse_args(argv)
 
 
@@ -141,6 +158,96 @@ def gemm_alone(layer, x, mode, args, dist):
     return slowest(r["median_ms"], dist), int(counts.sum())
 
 
+def fixed_plans(space):
+    """Every single fixed plan a user can set for all shapes without tuning: the config default and each
+    num_comm_sms value the tuner walks (the megakernel acts on no other exact knob yet)."""
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.tuning import Plan
+    default = space.project(Plan.from_config(UniEPConfig()))
+    plans = {f"config default (sm{default.num_comm_sms})": default}
+    for plan in space.enumerate():
+        plans[f"sm{plan.num_comm_sms}"] = plan
+    return plans
+
+
+def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
+    """Tune the megakernel layer through its own autotune path, then time it and every fixed plan."""
+    from ds_uniep.config import AutotuneConfig
+    from ds_uniep.tuning import GPUInfo, Shape, Space
+    if not status[0]:
+        return {"shape": name, "skipped": f"megakernel cannot run here: {status[1]}"}
+    if "megakernel" in layers:
+        layer = layers["megakernel"]
+    else:  # same seed, same weights as the other rows
+        layer = build_layers(shape, E, ep, ["megakernel"], status)["megakernel"]
+    cache_dir = args.autotune_cache or os.path.join(args.out, "plan_cache")
+    on = AutotuneConfig(enabled=True, cache_dir=cache_dir, budget_s=args.autotune_budget_s, warmup=args.warmup,
+                        repeats=args.repeats)
+    layer.uniep_config = layer.uniep_config.model_copy(update={"autotune": on})
+    dist.barrier()
+    t0 = time.perf_counter()
+    with torch.enable_grad():
+        layer(inputs(0)[0])  # the first forward of this shape tunes (or reads the cache)
+    torch.cuda.synchronize()
+    dist.barrier()
+    wall_s = time.perf_counter() - t0
+    result = next(r for key, r in layer.autotune_results.items() if key[0] == T)
+    row = {"shape": name, "T": T, "E": E, "tuned_plan": result.winner.to_dict(), "tuned_label": result.winner.label(),
+           "from_cache": result.from_cache, "tune_wall_s": wall_s,
+           "tuned_plans_measured": len(result.by_status("measured")), "tune_records": result.to_dict()["records"],
+           "modes": {}}
+    for mode in args.modes:  # autotune still on: the layer runs its tuned plan by itself
+        row["modes"][mode] = {"tuned_ms": time_layer(layer, inputs, mode, args, dist), "fixed_ms": {}}
+    layer.uniep_config = layer.uniep_config.model_copy(update={"autotune": AutotuneConfig()})
+    space = Space(Shape(T=T, M=shape.hidden, F=shape.ffn, E=E, k=shape.top_k, dtype="bf16", ep=ep),
+                  GPUInfo.detect(), ep, layer.uniep_config.max_tokens_per_rank, False, backend="megakernel")
+    plans = fixed_plans(space)
+    row["fixed_plans"] = {n: p.to_dict() for n, p in plans.items()}
+    for pname, plan in plans.items():
+        layer.set_plan(plan)
+        for mode in args.modes:
+            row["modes"][mode]["fixed_ms"][pname] = time_layer(layer, inputs, mode, args, dist)
+    return row
+
+
+def summarize_autotune(auto, modes):
+    """Per mode, the single fixed plan with the smallest geometric mean time over the shapes, and per shape
+    the tuned time against it (speedup = best single fixed ms / tuned ms; >= 1 means tuning paid)."""
+    rows = [r for r in auto["rows"] if "modes" in r]
+    auto["best_single_fixed"] = {}
+    for mode in modes:
+        if not rows:
+            break
+        names = sorted(set.intersection(*(set(r["modes"][mode]["fixed_ms"]) for r in rows)))
+        geo = {n: math.exp(sum(math.log(r["modes"][mode]["fixed_ms"][n]) for r in rows) / len(rows)) for n in names}
+        best = min(names, key=lambda n: geo[n])
+        auto["best_single_fixed"][mode] = {"plan": best, "geomean_ms": geo}
+        for r in rows:
+            m = r["modes"][mode]
+            m["best_single_fixed"] = best
+            m["best_single_fixed_ms"] = m["fixed_ms"][best]
+            m["speedup_vs_best_single_fixed"] = m["fixed_ms"][best] / m["tuned_ms"]
+            m["fastest_fixed_here"] = min(m["fixed_ms"], key=m["fixed_ms"].get)
+
+
+def print_autotune(auto):
+    print(f"\nautotune (megakernel, tuned on fwd+bwd, budget {auto['budget_s']:g} s per shape); speedup = best "
+          "single fixed plan ms / tuned ms")
+    head = ["shape", "mode", "tuned plan", "tuned", "best single fixed", "its ms", "speedup", "fastest fixed here",
+            "tuning s"]
+    print(" | ".join(head))
+    for r in auto["rows"]:
+        if "modes" not in r:
+            print(f"{r['shape']} | {r['skipped']}")
+            continue
+        for mode, m in r["modes"].items():
+            here = m["fastest_fixed_here"]
+            print(" | ".join([r["shape"], mode, r["tuned_label"] + (" (cache)" if r["from_cache"] else ""),
+                              f"{m['tuned_ms']:.2f}", m["best_single_fixed"], f"{m['best_single_fixed_ms']:.2f}",
+                              f"{m['speedup_vs_best_single_fixed']:.3f}x", f"{here} {m['fixed_ms'][here]:.2f}",
+                              f"{r['tune_wall_s']:.1f}"]))
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -190,14 +297,22 @@ def main(argv=None):
             row["practical_bound_ms"] = max(gemm_ms, comm_ms)
             row["physical_bound_ms"] = max(flops / (tflops * 1e12) * 1e3, comm_ms)
             results["rows"].append(row)
+        if args.autotune:
+            results.setdefault("autotune", {"budget_s": args.autotune_budget_s, "rows": []})
+            results["autotune"]["rows"].append(autotune_shape(name, shape, E, ep, T, inputs, layers, status, args,
+                                                              dist))
         del layers
         torch.cuda.empty_cache()
 
+    if args.autotune:
+        summarize_autotune(results["autotune"], args.modes)
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "bench_moe_layer.json"), "w") as f:
             json.dump(results, f, indent=2)
         print_table(results)
+        if args.autotune:
+            print_autotune(results["autotune"])
     dist.barrier()
 
 

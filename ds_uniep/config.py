@@ -48,7 +48,8 @@ class OverlapConfig(_Block):
         description="sequential: dispatch, then GEMMs, then combine, no overlap; pipelined: chunks of "
         "rows on separate streams; fused: one persistent kernel whose GEMM tiles start as their rows arrive.")
     num_chunks: int = Field(2, ge=1, le=64, description="Chunks per layer for the pipelined schedule.")
-    num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine.")
+    num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
+                              "launches its dispatch and combine copy kernels with this many blocks.")
     roles: Literal["partitioned", "interleaved"] = Field(
         "partitioned",
         description="partitioned: whole SMs communicate while others compute; interleaved: communication "
@@ -81,10 +82,12 @@ class CompressionConfig(_Block):
 class AutotuneConfig(_Block):
     """Search of the tuning space (``ds_uniep.tuning``) on the live shapes."""
 
-    enabled: bool = Field(False, description="Tune each layer shape on its first forward and cache the plan "
-                          "(not yet wired into UniEPMoE: a warning says so; use python -m ds_uniep.tune).")
+    enabled: bool = Field(False, description="Each UniEPMoE tunes itself on its first forward with a new (tokens "
+                          "per rank, dtype, device): a cached plan is used without timing anything; otherwise all "
+                          "expert-parallel ranks time the plans the backend acts on, agree on one and cache it.")
     cache_dir: str = Field("~/.cache/ds_uniep", description="Directory of the JSON plan cache.")
-    budget_s: float = Field(60.0, gt=0, description="Seconds one layer shape may spend tuning.")
+    budget_s: float = Field(60.0, gt=0, description="Seconds one layer shape may spend tuning (the configured "
+                            "plan and the sequential baseline are always timed).")
     allow_numerics_change: bool = Field(
         False, description="Let the tuner explore options that change numbers (FP8 dispatch).")
     warmup: int = Field(3, ge=0, description="Untimed runs per candidate plan.")
@@ -161,7 +164,7 @@ class UniEPConfig(_Block):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the current "
                                    "megakernel backend runs dispatch, grouped GEMM and combine in sequence and reads "
-                                   "timeout_s only).")
+                                   "num_comm_sms and timeout_s; the other knobs wait for the fused schedule).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")

@@ -7,12 +7,16 @@ layer by ``isinstance`` and builds MoE parameter groups as usual. Only the
 forward differs: DeepSpeed's gate decides the routing, then a ds_uniep
 dispatcher moves rows in the deterministic layout (``layout.py``), the local
 experts run, and the combine adds each token's slots in slot order in fp32.
+
+With ``"autotune": {"enabled": true}`` a layer tunes itself on its first
+forward with a new (tokens per rank, dtype, device): see :meth:`UniEPMoE.forward`.
 """
 
 import inspect
 import itertools
 import os
-from typing import Any, Mapping, Optional, Tuple, Union
+import sys
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 from deepspeed.moe.layer import MoE
@@ -63,7 +67,6 @@ class UniEPMoE(MoE):
         self._config_from_engine = config is None
         self.uniep_config = UniEPConfig.coerce(config)
         backend_mod.check_requested(self.uniep_config.backend)
-        _check_implemented(self.uniep_config)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
                          enable_expert_tensor_parallelism, top2_2nd_expert_sampling)
@@ -73,6 +76,11 @@ class UniEPMoE(MoE):
         self._dispatchers = {}
         self._backend_by_device = {}
         self._hybrid = None
+        # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
+        self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
+        self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
+        self._autotuning = False
+        self._applied_plan = None
         if use_tutel:
             logger.info(f"{self.layer_name}: use_tutel is accepted; ds_uniep's dispatch replaces Tutel's")
 
@@ -86,9 +94,10 @@ class UniEPMoE(MoE):
             if engine is not None:
                 self.uniep_config = UniEPConfig.from_engine(engine)
                 backend_mod.check_requested(self.uniep_config.backend)
-                _check_implemented(self.uniep_config)
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
         self._dispatchers.clear()
+        self._tuned_plans.clear()  # tuned for another group (or config): tune again
+        self._applied_plan = None
         hyb = self.uniep_config.hybrid
         self._hybrid = None
         if not hyb.enabled:
@@ -115,11 +124,20 @@ class UniEPMoE(MoE):
 
     def set_plan(self, plan) -> None:
         """Run the next forward under ``plan`` (a :class:`ds_uniep.tuning.Plan`): its overlap knobs and
-        dispatch dtype replace the config's; dispatchers built for the old settings are dropped."""
+        dispatch dtype replace the config's. A megakernel dispatcher takes a new ``num_comm_sms`` as
+        it is (the block count of its copy kernels); a new dispatch dtype rebuilds the dispatchers."""
+        self._applied_plan = plan
         cfg = plan.apply(self.uniep_config)
-        if cfg != self.uniep_config:
-            self.uniep_config = cfg
+        if cfg == self.uniep_config:
+            return
+        rebuild = cfg.compression != self.uniep_config.compression
+        self.uniep_config = cfg
+        if rebuild:
             self._dispatchers.clear()
+            return
+        for d in self._dispatchers.values():
+            if hasattr(d, "num_blocks"):
+                d.num_blocks = cfg.overlap.num_comm_sms
 
     @property
     def ep_group(self):
@@ -127,12 +145,24 @@ class UniEPMoE(MoE):
 
     # ------------------------------------------------------------------ forward
     def forward(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-        """``hidden_states``: ``[..., M]``; returns ``(output [..., M], l_aux [], exp_counts [E])``."""
+        """``hidden_states``: ``[..., M]``; returns ``(output [..., M], l_aux [], exp_counts [E])``.
+
+        With ``autotune.enabled``, the first forward with a new (T tokens this rank moves, dtype,
+        device) first looks the plan up in the cache (GPU, ep, T, M, F, E, k, dtype, backend,
+        version); on a miss every rank of the expert-parallel group times the plans the backend acts
+        on (``ds_uniep.tuning``) on a copy of this input, within ``autotune.budget_s``, and they agree
+        on one, which is cached. The layer then runs under that plan. Tuning leaves the parameters,
+        their ``.grad``, the RNG states and the caller's autograd graph as they were, and never
+        changes the numbers (every plan it may choose gives bitwise the same results; FP8 dispatch
+        only with ``allow_numerics_change``). Every rank of the group must see the same T on that
+        forward, as with a fixed micro-batch."""
         if not self.uniep_config.enabled:
             return super().forward(hidden_states, used_token)
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"{self.layer_name}: input hidden size {hidden_states.shape[-1]} does not match "
                              f"hidden_size={self.hidden_size} (input shape {tuple(hidden_states.shape)})")
+        if self.uniep_config.autotune.enabled and not self._autotuning and self._hybrid is None:
+            self._autotune(hidden_states)
         moe = self.deepspeed_moe
         x = hidden_states.reshape(-1, self.hidden_size)
         # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts.
@@ -186,13 +216,76 @@ class UniEPMoE(MoE):
         if name == "megakernel":
             from .megakernel import NVLinkDispatcher
             d = NVLinkDispatcher(self.layer_name, self.num_experts, self.ep_size, self.hidden_size, self.k, x.dtype,
-                                 self.uniep_config, self.ep_group)
+                                 self.uniep_config, self.ep_group, num_blocks=self.uniep_config.overlap.num_comm_sms)
         else:
             d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group,
                                     dispatch_dtype=self.uniep_config.compression.dispatch_dtype)
         self._backend_by_device[key] = name
         self._dispatchers[key] = d
         return d
+
+    # ------------------------------------------------------------------ autotune
+    def _autotune(self, hidden_states: Tensor) -> None:
+        """Run under the tuned plan for this input's (T, dtype, device), tuning first if none is known."""
+        T = hidden_states.numel() // self.hidden_size
+        _, tp, tp_rank = tp_context()
+        if tp > 1:
+            T = even_sizes(T, tp)[tp_rank]
+        key = (T, hidden_states.dtype, hidden_states.device)
+        plan = self._tuned_plans.get(key)
+        if plan is None:
+            plan = self._tune(hidden_states, T)
+            self._tuned_plans[key] = plan
+        if plan is not False and plan != self._applied_plan:
+            self.set_plan(plan)
+
+    def _tune(self, hidden_states: Tensor, T: int):
+        """The plan for this shape: from the cache, else measured on every rank of the EP group.
+        False when there is nothing to tune (the plan stays the configured one)."""
+        from .tuning import GPUInfo, Shape
+        from .tuning.runner import live_runner
+        from .tuning.tuner import tune_from_config
+        device = hidden_states.device
+        dtype = _DTYPE_NAMES.get(hidden_states.dtype)
+        if dtype is None or T < 1:
+            logger.info(f"{self.layer_name}: autotune skipped for {T} tokens of {hidden_states.dtype} (tunes "
+                        "bf16, fp16 and fp32 inputs with at least one token)")
+            return False
+        x = hidden_states.reshape(-1, self.hidden_size)
+        self._dispatcher(x)  # resolves (and logs) the backend once, as an untuned forward would
+        backend = self._backend_by_device[device]
+        shape = Shape(T=T, M=self.hidden_size, F=_expert_ffn(self.deepspeed_moe.experts.deepspeed_experts[0],
+                                                            self.hidden_size),
+                      E=self.num_experts, k=self.k, dtype=dtype, ep=self.ep_size)
+        group = self.ep_group
+        local = self.ep_size == 1 or group is None
+        if not local:
+            _check_same_shape(shape, group, self.layer_name)
+        gpu = GPUInfo.detect(device) if device.type == "cuda" else GPUInfo.cpu()
+        rank0 = local or torch.distributed.get_rank(group) == 0
+        backward = not torch.is_inference_mode_enabled()
+        cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        self._autotuning = True
+        try:
+            # The gate (noisy policies, random token selection) and experts (dropout) may draw
+            # random numbers: the caller's RNG streams continue as if tuning never ran.
+            with torch.random.fork_rng(devices=cuda_devices):
+                result = tune_from_config(self.uniep_config, shape, live_runner(self, hidden_states, backward=backward),
+                                          gpu=gpu, group=group, backend=backend, local=local,
+                                          progress=rank0 and sys.stderr.isatty())
+        finally:
+            self._autotuning = False
+        key = (T, hidden_states.dtype, device)
+        self.autotune_results[key] = result
+        if rank0:
+            how = (f"from the cache {result.cache_file}" if result.from_cache else
+                   f"{_ms(result.best_ms)} ms fwd{'+bwd' if backward else ''} against {_ms(result.default_ms)} ms "
+                   f"for the configured plan, {len(result.by_status('measured'))} plans measured in "
+                   f"{result.elapsed_s:.1f} s")
+            logger.info(f"{self.layer_name}: autotune {shape} on the {backend} backend: plan "
+                        f"{result.winner.label()} ({how})")
+        return result.winner
 
     def backend_name(self, device: Union[str, torch.device, None] = None) -> Optional[str]:
         """The backend chosen for ``device`` (after the first forward there), else None."""
@@ -216,11 +309,36 @@ def _calling_engine():
         del frame
 
 
-def _check_implemented(cfg: UniEPConfig) -> None:
-    """Options the layer cannot honour yet fail or warn here, rather than being dropped silently."""
-    if cfg.autotune.enabled:
-        logger.warning('"uniep": {"autotune": {"enabled": true}}: layers do not tune themselves in this version; '
-                       "they run the configured overlap settings (results are the same, only speed differs)")
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _expert_ffn(expert: nn.Module, hidden_size: int) -> int:
+    """F of the cache key: the FFN width of a SwiGLU/GeLU expert (or any expert with an ``ffn_size``,
+    ``intermediate_size`` or ``w1``/``fc1`` linear), else its parameter count over the hidden size."""
+    for name in ("ffn_size", "intermediate_size"):
+        v = getattr(expert, name, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    for name in ("w1", "fc1"):
+        lin = getattr(expert, name, None)
+        if isinstance(lin, nn.Linear):
+            return lin.out_features
+    return max(1, sum(p.numel() for p in expert.parameters()) // hidden_size)
+
+
+def _check_same_shape(shape, group, layer_name: str) -> None:
+    """Every rank of the group must tune the same shape (they run the same plans together)."""
+    mine = (shape.T, shape.M, shape.F, shape.E, shape.k, shape.dtype)
+    everyone = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(everyone, mine, group=group)
+    if any(s != mine for s in everyone):
+        raise ValueError(f"{layer_name}: autotune needs the same layer shape on every expert-parallel rank, got "
+                         f"(T, M, F, E, k, dtype) = {everyone} per rank; feed every rank the same number of tokens "
+                         'on the first forward of a shape, or set "uniep": {"autotune": {"enabled": false}}')
 
 
 def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy) -> None:

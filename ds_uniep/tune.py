@@ -6,10 +6,12 @@ Examples::
     python -m ds_uniep.tune --shape 8192,2048,1408,64,6 --ep 4 --backend none --out tune_out
     python -m ds_uniep.tune --shape 256,128,256,8,2 --backend reference --out tune_out
 
-With the megakernel backend (CUDA, Hopper, launched on ``ep`` ranks) every
-valid plan is timed with CUDA events. Without it the tool enumerates and
-validates the space (``--backend none``), or times the reference backend's
-layer (``--backend reference``), whose plans differ only in dispatch_dtype.
+With the megakernel backend (CUDA, Hopper, launched on ``ep`` ranks) the
+plans of the knobs it acts on (num_comm_sms, and dispatch_dtype when numerics
+may change) are timed with CUDA events; the other knobs are fixed until the
+fused schedule lands. Without it the tool enumerates and validates the whole
+design space (``--backend none``), or times the reference backend's layer
+(``--backend reference``), whose plans differ only in dispatch_dtype.
 """
 
 import argparse
@@ -85,6 +87,7 @@ def _run(args) -> int:
     say(f"GPU {gpu.name}: {gpu.num_sms} SMs, {gpu.smem_per_block} B shared memory per block ({gpu_note})")
 
     from .tuning.runner import megakernel_status
+    from .tuning.space import ACTING_KNOBS
     mk_ok, mk_reason = megakernel_status()
     mode = args.backend
     if mode == "auto":
@@ -98,6 +101,9 @@ def _run(args) -> int:
         if args.backend == "auto":
             say(f"the megakernel backend is not available ({mk_reason}): only enumerating and validating the "
                 "space; no plan is timed (--backend reference times the reference layer)")
+        mk = space.for_backend("megakernel")
+        say(f"design space of every knob; the megakernel backend acts on {', '.join(ACTING_KNOBS['megakernel'])} "
+            f"today, so it would time {len(mk.enumerate())} plans (the others wait for the fused schedule)")
         return _space_only(args, space, cfg, stem, say)
     return _measure(args, space, cfg, mode, stem, say, rank0)
 
@@ -121,7 +127,7 @@ def _space_only(args, space: Space, cfg: UniEPConfig, stem: str, say) -> int:
         say(f"{what} {p.label()}: {'valid' if r is None else 'rejected: ' + r}")
     est = {p: estimate_ms(p, space) for p in valid}
     ranked = sorted(valid, key=lambda p: (est[p], valid.index(p)))
-    say(f"first {min(args.top, len(ranked))} plans the tuner would time (analytical estimate, NOT measured):")
+    say(f"first {min(args.top, len(ranked))} plans of the design space by the analytical estimate (NOT measured):")
     say(f"{'#':>3} {'plan':<44} {'estimate ms':>11}")
     for i, p in enumerate(ranked[:args.top]):
         say(f"{i + 1:>3} {p.label():<44} {est[p]:>11.3f}")
@@ -148,9 +154,12 @@ def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, ra
             "signals are megakernel settings), so one plan per dispatch dtype is timed; the default plan and "
             "the sequential baseline run the same reference path, and any difference between them is noise")
         space = reference_paths(space)
-        default = space.baseline().replace(dispatch_dtype=cfg.compression.dispatch_dtype)
     else:
-        default = Plan.from_config(cfg)
+        space = space.for_backend(mode)
+        fixed = ", ".join(f"{k}={v}" for k, v in space.fixed_knobs().items())
+        say(f"{mode} backend: timing {', '.join(space.acting_knobs())}; fixed until the fused schedule lands: "
+            f"{fixed}")
+    default = space.project(Plan.from_config(cfg))
     layer, x = build_layer(space.shape, cfg, mode, device)
     result = tune(space, layer_runner(layer, x), budget_s=args.budget_s or at.budget_s,
                   warmup=at.warmup if args.warmup is None else args.warmup,

@@ -74,6 +74,60 @@ def test_sequential_baseline_always_valid_and_enumeration_only_valid():
                 assert any(p.dispatch_dtype == "fp8_e4m3" for p in plans) == allow
 
 
+def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
+    from ds_uniep.tuning.space import ACTING_KNOBS, comm_sms_values
+    h200 = GPUInfo.preset("h200")
+    shape = preset_shape("mixtral-like", 4)
+    design = Space(shape, h200, 4)
+    mk = design.for_backend("megakernel")
+    assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("num_comm_sms", "dispatch_dtype")
+    assert mk.fixed_knobs() == dict(schedule="sequential", num_chunks=1, roles="partitioned", tile_m=64, tile_n=64,
+                                    stages=2, signal_granularity="tile")
+    plans = mk.enumerate()
+    # Every SM count up to the whole GPU (the sequential copy kernels run alone), exact dispatch only.
+    assert [p.num_comm_sms for p in plans] == [16, 24, 32, 48, 64, 80, 96, 132]
+    assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16) == mk.baseline() for p in plans)
+    assert mk.baseline() in plans and len(mk.table()) == 16  # the 8 FP8 plans are rejected ...
+    assert all("numerics change not allowed" in r for _, r in mk.table() if r)
+    allowed = Space(shape, h200, 4, allow_numerics_change=True, backend="megakernel")
+    assert len(allowed.enumerate()) == 16  # ... unless numerics may change
+    # Capped by the GPU's SM count; FP8 rows need M divisible by 128 on the megakernel only.
+    assert comm_sms_values(114) == (16, 24, 32, 48, 64, 80, 96, 114) and comm_sms_values(20) == (16, 20)
+    odd = Shape(T=64, M=96, F=64, E=4, k=2)
+    small = Space(odd, GPUInfo("small", 20, 96 * 1024), allow_numerics_change=True, backend="megakernel")
+    assert [(p.num_comm_sms, p.dispatch_dtype) for p in small.enumerate()] == [(16, "activation"),
+                                                                               (20, "activation")]
+    assert "FP8 rows need the hidden size divisible by 128: M=96" in small.check(small.baseline().replace(
+        dispatch_dtype="fp8_e4m3"))
+    ref = Space(odd, GPUInfo("small", 20, 96 * 1024), allow_numerics_change=True, backend="reference")
+    assert [p.dispatch_dtype for p in ref.enumerate()] == ["activation", "fp8_e4m3"]
+    # Projection: the configured plan runs as the space's point with the same acting knobs.
+    assert mk.project(Plan(schedule="fused", num_comm_sms=20, tile_m=256)) == mk.baseline().replace(num_comm_sms=20)
+    assert design.project(Plan(tile_m=256)) == Plan(tile_m=256)
+    # The reference backend has no symmetric buffer: max_tokens_per_rank does not bind it.
+    big = Shape(T=9000, M=64, F=64, E=8, k=2)
+    assert Space(big, GPU, backend="reference").enumerate() and not Space(big, GPU, backend="megakernel").enumerate()
+    # The sequential schedule may give the copy kernels every SM; an overlapping one may not.
+    assert design.check(Plan(schedule="sequential", num_comm_sms=132)) is None
+    assert "SM budget exceeded" in Space(shape, GPUInfo("g", 100, 227 * 1024), 4).check(
+        Plan(schedule="sequential", num_comm_sms=101))
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        Space(shape, h200, backend="nccl")
+
+
+def test_configured_fp8_is_kept_without_allow_numerics_change(tmp_path):
+    cfg = UniEPConfig.from_dict({"compression": {"dispatch_dtype": "fp8_e4m3"},
+                                 "autotune": {"cache_dir": str(tmp_path), "warmup": 0, "repeats": 2}})
+    space = Space.from_config(cfg, SHAPE, GPU, backend="megakernel")
+    assert {p.dispatch_dtype for p in space.enumerate()} == {"fp8_e4m3"}
+    assert space.baseline().dispatch_dtype == "fp8_e4m3"
+    assert "changes the numbers of the configured fp8_e4m3" in space.check(space.baseline().replace(
+        dispatch_dtype="activation"))
+    calls = []
+    r = tune_from_config(cfg, SHAPE, _fake_runner({}, calls), gpu=GPU, progress=False, values=dict(num_comm_sms=(16,)))
+    assert r.winner.dispatch_dtype == "fp8_e4m3" and {p.dispatch_dtype for p in calls} == {"fp8_e4m3"}
+
+
 def test_plan_forms_normalisation_and_config_round_trip():
     p = Plan(schedule="fused", num_chunks=1, signal_granularity="expert", dispatch_dtype="fp8_e4m3")
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
@@ -258,11 +312,14 @@ def test_autotune_block_parses_and_drives_tuning(tmp_path):
         with pytest.raises(UniEPConfigError, match=key):
             UniEPConfig.from_dict({"autotune": bad})
     calls = []
-    values = dict(num_comm_sms=(16,), roles=("partitioned",), tile_m=(128,), tile_n=(128,), stages=(4,),
-                  signal_granularity=("tile",), num_chunks=(4,))
-    r = tune_from_config(cfg, SHAPE, _fake_runner({}, calls), gpu=GPU, progress=False, values=values)
-    assert r.default_plan == Plan("pipelined", 4, 16) and r.default_ms is not None
-    assert any(p.dispatch_dtype == "fp8_e4m3" for p in calls)  # allowed, so explored
+    r = tune_from_config(cfg, SHAPE, _fake_runner({}, calls), gpu=GPU, progress=False,
+                         values=dict(num_comm_sms=(16, 32)))
+    # The megakernel acts on num_comm_sms and dispatch_dtype only: the configured pipelined plan runs
+    # as the sequential plan with its 16 communication SMs, and that is the default plan timed.
+    assert r.default_plan == Plan("sequential", 1, 16, **SMALL) and r.default_ms is not None
+    assert {(p.num_comm_sms, p.dispatch_dtype) for p in calls} == {(16, "activation"), (32, "activation"),
+                                                                  (16, "fp8_e4m3"), (32, "fp8_e4m3")}
+    assert {(p.schedule, p.tile_m, p.tile_n, p.stages) for p in calls} == {("sequential", 64, 64, 2)}
     assert len(calls) == 2 * len(set(calls))  # warmup 0, repeats 2
     assert os.path.dirname(r.cache_file) == str(tmp_path / "c")
     # max_tokens_per_rank sizes the buffer: a larger T cannot be tuned at all.

@@ -3,13 +3,15 @@
 - :class:`Plan`: one point (the ``overlap`` block plus ``dispatch_dtype``).
 - :class:`Shape`, :class:`GPUInfo`: what validity and speed depend on.
 - :class:`Space`: enumerates valid plans; :meth:`Space.check` says why a plan cannot run.
+  ``Space(..., backend=...)`` walks only the knobs that backend acts on (:data:`ACTING_KNOBS`).
 - :func:`tune`: measures plans through a ``run_plan(plan)`` callable, agrees on one
   winner across ranks, caches it (:mod:`ds_uniep.tuning.cache`).
 """
 from .cache import PlanCacheWarning, cache_key, cache_path
 from .cost import estimate_ms
-from .space import DEFAULT_VALUES, GPU_PRESETS, GPUInfo, Plan, Shape, Space
+from .space import ACTING_KNOBS, DEFAULT_VALUES, GPU_PRESETS, GPUInfo, Plan, Shape, Space, comm_sms_values
 from .tuner import PlanRecord, TuneResult, tune, tune_from_config
 
 __all__ = ["Plan", "Shape", "GPUInfo", "Space", "tune", "tune_from_config", "TuneResult", "PlanRecord",
-           "PlanCacheWarning", "cache_key", "cache_path", "estimate_ms", "DEFAULT_VALUES", "GPU_PRESETS"]
+           "PlanCacheWarning", "cache_key", "cache_path", "estimate_ms", "DEFAULT_VALUES", "GPU_PRESETS",
+           "ACTING_KNOBS", "comm_sms_values"]

@@ -2,13 +2,13 @@
 
 :func:`layer_runner` turns any :class:`~ds_uniep.UniEPMoE` and an input into a
 ``run_plan``: it puts the plan into the layer and runs forward and backward.
-A layer (or its dispatcher) that can switch plans without rebuilding exposes
-``set_plan(plan)``; otherwise the layer's config is replaced and its cached
-dispatchers dropped, so the next forward builds them under the new plan.
+``UniEPMoE.set_plan(plan)`` switches plans: a new ``num_comm_sms`` is taken by
+the live dispatcher, a new dispatch dtype rebuilds it. :func:`live_runner` is
+what a layer uses to tune itself on its live input without leaving a trace.
 
-The reference backend reads only ``dispatch_dtype`` of a plan: every other
-knob is a megakernel setting, so :func:`reference_paths` keeps one plan per
-distinct reference path rather than timing identical work many times.
+Each backend acts on a few knobs only (``space.ACTING_KNOBS``): the reference
+backend reads only ``dispatch_dtype``, so :func:`reference_paths` keeps one
+plan per distinct reference path rather than timing identical work many times.
 """
 
 import os
@@ -17,7 +17,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from ..experts import SwiGLUExpert
-from .space import DISPATCH_DTYPES, Plan, Shape, Space
+from .space import Plan, Shape, Space
 from .tuner import RunPlan
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -45,14 +45,40 @@ def layer_runner(layer, x: torch.Tensor, *, backward: bool = True, seed: int = 0
     return run_plan
 
 
+def live_runner(layer, hidden_states: torch.Tensor, *, backward: bool = True, seed: int = 0) -> RunPlan:
+    """``run_plan`` for a layer tuning itself on its live input, leaving nothing behind.
+
+    The input is a detached copy of ``hidden_states`` (the user's graph never
+    sees the tuning runs); ``layer.forward`` is called directly (no module
+    hooks fire); the backward is ``torch.autograd.grad`` over the input and the
+    parameters that require grad, so no ``.grad`` is written and no
+    accumulate-grad hook (DeepSpeed's gradient reduction) fires, yet the
+    backward does the work a training step's does. The caller restores RNG
+    states (the gate may draw random numbers)."""
+    x = hidden_states.detach().clone().requires_grad_(backward)
+    params = [p for p in layer.parameters() if p.requires_grad]
+    grad: List[Optional[torch.Tensor]] = [None]
+
+    def run_plan(plan: Plan) -> None:
+        layer.set_plan(plan)
+        with torch.enable_grad() if backward else torch.no_grad():
+            out, l_aux, _ = layer.forward(x)
+            if not backward:
+                return
+            if grad[0] is None:
+                gen = torch.Generator(device="cpu").manual_seed(seed)
+                grad[0] = torch.randn(out.shape, generator=gen).to(out.device, out.dtype)
+            outs = [(o, g) for o, g in ((out, grad[0]), (l_aux, torch.ones_like(l_aux))) if o.requires_grad]
+            if outs:
+                torch.autograd.grad([o for o, _ in outs], [x] + params, [g for _, g in outs],
+                                    allow_unused=True)
+
+    return run_plan
+
+
 def reference_paths(space: Space) -> Space:
     """The sub-space of plans that take different paths through the reference backend: one per dispatch dtype."""
-    b = space.baseline()
-    values = {k: (v,) for k, v in b.to_dict().items()}
-    values["num_chunks"] = (2,)
-    values["dispatch_dtype"] = DISPATCH_DTYPES
-    return Space(space.shape, space.gpu, space.ep, space.max_tokens_per_rank, space.allow_numerics_change,
-                 values=values)
+    return space.for_backend("reference")
 
 
 def megakernel_status() -> Tuple[bool, str]:

@@ -7,8 +7,24 @@ A :class:`Plan` is one point (the ``overlap`` block of the config plus the
 dispatch dtype). A :class:`Space` knows the layer's :class:`Shape` and the
 :class:`GPUInfo` and says, for every plan, whether it can run and if not why
 (:meth:`Space.check`). Validity is a pure function of (plan, shape, GPU,
-max_tokens_per_rank, allow_numerics_change), so every rank of a job
+max_tokens_per_rank, allow_numerics_change, backend), so every rank of a job
 enumerates the same points in the same order.
+
+Two kinds of space:
+
+- the design space (``backend=None``): every knob of DESIGN.md section 7 at the
+  values of :data:`DEFAULT_VALUES`; what ``python -m ds_uniep.tune --backend
+  none`` lists and validates;
+- a backend's space (``backend="megakernel"`` or ``"reference"``): only the
+  knobs that backend acts on today (:data:`ACTING_KNOBS`) are walked; every
+  other knob is fixed at the sequential baseline's value (:meth:`Space.fixed_knobs`).
+  This is what the tuner times, so it never spends time on plans that run the
+  same code. The megakernel backend runs dispatch, grouped GEMM and combine in
+  sequence and acts on ``num_comm_sms`` (the block count of its dispatch and
+  combine copy kernels) and ``dispatch_dtype``; ``schedule``, ``num_chunks``,
+  ``roles``, ``tile_m``, ``tile_n``, ``stages`` and ``signal_granularity``
+  become searchable when the fused schedule (own GEMM, tile-level overlap) lands.
+  The reference backend acts on ``dispatch_dtype`` only.
 """
 
 import dataclasses
@@ -30,6 +46,9 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 K_TILE = 64
 """GEMM K-slice per pipeline stage: one stage holds a [tile_m, 64] and a [tile_n, 64] operand tile."""
 
+FP8_GROUP = 128
+"""Elements per fp32 scale of an FP8 row (the megakernel's dispatch needs M divisible by it)."""
+
 ROW_ROUNDING = 64
 """Rows per expert are compared with tile_m after rounding up to this (the smallest tile)."""
 
@@ -48,7 +67,25 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "signal_granularity": GRANULARITIES,
     "dispatch_dtype": DISPATCH_DTYPES,
 }
-"""The values :meth:`Space.enumerate` walks by default, per knob."""
+"""The values the design space (``backend=None``) walks, per knob."""
+
+COMM_SMS_VALUES = (16, 24, 32, 48, 64, 80, 96, 132)
+"""``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
+
+ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
+    "megakernel": ("num_comm_sms", "dispatch_dtype"),
+    "reference": ("dispatch_dtype",),
+}
+"""The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
+fixes the others at the sequential baseline's values: the megakernel launches its dispatch and
+combine copy kernels with ``num_comm_sms`` blocks and moves rows in ``dispatch_dtype``; the
+schedule, tile, stage, role and signal knobs wait for the fused schedule."""
+
+
+def comm_sms_values(num_sms: int) -> Tuple[int, ...]:
+    """:data:`COMM_SMS_VALUES` capped by ``num_sms`` (and the Plan's limit of 132), without repeats."""
+    cap = min(num_sms, 132)
+    return tuple(sorted({min(v, cap) for v in COMM_SMS_VALUES}))
 
 
 @dataclass(frozen=True)
@@ -237,30 +274,72 @@ GPU_PRESETS: Dict[str, GPUInfo] = {
 class Space:
     """The valid plans for one layer shape on one GPU and ep size.
 
-    ``values`` narrows the knobs walked by :meth:`enumerate` (a mapping from a
-    :class:`Plan` field to the values to try; missing knobs use
-    :data:`DEFAULT_VALUES`). :meth:`check` judges any plan, enumerated or not.
+    ``backend`` (None, ``"megakernel"`` or ``"reference"``) picks the knobs
+    walked: None walks the design space (:data:`DEFAULT_VALUES`); a backend
+    walks its :data:`ACTING_KNOBS` and fixes the others (:meth:`fixed_knobs`).
+    ``values`` narrows or widens any knob (a mapping from a :class:`Plan` field
+    to the values to try). ``dispatch_dtype`` is the configured one: without
+    ``allow_numerics_change`` every plan keeps it, so tuning never changes the
+    numbers the config asked for. :meth:`check` judges any plan, enumerated or not.
     """
 
     def __init__(self, shape: Shape, gpu: GPUInfo, ep: Optional[int] = None, max_tokens_per_rank: int = 8192,
-                 allow_numerics_change: bool = False, values: Optional[Mapping[str, Sequence[Any]]] = None):
+                 allow_numerics_change: bool = False, values: Optional[Mapping[str, Sequence[Any]]] = None,
+                 backend: Optional[str] = None, dispatch_dtype: str = "activation"):
         if ep is not None and ep != shape.ep:
             raise ValueError(f"Space: ep={ep} disagrees with the shape's ep={shape.ep}")
         unknown = set(values or {}) - set(DEFAULT_VALUES)
         if unknown:
             raise ValueError(f"Space: unknown knobs {sorted(unknown)}; knobs are {', '.join(DEFAULT_VALUES)}")
+        if backend is not None and backend not in ACTING_KNOBS:
+            raise ValueError(f"Space: backend must be None or one of {', '.join(ACTING_KNOBS)}, got {backend!r}")
+        _one_of("dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
+        self.dispatch_dtype = dispatch_dtype
         self.shape = shape
         self.gpu = gpu
         self.ep = shape.ep
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self.allow_numerics_change = bool(allow_numerics_change)
-        self.values = {k: tuple((values or {}).get(k, v)) for k, v in DEFAULT_VALUES.items()}
+        self.backend = backend
+        walked = DEFAULT_VALUES if backend is None else self._backend_values()
+        self.values = {k: tuple((values or {}).get(k, v)) for k, v in walked.items()}
 
     @classmethod
     def from_config(cls, config, shape: Shape, gpu: GPUInfo, **kw) -> "Space":
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
+        kw.setdefault("dispatch_dtype", cfg.compression.dispatch_dtype)
         return cls(shape, gpu, shape.ep, cfg.max_tokens_per_rank, cfg.autotune.allow_numerics_change, **kw)
+
+    def for_backend(self, backend: Optional[str]) -> "Space":
+        """The same shape, GPU and settings, walking what ``backend`` acts on (None: the design space)."""
+        return Space(self.shape, self.gpu, self.ep, self.max_tokens_per_rank, self.allow_numerics_change,
+                     backend=backend, dispatch_dtype=self.dispatch_dtype)
+
+    # ------------------------------------------------------------------ knobs
+    def acting_knobs(self) -> Tuple[str, ...]:
+        """The knobs this space walks because its backend acts on them (all of them for the design space)."""
+        return tuple(DEFAULT_VALUES) if self.backend is None else ACTING_KNOBS[self.backend]
+
+    def fixed_knobs(self) -> Dict[str, Any]:
+        """Knobs the backend does not act on yet, with the value they are fixed at (the sequential
+        baseline's: valid at every shape); empty for the design space."""
+        if self.backend is None:
+            return {}
+        base = self.baseline().to_dict()
+        return {k: base[k] for k in DEFAULT_VALUES if k not in ACTING_KNOBS[self.backend]}
+
+    def project(self, plan: Plan) -> Plan:
+        """``plan`` with the knobs the backend does not act on set to their fixed values: the plan that
+        runs the same code and is a point of this space (unchanged for the design space)."""
+        fixed = self.fixed_knobs()
+        return plan.replace(**fixed) if fixed else plan
+
+    def _backend_values(self) -> Dict[str, Tuple[Any, ...]]:
+        walked = {"num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES}
+        out = {k: (v,) for k, v in self.fixed_knobs().items()}
+        out.update({k: walked[k] for k in ACTING_KNOBS[self.backend]})
+        return {k: out[k] for k in DEFAULT_VALUES}
 
     # ------------------------------------------------------------------ validity
     def smem_bytes(self, plan: Plan) -> int:
@@ -271,8 +350,9 @@ class Space:
         return math.ceil(self.gpu.num_sms * MIN_GEMM_SM_FRACTION)
 
     def shape_problem(self) -> Optional[str]:
-        """Why no plan at all can run this shape (the symmetric buffer is sized by the config), or None."""
-        if self.shape.T > self.max_tokens_per_rank:
+        """Why no plan at all can run this shape (the symmetric buffer is sized by the config), or None.
+        The reference backend has no symmetric buffer, so it has no such limit."""
+        if self.backend != "reference" and self.shape.T > self.max_tokens_per_rank:
             return (f"symmetric buffer too small: T={self.shape.T} tokens per rank > max_tokens_per_rank="
                     f"{self.max_tokens_per_rank} (raise uniep.max_tokens_per_rank)")
         return None
@@ -284,7 +364,11 @@ class Space:
         problem = self.shape_problem()
         if problem:
             reasons.append(problem)
-        if plan.num_comm_sms >= g.num_sms:
+        if plan.schedule == "sequential":
+            # Nothing runs beside the copy kernels: they may take every SM.
+            if plan.num_comm_sms > g.num_sms:
+                reasons.append(f"SM budget exceeded: num_comm_sms={plan.num_comm_sms} > {g.num_sms} SMs on {g.name}")
+        elif plan.num_comm_sms >= g.num_sms:
             reasons.append(f"SM budget exceeded: num_comm_sms={plan.num_comm_sms} >= {g.num_sms} SMs on {g.name}")
         elif self._comm_shares_sms(plan) and g.num_sms - plan.num_comm_sms < self.min_gemm_sms():
             reasons.append(f"SM budget exceeded: the GEMM is left {g.num_sms - plan.num_comm_sms} of {g.num_sms} "
@@ -304,9 +388,12 @@ class Space:
         if plan.roles == "interleaved" and plan.schedule != "fused":
             reasons.append(f"interleaved roles need the fused schedule: schedule={plan.schedule} runs communication "
                            "and GEMMs as separate kernels")
-        if plan.dispatch_dtype != "activation" and not self.allow_numerics_change:
+        if plan.dispatch_dtype == "fp8_e4m3" and self.backend == "megakernel" and s.M % FP8_GROUP:
+            reasons.append(f"FP8 rows need the hidden size divisible by {FP8_GROUP}: M={s.M}")
+        if plan.dispatch_dtype != self.dispatch_dtype and not self.allow_numerics_change:
             reasons.append(f"numerics change not allowed: dispatch_dtype={plan.dispatch_dtype} changes the numbers "
-                           "(set uniep.autotune.allow_numerics_change to explore it)")
+                           f"of the configured {self.dispatch_dtype} (set uniep.autotune.allow_numerics_change to "
+                           "explore it)")
         return "; ".join(reasons) if reasons else None
 
     @staticmethod
@@ -324,9 +411,11 @@ class Space:
         64-row tiles never exceed the rounded rows, two stages of 64x64 tiles need
         32 KiB in bf16 (64 KiB in fp32; every GPU since Volta allows more), and the
         sequential schedule never runs communication beside the GEMM, so only
-        ``num_comm_sms < num_sms`` binds (any GPU of 2 SMs or more)."""
+        ``num_comm_sms <= num_sms`` binds. Its dispatch dtype is the configured one
+        (:attr:`dispatch_dtype`): the baseline's numbers are the ones every plan keeps."""
         sms = min(16, max(1, self.gpu.num_sms - 1))
-        return Plan(schedule="sequential", num_comm_sms=sms, tile_m=64, tile_n=64, stages=2)
+        return Plan(schedule="sequential", num_comm_sms=sms, tile_m=64, tile_n=64, stages=2,
+                    dispatch_dtype=self.dispatch_dtype)
 
     def candidates(self) -> Iterator[Plan]:
         """Every distinct plan the knob values make, valid or not, in a fixed order."""
@@ -351,6 +440,7 @@ class Space:
         """Hash of the valid plans and the GPU limits: a cached winner from a different space is stale."""
         h = hashlib.sha256()
         h.update(json.dumps(dataclasses.asdict(self.gpu), sort_keys=True).encode())
+        h.update(str(self.backend).encode())
         for p in self.enumerate():
             h.update(p.key().encode())
         return h.hexdigest()[:16]

@@ -6,8 +6,10 @@ work is queued (GPU) or done (CPU). The tuner times it, never looks inside.
 
 1. Cache: rank 0 looks the key up and broadcasts what it found, so all ranks
    take the same branch; a hit returns without calling ``run_plan``.
-2. Order: the config's default plan, the sequential baseline, then the other
-   valid plans by the cost model's estimate (ties by enumeration order).
+2. Order: the config's default plan (projected onto a backend space: the knobs
+   the backend does not act on take their fixed values, so it is the plan that
+   runs the same code), the sequential baseline, then the other valid plans by
+   the cost model's estimate (ties by enumeration order).
 3. Per plan: ``warmup`` untimed runs, ``probe`` timed runs; once a best median
    exists, a plan whose probe median is over ``prune_ratio`` x best is pruned.
    Survivors run the rest of ``repeats``; the median counts.
@@ -124,16 +126,20 @@ def _fmt(v: Optional[float]) -> str:
 
 
 # ---------------------------------------------------------------------- ranks
-def _dist_initialized() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+_LOCAL = object()
+"""Stands for "no group": the tuner runs no collective (``tune(..., local=True)``)."""
+
+
+def _dist_initialized(group=None) -> bool:
+    return group is not _LOCAL and torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _rank(group) -> int:
-    return torch.distributed.get_rank(group) if _dist_initialized() else 0
+    return torch.distributed.get_rank(group) if _dist_initialized(group) else 0
 
 
 def _allreduce_max(values: Sequence[float], group) -> List[float]:
-    if not _dist_initialized():
+    if not _dist_initialized(group):
         return list(values)
     backend = str(torch.distributed.get_backend(group)).lower()
     device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else torch.device("cpu")
@@ -143,7 +149,7 @@ def _allreduce_max(values: Sequence[float], group) -> List[float]:
 
 
 def _broadcast_from_first(obj, group):
-    if not _dist_initialized():
+    if not _dist_initialized(group):
         return obj
     src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
     box = [obj]
@@ -189,21 +195,30 @@ class _Timer:
 # ---------------------------------------------------------------------- tune
 def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int = 3, repeats: int = 10,
          group=None, progress: bool = True, cost_model: Optional[CostModel] = None,
-         default_plan: Optional[Plan] = None, cache_dir: Optional[str] = None, backend: str = "megakernel",
-         timer: str = "auto", prune_ratio: float = PRUNE_RATIO, probe_runs: int = PROBE_RUNS) -> TuneResult:
+         default_plan: Optional[Plan] = None, cache_dir: Optional[str] = None, backend: Optional[str] = None,
+         timer: str = "auto", prune_ratio: float = PRUNE_RATIO, probe_runs: int = PROBE_RUNS,
+         local: bool = False) -> TuneResult:
     """Pick the fastest valid plan of ``space`` for ``run_plan``, the same on every rank of ``group``.
 
     Every rank of ``group`` must call this with the same space and arguments
     (``run_plan`` may run collectives: all ranks run the same plans in the
-    same order). ``default_plan`` is the plan the layer would run untuned
-    (default: the config defaults). ``cache_dir`` enables the plan cache;
-    ``backend`` is part of its key. ``budget_s`` bounds the measuring after
+    same order). ``local=True`` tunes on this rank alone with no collective
+    (a layer without expert parallelism). ``default_plan`` is the plan the
+    layer would run untuned (default: the config defaults), projected onto the
+    space (:meth:`Space.project`). ``cache_dir`` enables the plan cache;
+    ``backend`` (default: the space's, else ``"megakernel"``) is part of its key. ``budget_s`` bounds the measuring after
     the default and baseline plans (a plan once started is finished)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"tune: need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     t0 = time.perf_counter()
+    if backend is None:
+        backend = space.backend or "megakernel"
+    elif space.backend is not None and backend != space.backend:
+        raise ValueError(f"tune: backend {backend!r} but the space walks the knobs of {space.backend!r}")
+    if local:
+        group = _LOCAL
     rank = _rank(group)
-    default_plan = default_plan if default_plan is not None else Plan()
+    default_plan = space.project(default_plan if default_plan is not None else Plan())
     baseline = space.baseline()
     cost_model = cost_model if cost_model is not None else estimate_ms
 
@@ -249,7 +264,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
                 run_plan(plan)
             clock.sync()
             n_probe = min(probe_runs, repeats)
-            times = clock.run(lambda: run_plan(plan), n_probe)
+            times = clock.run(lambda p=plan: run_plan(p), n_probe)
             rec = PlanRecord(plan, "measured", index[plan], estimate_ms=estimates[plan])
             if best is not None and n_probe < repeats:
                 probe_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t0], group)
@@ -257,7 +272,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
                     rec.status, rec.median_ms = "pruned", probe_ms
                     rec.reason = f"first {n_probe} runs {probe_ms:.3f} ms > {prune_ratio:g} x best {best:.3f} ms"
             if rec.status == "measured":
-                times += clock.run(lambda: run_plan(plan), repeats - n_probe)
+                times += clock.run(lambda p=plan: run_plan(p), repeats - n_probe)
                 rec.median_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t0], group)
                 if best is None or rec.median_ms < best:
                     best = rec.median_ms
@@ -290,16 +305,19 @@ def _measured_ms(rec: Optional[PlanRecord]) -> Optional[float]:
 
 
 def tune_from_config(config, shape: Shape, run_plan: RunPlan, *, gpu: Optional[GPUInfo] = None, group=None,
-                     backend: str = "megakernel", progress: bool = True, **space_kw) -> TuneResult:
+                     backend: str = "megakernel", progress: bool = True, local: bool = False,
+                     **space_kw) -> TuneResult:
     """Tune one layer shape as the ``"uniep"`` block says (``autotune`` settings, ``max_tokens_per_rank``,
-    the configured ``overlap`` as the default plan). This is what a layer calls on its first forward."""
+    the configured ``overlap`` as the default plan) over the knobs ``backend`` acts on. This is what a
+    layer calls on its first forward with a new shape."""
     from ..config import UniEPConfig
     cfg = UniEPConfig.coerce(config)
     gpu = gpu if gpu is not None else (GPUInfo.detect() if torch.cuda.is_available() else GPUInfo.cpu())
-    space = Space.from_config(cfg, shape, gpu, **space_kw)
+    space = Space.from_config(cfg, shape, gpu, backend=backend, **space_kw)
     at = cfg.autotune
     return tune(space, run_plan, budget_s=at.budget_s, warmup=at.warmup, repeats=at.repeats, group=group,
-                progress=progress, default_plan=Plan.from_config(cfg), cache_dir=at.cache_dir, backend=backend)
+                progress=progress, default_plan=Plan.from_config(cfg), cache_dir=at.cache_dir, backend=backend,
+                local=local)
 
 
 class _NoBar:

@@ -1,0 +1,113 @@
+"""Tuning never changes numbers, on 2 GPUs over NCCL with the megakernel backend.
+
+Every plan the tuner timed (and block counts outside the walked values) gives
+the sequential baseline plan's output and input/parameter gradients bit for
+bit; a layer that tunes itself gives an untuned layer's numbers, and a second
+layer of the same shape reads the plan from the cache. FP8 dispatch changes
+the numbers by design, so it is not in the space (allow_numerics_change is off).
+"""
+import torch
+
+from conftest import needs_gpus
+from dist_utils import run_distributed
+
+M, F, K, T = 512, 1024, 2, 2048
+EXPERTS_PER_RANK = 4
+
+
+def _layer(rank, world_size, config, device):
+    from ds_uniep import SwiGLUExpert, UniEPMoE
+    torch.manual_seed(7)
+    layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=EXPERTS_PER_RANK * world_size, ep_size=world_size, k=K,
+                     min_capacity=0, drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False, config=config)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(100 + rank)
+        for p in layer.deepspeed_moe.experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
+    layer = layer.to(device=device, dtype=torch.bfloat16)
+    layer.deepspeed_moe.gate.wg.float()
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+def _inputs(rank, device):
+    g = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(T, M, device=device, generator=g).to(torch.bfloat16)
+    gy = torch.randn(T, M, device=device, generator=g).to(torch.bfloat16)
+    return x, gy
+
+
+def _run(layer, x, gy):
+    """Output, input gradient and every parameter gradient of one forward+backward."""
+    for p in layer.parameters():
+        p.grad = None
+    xi = x.clone().requires_grad_(True)
+    out, l_aux, _ = layer(xi)
+    torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
+    return [out.detach().clone(), xi.grad] + [None if p.grad is None else p.grad.clone() for p in layer.parameters()]
+
+
+def _assert_same(base, got, what):
+    assert len(base) == len(got)
+    for i, (a, b) in enumerate(zip(base, got)):
+        assert (a is None) == (b is None), f"{what}: tensor {i} has a gradient in one run only"
+        assert a is None or torch.equal(a, b), f"{what}: tensor {i} differs from the sequential baseline's"
+
+
+def _every_timed_plan_body(rank, world_size):
+    from ds_uniep.tuning import GPUInfo, Plan, Shape, Space, tune
+    from ds_uniep.tuning.runner import layer_runner
+    device = torch.device("cuda", rank)
+    layer = _layer(rank, world_size, {"backend": "megakernel", "max_tokens_per_rank": T,
+                                      "overlap": {"timeout_s": 30.0}}, device)
+    x, gy = _inputs(rank, device)
+    shape = Shape(T=T, M=M, F=F, E=EXPERTS_PER_RANK * world_size, k=K, dtype="bf16", ep=world_size)
+    space = Space(shape, GPUInfo.detect(device), world_size, T, False, backend="megakernel")
+    result = tune(space, layer_runner(layer, x.clone().requires_grad_(True)), budget_s=300.0, warmup=1, repeats=3,
+                  group=layer.ep_group, progress=False, default_plan=Plan.from_config(layer.uniep_config))
+    timed = [r.plan for r in result.records if r.status in ("measured", "pruned")]
+    assert not result.by_status("skipped"), "the budget cut the space short: not every plan was timed"
+    assert len({p.num_comm_sms for p in timed}) >= 3, [p.label() for p in timed]
+    assert all(p.dispatch_dtype == "activation" for p in timed)
+
+    baseline = space.baseline()
+    layer.set_plan(baseline)
+    base = _run(layer, x, gy)
+    assert layer._dispatchers[device].num_blocks == baseline.num_comm_sms
+    odd = [baseline.replace(num_comm_sms=n) for n in (1, 7)]  # block counts outside the walked values
+    for plan in timed + odd + [result.winner]:
+        layer.set_plan(plan)
+        got = _run(layer, x, gy)
+        assert layer._dispatchers[device].num_blocks == plan.num_comm_sms, "the plan did not reach the kernels"
+        _assert_same(base, got, f"rank {rank}, plan {plan.label()}")
+
+
+@needs_gpus(2)
+def test_every_timed_plan_gives_the_sequential_baselines_numbers():
+    run_distributed(_every_timed_plan_body, 2, backend="nccl")
+
+
+def _self_tuning_body(rank, world_size, cache_dir):
+    device = torch.device("cuda", rank)
+    x, gy = _inputs(rank, device)
+    common = {"backend": "megakernel", "max_tokens_per_rank": T}
+    plain = _layer(rank, world_size, {**common, "overlap": {"schedule": "sequential", "num_comm_sms": 16,
+                                                            "timeout_s": 30.0}}, device)
+    base = _run(plain, x, gy)
+    tuned_cfg = {**common, "overlap": {"timeout_s": 30.0},
+                 "autotune": {"enabled": True, "cache_dir": cache_dir, "budget_s": 60.0, "warmup": 1, "repeats": 3}}
+    key = (T, torch.bfloat16, device)
+    for attempt in ("tunes", "reads the cache"):
+        layer = _layer(rank, world_size, tuned_cfg, device)
+        got = _run(layer, x, gy)
+        result = layer.autotune_results[key]
+        assert result.from_cache == (attempt == "reads the cache"), attempt
+        if not result.from_cache:
+            assert len(result.by_status("measured")) >= 2, result.table()
+        assert layer._dispatchers[device].num_blocks == result.winner.num_comm_sms
+        _assert_same(base, got, f"rank {rank}: a layer that {attempt}")
+
+
+@needs_gpus(2)
+def test_a_layer_tuning_itself_keeps_the_numbers_and_caches_the_plan(tmp_path):
+    run_distributed(_self_tuning_body, 2, str(tmp_path / "cache"), backend="nccl")
