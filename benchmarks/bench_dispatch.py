@@ -8,6 +8,9 @@ the NCCL baseline exchanges the same buffer with equal splits). GB/s = bytes / t
 bytes counted are those leaving each rank (pairs routed to other ranks; for NCCL
 (G-1)/G of its buffer); the ceiling is one large GPU0 -> GPU1 tensor copy measured in the same run. Times are the
 median of CUDA-event timings after warm-up, each iteration started behind a barrier.
+Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
+order first); the megakernel dispatch receiving in place (its direct region) and
+through staging plus copy-out; the NVLink stores alone; FP8; combine.
 """
 import argparse
 import json
@@ -97,14 +100,25 @@ def main():
     send = torch.randn(T * k, M, device=dev).to(torch.bfloat16)
     recv_nccl = torch.empty_like(send)
     results["nccl_a2a_ms"] = timed(lambda: dist.all_to_all_single(recv_nccl, send), a.iters, a.warmup, dev)
+    # What a dispatch over NCCL does as a whole: rows permuted into destination order, then exchanged.
+    order = torch.argsort(idx.reshape(-1).long(), stable=True) // k
+
+    def nccl_dispatch():
+        torch.index_select(x, 0, order, out=send)
+        dist.all_to_all_single(recv_nccl, send)
+
+    results["nccl_dispatch_ms"] = timed(nccl_dispatch, a.iters, a.warmup, dev)
     del send, recv_nccl
 
-    for name, dtype_cfg in (("bf16", "activation"), ("fp8", "fp8_e4m3")):
+    for name, dtype_cfg, direct in (("bf16", "activation", True), ("bf16_staging", "activation", False),
+                                    ("fp8", "fp8_e4m3", True)):
         cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T, "compression": {"dispatch_dtype": dtype_cfg}})
-        disp = NVLinkDispatcher(f"bench.{name}", E, G, M, k, torch.bfloat16, cfg, padded_recv=True)
+        disp = NVLinkDispatcher(f"bench.{name}", E, G, M, k, torch.bfloat16, cfg, padded_recv=True,
+                                direct_receive=direct)
         state = {}
 
         def do_dispatch():
+            state.pop("recv", None)  # as in training: the previous rows are no longer held
             state["recv"], state["counts"], state["handle"] = disp.dispatch(x, idx)
 
         results[f"{name}_dispatch_ms"] = timed(do_dispatch, a.iters, a.warmup, dev)
@@ -113,10 +127,12 @@ def main():
         def stores_only():
             # The NVLink stores alone: no counts exchange and no copy-out (nobody waits on them).
             disp.ext.dispatch_rows(x, h.expert_idx, h.dest_row, None, disp.fp8, E, disp.bufs.descriptor,
-                                   disp._next_epoch(1), disp.num_blocks)
+                                   disp.direct_descriptor(True, disp._epochs[0]), disp._next_epoch(1),
+                                   disp.num_blocks)
 
         results[f"{name}_dispatch_stores_ms"] = timed(stores_only, a.iters, a.warmup, dev)
         do_dispatch()  # leave buffers and epochs in step on every rank
+        results[f"{name}_direct_stats"] = dict(disp.direct_stats)
         if name == "bf16":
             y = state["recv"]
             results["combine_ms"] = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
@@ -129,7 +145,9 @@ def main():
 
     # fp8 rows are counted at their bf16 size: the rate at which activations leave the rank.
     rows = [("NCCL all_to_all_single", results["nccl_a2a_ms"], nccl_off_rank),
-            ("dispatch bf16 (layout+stores+copy-out)", results["bf16_dispatch_ms"], off_rank),
+            ("NCCL dispatch (permute+all_to_all)", results["nccl_dispatch_ms"], nccl_off_rank),
+            ("dispatch bf16 (layout+stores, in place)", results["bf16_dispatch_ms"], off_rank),
+            ("dispatch bf16 (layout+stores+copy-out)", results["bf16_staging_dispatch_ms"], off_rank),
             ("dispatch bf16 stores only", results["bf16_dispatch_stores_ms"], off_rank),
             ("dispatch fp8 (layout+stores+copy-out)", results["fp8_dispatch_ms"], off_rank),
             ("dispatch fp8 stores only", results["fp8_dispatch_stores_ms"], off_rank),
@@ -138,7 +156,7 @@ def main():
     for label, ms, nbytes in rows:
         bw = gbps(ms, nbytes)
         table.append({"op": label, "ms": ms, "GBps": bw, "of_peer_copy": bw / results["peer_copy_GBps"],
-                      "vs_nccl": results["nccl_a2a_ms"] / ms})
+                      "vs_nccl": results["nccl_a2a_ms"] / ms, "vs_nccl_dispatch": results["nccl_dispatch_ms"] / ms})
     results["table"] = table
     if rank == 0:
         with open(a.out, "w") as f:
@@ -146,9 +164,12 @@ def main():
         print(f"\nG={G} T={T} M={M} k={k} E={E} payload/rank={payload / 2**20:.0f} MiB, leaving the rank {off_rank / 2**20:.0f} MiB "
               f"(NCCL {nccl_off_rank / 2**20:.0f} MiB; bf16-equivalent bytes); "
               f"peer copy {results['peer_copy_GBps']:.0f} GB/s")
-        print(f"{'op':42s} {'ms':>8s} {'GB/s':>8s} {'%peer':>6s} {'xNCCL':>6s}")
+        print("forward dispatches received in place / copied out:",
+              {n: results[f"{n}_direct_stats"] for n in ("bf16", "bf16_staging", "fp8")})
+        print(f"{'op':42s} {'ms':>8s} {'GB/s':>8s} {'%peer':>6s} {'xNCCL a2a':>9s} {'xNCCL disp':>10s}")
         for r in table:
-            print(f"{r['op']:42s} {r['ms']:8.3f} {r['GBps']:8.1f} {100 * r['of_peer_copy']:5.0f}% {r['vs_nccl']:6.2f}")
+            print(f"{r['op']:42s} {r['ms']:8.3f} {r['GBps']:8.1f} {100 * r['of_peer_copy']:5.0f}% {r['vs_nccl']:9.2f} "
+                  f"{r['vs_nccl_dispatch']:10.2f}")
     dist.barrier()
     dist.destroy_process_group()
 

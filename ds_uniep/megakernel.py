@@ -16,8 +16,16 @@ the same fp32 slot-order sums, so the two are interchangeable. One forward:
 2. dispatch kernel: one warp per token reads the row once and stores it straight
    into each destination's receive buffer at its row (16-byte stores over NVLink),
    with the source pair as a meta word; the last block raises the dispatch signal;
-3. copy-out kernel: waits for every rank's dispatch signal, then copies the R
-   received rows out of the symmetric buffer (the next dispatch may overwrite it);
+3. finish kernel: waits for every rank's dispatch signal. Rows received in this
+   rank's *direct region* (a second receive buffer, a separate symmetric
+   allocation) are handed to the caller in place, as a view; rows received in
+   the staging region are copied out (the next dispatch may overwrite it). A rank
+   offers its direct region in the counts exchange of step 1 only when nothing
+   holds a view of its previous rows any more (the region's storage has no users
+   besides the dispatcher), so a caller still holding ``recv`` (pipelined
+   micro-batches, two forwards before a backward) costs a copy, never corrupt
+   rows. FP8 rows are dequantized on arrival and always take the staging path;
+   backward dispatches use it too;
 4. combine: a push kernel stores every expert output row back into its source's
    combine buffer at pair ``t * k + j`` and raises the combine signal; the source
    waits and sums each token's k rows in slot order in fp32, weighted, cast once.
@@ -104,7 +112,7 @@ class _SymBuffers:
         self.recv_row_bytes = M * elsize  # e4m3 rows use the first M bytes of a row
         self.comb_row_bytes = M * elsize
         sizes = [
-            ("counts", 2 * MAX_RANKS * E * 4),
+            ("counts", 2 * MAX_RANKS * E * 4 + 2 * MAX_RANKS * 4),  # + direct-receive flags
             ("signals", NUM_PHASES * MAX_RANKS * 4),
             ("status", 16 * 4),
             ("meta", self.recv_rows * 4),
@@ -135,11 +143,35 @@ class _SymBuffers:
         ptrs = list(self.handle.buffer_ptrs)
         if len(ptrs) != G:
             raise RuntimeError(f"symmetric memory rendezvous gave {len(ptrs)} peers, expected {G}")
+        self.group = pg
         o = self.offsets
         self.descriptor = ptrs + [0] * (MAX_RANKS - G) + [
             rank, G, o["counts"], o["signals"], o["status"], o["meta"], o["scales"], o["recv"], o["comb"],
             self.recv_rows, self.recv_row_bytes, self.comb_row_bytes, self.pairs_per_rank
         ]
+
+
+def _storage_users(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+
+
+class _DirectRegion:
+    """The direct receive region of one layer: ``[R_max, M]`` rows in a symmetric allocation of
+    its own, so that the users of its storage (views handed out) can be counted."""
+
+    def __init__(self, rows: int, M: int, dtype: torch.dtype, group, device: torch.device):
+        from torch.distributed import _symmetric_memory as symm_mem
+        elsize = torch.empty(0, dtype=dtype).element_size()
+        self.buffer = symm_mem.empty(rows * M * elsize, dtype=torch.uint8, device=device)
+        self.handle = symm_mem.rendezvous(self.buffer, group)
+        ptrs = list(self.handle.buffer_ptrs)
+        self.ptrs = ptrs + [0] * (MAX_RANKS - len(ptrs))
+        self.rows = self.buffer.view(dtype).view(rows, M)
+        self.idle_users = _storage_users(self.rows)
+
+    def free(self) -> bool:
+        """True when no view of the region's rows is alive outside the dispatcher."""
+        return _storage_users(self.rows) <= self.idle_users
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,11 +217,13 @@ class NVLinkDispatcher:
         group: the expert-parallel process group (None: the world).
         padded_recv: return ``recv [R_max, M]`` without a host sync (see the module doc).
         num_blocks: blocks of the copy kernels (default: the SM count).
+        direct_receive: allocate the direct receive region (a second ``[R_max, M]``
+            buffer) so forward dispatches need no copy-out (ignored with FP8 dispatch).
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
-                 num_blocks: Optional[int] = None):
+                 num_blocks: Optional[int] = None, direct_receive: bool = True):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
@@ -226,6 +260,11 @@ class NVLinkDispatcher:
         self.bufs = _SymBuffers(num_experts, ep_size, self.rank, self.max_tokens, k, hidden_size, dtype, self.fp8,
                                 group, self.device)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.direct = None
+        if direct_receive and not self.fp8:
+            self.direct = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
+        #: forward dispatches whose rows were received in place / copied out of staging
+        self.direct_stats = {"in_place": 0, "copied": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self.layer_id = next(_IDS)
         self._epochs = [0] * NUM_PHASES
@@ -236,6 +275,11 @@ class NVLinkDispatcher:
         # Every rank calls the same ops in the same order, so epochs agree across ranks.
         self._epochs[phase] = (self._epochs[phase] + 1) & 0xFFFFFFFF or 1
         return self._epochs[phase]
+
+    def direct_descriptor(self, use: bool, counts_epoch: int):
+        """The DirectView of ops/csrc/types.h: direct-region bases, whether flags apply, their epoch."""
+        ptrs = self.direct.ptrs if self.direct is not None else [0] * MAX_RANKS
+        return ptrs + [int(use and self.direct is not None), counts_epoch]
 
     def _wait_args(self):
         return self.timeout_ns, self.error_record, self.layer_id
@@ -265,21 +309,23 @@ class NVLinkDispatcher:
     def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor):
         self.check()
         e_counts = self._next_epoch(0)
+        in_place = self.direct is not None and self.direct.free()
         local_counts, num_recv, counts_all, dest_row = self.ext.layout(expert_idx, self.num_experts,
                                                                        self.bufs.descriptor, e_counts,
-                                                                       *self._wait_args())
+                                                                       *self._wait_args(), in_place)
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
-                               e_disp, self.num_blocks)
+                               self.direct_descriptor(True, e_counts), e_disp, self.num_blocks)
         if self.padded_recv:
             rows = self.bufs.recv_rows
         else:
             rows = int(num_recv.item())  # the one host sync of the exact-R form
             self.check()
-        recv = x.new_empty(rows, self.hidden_size)
+        recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
         self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
-                              *self._wait_args(), self.num_blocks)
+                              *self._wait_args(), self.num_blocks, not in_place)
+        self.direct_stats["in_place" if in_place else "copied"] += 1
         return recv, local_counts, dest_row, recv_pair, num_recv, counts_all
 
     def _push_and_reduce(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
@@ -319,11 +365,11 @@ class NVLinkDispatcher:
                            *self._wait_args(), self.num_blocks)
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, gates, False, self.num_experts, self.bufs.descriptor,
-                               e_disp, self.num_blocks)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks)
         grad_y = y.new_empty(y.shape)
         scratch_pair = torch.empty(y.shape[0], dtype=torch.int32, device=y.device)
         self.ext.recv_copyout(num_recv, False, grad_y, scratch_pair, self.bufs.descriptor, e_disp,
-                              *self._wait_args(), self.num_blocks)
+                              *self._wait_args(), self.num_blocks, True)
         return grad_y, grad_gates
 
     # ------------------------------------------------------------------ the protocol

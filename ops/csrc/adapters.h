@@ -13,15 +13,18 @@ namespace uniep {
 // counts_all [G, E] int64, dest_row [T, k] int32).
 std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_experts,
                                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
-                                  const torch::Tensor& error_record, int64_t layer_id);
+                                  const torch::Tensor& error_record, int64_t layer_id, bool direct_ok);
 
 // dispatch_adapter.cpp
+// direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
-                   const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks);
+                   const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
+                   int64_t num_blocks);
+// copy_rows false: wait and copy the meta words only (the rows were received in place).
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
-                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows);
 
 // combine_adapter.cpp
 void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,

@@ -146,6 +146,18 @@ __device__ __forceinline__ void signal_when_grid_done(const SymView& s, uint32_t
   if (last && threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, phase, epoch);
 }
 
+// Direct-receive flags of the layout of `counts_epoch` in this rank's buffer: [kMaxRanks] int32.
+__device__ __forceinline__ int* direct_flags(const SymView& s, int owner, int num_experts, uint32_t counts_epoch) {
+  return reinterpret_cast<int*>(s.ptrs[owner] + s.counts_off) + 2 * kMaxRanks * num_experts +
+         static_cast<int>(counts_epoch & 1u) * kMaxRanks;
+}
+
+// Where rank d's receive rows go this time: its direct region if it said free, else staging.
+__device__ __forceinline__ char* recv_region(const SymView& s, const DirectView& dv, int d, int num_experts) {
+  if (dv.use && __ldcg(direct_flags(s, s.rank, num_experts, dv.counts_epoch) + d)) return dv.ptrs[d];
+  return s.ptrs[d] + s.recv_off;
+}
+
 // 16-byte vector of one row: kVec elements of T.
 template <typename T>
 struct Vec {

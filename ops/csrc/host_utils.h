@@ -71,6 +71,16 @@ inline SymView sym_from_descriptor(const std::vector<int64_t>& d) {
   return s;
 }
 
+inline DirectView direct_from_descriptor(const std::vector<int64_t>& d) {
+  TORCH_CHECK(static_cast<int>(d.size()) == kMaxRanks + 2, "direct descriptor must have ", kMaxRanks + 2,
+              " entries, got ", d.size());
+  DirectView v;
+  for (int i = 0; i < kMaxRanks; ++i) v.ptrs[i] = reinterpret_cast<char*>(d[i]);
+  v.use = static_cast<int>(d[kMaxRanks]);
+  v.counts_epoch = static_cast<uint32_t>(d[kMaxRanks + 1]);
+  return v;
+}
+
 // error_record: [kErrorRecordWords] int64 in pinned host memory (mapped into the device's address space).
 inline WaitPolicy wait_from_args(int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id) {
   TORCH_CHECK(!error_record.is_cuda() && error_record.is_pinned(), "error_record must be pinned host memory");

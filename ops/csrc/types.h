@@ -37,6 +37,19 @@ struct SymView {
   int64_t pairs_per_rank;  // T_max * k
 };
 
+// Direct receive: a second receive region per rank, a separate symmetric allocation
+// that the receiver hands to the caller as its output (no copy-out). Each forward
+// dispatch, every rank says in the counts exchange whether its direct region is free
+// (nothing still reads the previous rows there); a source stores a destination's rows
+// into its direct region when it is free, else into the staging region (recv_off).
+// The flags live after the counts: int32 [2 parity][kMaxRanks] at
+// counts_off + 2 * kMaxRanks * E * 4 (see direct_flags() in common.cuh).
+struct DirectView {
+  char* ptrs[kMaxRanks];  // base of each rank's direct region (null when unused)
+  int use;                // 0: every destination gets the staging region (backward dispatches)
+  uint32_t counts_epoch;  // epoch of the layout whose flags apply
+};
+
 // How a wait on a peer gives up: after timeout_ns it fills the error record and
 // marks the layer poisoned, so later kernels of the layer do nothing instead of
 // hanging or moving rows by a layout they never received.

@@ -11,7 +11,7 @@ template <typename T, bool kWeighted>
 __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
-    uint32_t epoch) {
+    DirectView dv, uint32_t epoch) {
   if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
         const int row = dest_row[pair];
         if (row >= 0) {
           const int d = expert_idx[pair] / experts_per_rank;
-          dst[j] = s.ptrs[d] + s.recv_off + row * s.recv_row_bytes;
+          dst[j] = recv_region(s, dv, d, experts_per_rank * s.num_ranks) + row * s.recv_row_bytes;
           if (kWeighted) wgt[j] = weights[pair];
           if (lane == 0)
             reinterpret_cast<int*>(s.ptrs[d] + s.meta_off)[row] = static_cast<int>(s.rank * s.pairs_per_rank + pair);
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
 template <typename T>
 __global__ void __launch_bounds__(kCopyThreads) dispatch_fp8_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
-    int num_tokens, int k, int hidden, int experts_per_rank, SymView s, uint32_t epoch) {
+    int num_tokens, int k, int hidden, int experts_per_rank, SymView s, DirectView dv, uint32_t epoch) {
   static_assert(kFp8GroupSize == 8 * 16, "8 lanes of 16 elements make one scale group");
   constexpr int kLoads = 16 / Vec<T>::kElems;  // 16-byte loads per 16 elements
   if (poisoned(s)) return;
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_fp8_kernel(
         const int row = dest_row[pair];
         if (row >= 0) {
           const int d = expert_idx[pair] / experts_per_rank;
-          dst[j] = s.ptrs[d] + s.recv_off + row * s.recv_row_bytes;
+          dst[j] = recv_region(s, dv, d, experts_per_rank * s.num_ranks) + row * s.recv_row_bytes;
           dst_scale[j] = reinterpret_cast<float*>(s.ptrs[d] + s.scales_off) + static_cast<int64_t>(row) * num_groups;
           if (lane == 0)
             reinterpret_cast<int*>(s.ptrs[d] + s.meta_off)[row] = static_cast<int>(s.rank * s.pairs_per_rank + pair);
@@ -138,7 +138,7 @@ template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, uint32_t epoch, WaitPolicy w,
                                                                     const int* __restrict__ num_recv, int out_rows,
                                                                     int hidden, T* __restrict__ out,
-                                                                    int* __restrict__ recv_pair) {
+                                                                    int* __restrict__ recv_pair, bool copy_rows) {
   if (!block_wait_all(s, w, kPhaseDispatch, epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -147,6 +147,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
   const int* meta = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.meta_off);
   for (int r = warp; r < R; r += num_warps) {
     if (lane == 0) recv_pair[r] = __ldcg(meta + r);
+    if (!copy_rows) continue;
     const char* in = s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(r) * s.recv_row_bytes;
     T* row_out = out + static_cast<int64_t>(r) * hidden;
     if constexpr (!kFp8) {
@@ -189,7 +190,8 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
 
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
-                            const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream) {
+                            const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
+                            cudaStream_t stream) {
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
       (fp8 && hidden % kFp8GroupSize != 0))
     return cudaErrorInvalidValue;
@@ -199,12 +201,12 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
     if (fp8) {
       dispatch_fp8_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(static_cast<const T*>(x), expert_idx,
                                                                       dest_row, num_tokens, k, hidden,
-                                                                      experts_per_rank, sym, epoch);
+                                                                      experts_per_rank, sym, direct, epoch);
     } else {
       UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
         dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
-            epoch);
+            direct, epoch);
       });
     }
   });
@@ -213,13 +215,13 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
 
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                 const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
-                                int num_blocks, cudaStream_t stream) {
+                                int num_blocks, bool copy_rows, cudaStream_t stream) {
   if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0)) return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(fp8, kFp8, {
       recv_copyout_kernel<T, kFp8><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, num_recv, out_rows, hidden,
-                                                                            static_cast<T*>(out), recv_pair);
+                                                                            static_cast<T*>(out), recv_pair, copy_rows);
     });
   });
   return cudaGetLastError();

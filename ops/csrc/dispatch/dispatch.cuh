@@ -15,16 +15,20 @@ namespace uniep {
 // e4m3 with one fp32 scale per 128 elements (M % 128 == 0; no weights).
 // The receive row of (t, j) on rank expert_idx / L gets the row and its meta word
 // rank * pairs_per_rank + t * k + j; the last block raises kPhaseDispatch on every rank.
+// With direct.use, a destination whose direct-receive flag (from the layout of
+// direct.counts_epoch) is set gets its rows in its direct region instead (DirectView).
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
-                            const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream);
+                            const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
+                            cudaStream_t stream);
 
 // Waits for kPhaseDispatch of every rank, then copies the first R = *num_recv rows of the
 // receive buffer into out [out_rows, M] (dtype; e4m3 rows are scaled back) and their meta
 // words into recv_pair [out_rows] int32, R clamped to out_rows (out_rows = R_max when the
-// host does not know R; rows R.. are then left untouched).
+// host does not know R; rows R.. are then left untouched). copy_rows false: the rows were
+// received in place (direct region), only the wait and the meta words remain.
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                 const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
-                                int num_blocks, cudaStream_t stream);
+                                int num_blocks, bool copy_rows, cudaStream_t stream);
 
 }  // namespace uniep

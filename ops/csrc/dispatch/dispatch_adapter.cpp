@@ -7,7 +7,8 @@ namespace uniep {
 
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
-                   const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks) {
+                   const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
+                   int64_t num_blocks) {
   UNIEP_CHECK_INPUT(x);
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_INPUT(dest_row);
@@ -17,6 +18,8 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
   UNIEP_CHECK_SHAPE(expert_idx, x.size(0), expert_idx.size(1));
   UNIEP_CHECK_SHAPE(dest_row, x.size(0), expert_idx.size(1));
   const SymView s = sym_from_descriptor(sym);
+  const DirectView dv = direct_from_descriptor(direct);
+  TORCH_CHECK(!(dv.use && fp8), "FP8 rows are dequantized on arrival: they cannot be received in place");
   const int hidden = static_cast<int>(x.size(1));
   const int64_t row_bytes = fp8 ? hidden : hidden * static_cast<int64_t>(x.element_size());
   // e4m3 rows use the first M bytes of each receive row (stride recv_row_bytes).
@@ -29,13 +32,13 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
   UNIEP_CHECK_LAUNCH(launch_dispatch(dtype_of(x), fp8, x.data_ptr(), expert_idx.data_ptr<int>(),
                                      dest_row.data_ptr<int>(), w, static_cast<int>(x.size(0)),
                                      static_cast<int>(expert_idx.size(1)), hidden, static_cast<int>(num_experts), s,
-                                     static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
+                                     dv, static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
                                      c10::cuda::getCurrentCUDAStream()));
 }
 
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
-                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows) {
   UNIEP_CHECK_INPUT(num_recv);
   UNIEP_CHECK_INPUT(out);
   UNIEP_CHECK_INPUT(recv_pair);
@@ -50,7 +53,7 @@ void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, t
   const c10::cuda::CUDAGuard guard(out.device());
   UNIEP_CHECK_LAUNCH(launch_recv_copyout(dtype_of(out), fp8, s, static_cast<uint32_t>(epoch), w,
                                          num_recv.data_ptr<int>(), static_cast<int>(out.size(0)), hidden, out.data_ptr(), recv_pair.data_ptr<int>(),
-                                         static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
+                                         static_cast<int>(num_blocks), copy_rows, c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace uniep

@@ -9,7 +9,7 @@ namespace {
 // One block: E <= kMaxExperts <= kLayoutThreads, so thread e owns expert e where it matters.
 __global__ void __launch_bounds__(kLayoutThreads) layout_counts_kernel(
     const int* __restrict__ expert_idx, int64_t num_pairs, int num_experts, SymView s, uint32_t epoch,
-    WaitPolicy w, int* __restrict__ block_base, int64_t* __restrict__ local_expert_counts,
+    WaitPolicy w, int direct_ok, int* __restrict__ block_base, int64_t* __restrict__ local_expert_counts,
     int* __restrict__ num_recv, int64_t* __restrict__ counts_all) {
   __shared__ int mine[kMaxExperts];
   __shared__ int all[kMaxRanks * kMaxExperts];
@@ -32,6 +32,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_counts_kernel(
     int* slot = reinterpret_cast<int*>(s.ptrs[dst] + s.counts_off) + parity_off + s.rank * E + e;
     *slot = mine[e];
   }
+  // Whether this rank's direct receive region may take this dispatch's rows.
+  if (threadIdx.x < G) direct_flags(s, threadIdx.x, E, epoch)[s.rank] = direct_ok;
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x < G) raise_signal(s, threadIdx.x, kPhaseCounts, epoch);
@@ -107,13 +109,14 @@ __global__ void __launch_bounds__(kRowsThreads) layout_rows_kernel(const int* __
 }  // namespace
 
 cudaError_t launch_layout(const int* expert_idx, int num_tokens, int k, int num_experts, const SymView& sym,
-                          uint32_t epoch, const WaitPolicy& wait, int* block_base, int64_t* local_expert_counts,
-                          int* num_recv, int64_t* counts_all, int* dest_row, cudaStream_t stream) {
+                          uint32_t epoch, const WaitPolicy& wait, int direct_ok, int* block_base,
+                          int64_t* local_expert_counts, int* num_recv, int64_t* counts_all, int* dest_row,
+                          cudaStream_t stream) {
   if (num_experts <= 0 || num_experts > kMaxExperts || sym.num_ranks <= 0 || sym.num_ranks > kMaxRanks ||
       num_experts % sym.num_ranks != 0 || k <= 0 || k > kMaxTopK || num_tokens < 0)
     return cudaErrorInvalidValue;
   layout_counts_kernel<<<1, kLayoutThreads, 0, stream>>>(expert_idx, static_cast<int64_t>(num_tokens) * k,
-                                                         num_experts, sym, epoch, wait, block_base,
+                                                         num_experts, sym, epoch, wait, direct_ok, block_base,
                                                          local_expert_counts, num_recv, counts_all);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;

@@ -17,8 +17,11 @@ namespace uniep {
 //    counts_all [G, E] int64 (the layout's counts_all);
 // 4. dest_row [T, k] int32: block_base[e] + number of this rank's earlier pairs to e
 //    (token-major, slot order), -1 for a dropped pair (index -1 or out of range).
+// direct_ok: this rank's direct receive region is free for the next dispatch (published
+// to every rank beside the counts, see DirectView).
 cudaError_t launch_layout(const int* expert_idx, int num_tokens, int k, int num_experts, const SymView& sym,
-                          uint32_t epoch, const WaitPolicy& wait, int* block_base, int64_t* local_expert_counts,
-                          int* num_recv, int64_t* counts_all, int* dest_row, cudaStream_t stream);
+                          uint32_t epoch, const WaitPolicy& wait, int direct_ok, int* block_base,
+                          int64_t* local_expert_counts, int* num_recv, int64_t* counts_all, int* dest_row,
+                          cudaStream_t stream);
 
 }  // namespace uniep

@@ -7,7 +7,7 @@ namespace uniep {
 
 std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_experts,
                                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
-                                  const torch::Tensor& error_record, int64_t layer_id) {
+                                  const torch::Tensor& error_record, int64_t layer_id, bool direct_ok) {
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
   TORCH_CHECK(expert_idx.dim() == 2, "expert_idx must be [T, k], got ", expert_idx.sizes());
@@ -27,7 +27,7 @@ std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_e
   torch::Tensor counts_all = torch::empty({s.num_ranks, num_experts}, i64);
   torch::Tensor dest_row = torch::empty({T, k}, i32);
   UNIEP_CHECK_LAUNCH(launch_layout(expert_idx.data_ptr<int>(), T, k, static_cast<int>(num_experts), s,
-                                   static_cast<uint32_t>(epoch), w, block_base.data_ptr<int>(),
+                                   static_cast<uint32_t>(epoch), w, direct_ok ? 1 : 0, block_base.data_ptr<int>(),
                                    local_expert_counts.data_ptr<int64_t>(), num_recv.data_ptr<int>(),
                                    counts_all.data_ptr<int64_t>(), dest_row.data_ptr<int>(),
                                    c10::cuda::getCurrentCUDAStream()));
