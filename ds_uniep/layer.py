@@ -76,6 +76,7 @@ class UniEPMoE(MoE):
         self._dispatchers = {}
         self._backend_by_device = {}
         self._hybrid = None
+        self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
         self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -111,16 +112,32 @@ class UniEPMoE(MoE):
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
             S, plan = choose_domain_size(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
                                          self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank,
-                                         self.num_local_experts, local_world, self.ep_group)
+                                         self.num_local_experts, local_world, self.ep_group, pacing=self._pacing)
             logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S} (predicted speedup "
                         f"{plan.speedup:.2f}x over plain EP)")
         self.hybrid_domain_size = S
         if S > 1:
             ratio = hyb.compression.ratio if hyb.compression.enabled else None
             self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts,
-                                         HybridGroups(self.ep_group, S), self.num_experts, ratio)
+                                         HybridGroups(self.ep_group, S), self.num_experts, ratio,
+                                         pacing=self._pacing)
             logger.info(f"{self.layer_name}: HybridEP with domains of {S} ranks "
                         f"(reference transport{', compressed migration' if ratio else ''})")
+
+    def set_inter_site_pacing(self, pacing) -> None:
+        """Send this layer's traffic between sites through ``pacing`` (a
+        :class:`ds_uniep.hybrid.runtime.InterSitePacing`), or stop with None.
+
+        For measuring plain EP and HybridEP over slow links on one host: the token all-to-alls
+        (plain EP and HybridEP alike), HybridEP's expert gather and gradient return, and the
+        bandwidth measurement of ``domain_size: "auto"`` then hold each rank for the bytes it
+        exchanged with other sites over the pacing's bandwidth. Numbers do not change. Reference
+        backend only. Call it before ``set_deepspeed_parallelism`` (``deepspeed.initialize``) so that
+        a measured inter-site bandwidth goes through it too."""
+        self._pacing = pacing
+        self._dispatchers.clear()
+        if self._hybrid is not None:
+            self._hybrid.set_pacing(pacing)
 
     def set_plan(self, plan) -> None:
         """Run the next forward under ``plan`` (a :class:`ds_uniep.tuning.Plan`): its overlap knobs and
@@ -213,13 +230,16 @@ class UniEPMoE(MoE):
             raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
         name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name)
+        if name == "megakernel" and self._pacing is not None:
+            raise ValueError(f"{self.layer_name}: inter-site pacing (set_inter_site_pacing) runs on the reference "
+                             'backend; set "uniep": {"backend": "reference"}')
         if name == "megakernel":
             from .megakernel import NVLinkDispatcher
             d = NVLinkDispatcher(self.layer_name, self.num_experts, self.ep_size, self.hidden_size, self.k, x.dtype,
                                  self.uniep_config, self.ep_group, num_blocks=self.uniep_config.overlap.num_comm_sms)
         else:
             d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group,
-                                    dispatch_dtype=self.uniep_config.compression.dispatch_dtype)
+                                    dispatch_dtype=self.uniep_config.compression.dispatch_dtype, pacing=self._pacing)
         self._backend_by_device[key] = name
         self._dispatchers[key] = d
         return d

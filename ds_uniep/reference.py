@@ -12,8 +12,13 @@ Forward of one layer on a rank (the dispatcher protocol, shared by all backends)
 3. ``combine(y [R, M], gates [T, k], handle)``: return rows to their source and
    sum the k contributions of a token in slot order, in fp32, weighted by the
    gate, cast once to the activation dtype.
+
+``pacing`` (off unless given; :class:`ds_uniep.hybrid.runtime.InterSitePacing`) is
+called after each row all-to-all, forward and backward, with the bytes sent to and
+received from every rank, to emulate slow links between sites; it changes no numbers.
 """
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -27,21 +32,25 @@ class _AllToAllV(torch.autograd.Function):
     """``all_to_all_single`` with explicit split sizes; its gradient is the reverse exchange."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
-        ctx.group, ctx.out_splits, ctx.in_splits = group, out_splits, in_splits
+    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group, pacing=None) -> Tensor:
+        ctx.group, ctx.out_splits, ctx.in_splits, ctx.pacing = group, out_splits, in_splits, pacing
         out = x.new_empty((sum(out_splits), ) + tuple(x.shape[1:]))
         torch_dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        if pacing is not None:
+            row_bytes = math.prod(x.shape[1:]) * x.element_size()
+            pacing.pace(group, [n * row_bytes for n in in_splits], [n * row_bytes for n in out_splits], x.device)
         return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _AllToAllV.apply(grad, ctx.in_splits, ctx.out_splits, ctx.group), None, None, None
+        return _AllToAllV.apply(grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.pacing), None, None, None, None
 
 
-def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group) -> Tensor:
+def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, pacing=None) -> Tensor:
+    """Rows of ``x`` to the ranks of ``group`` (``in_splits`` rows each); ``out_splits`` rows come back."""
     if group is None or torch_dist.get_world_size(group) == 1:
         return x
-    return _AllToAllV.apply(x, out_splits, in_splits, group)
+    return _AllToAllV.apply(x, out_splits, in_splits, group, pacing)
 
 
 def gather_counts(counts: Tensor, group, ep_size: int) -> Tensor:
@@ -138,8 +147,9 @@ class ReferenceDispatcher:
     """
 
     def __init__(self, num_experts: int, ep_size: int, group=None, rank: Optional[int] = None,
-                 dispatch_dtype: str = "activation"):
+                 dispatch_dtype: str = "activation", pacing=None):
         self.num_experts = num_experts
+        self.pacing = pacing
         self.fp8 = dispatch_dtype == "fp8_e4m3"
         self.ep_size = ep_size
         self.group = group
@@ -161,7 +171,7 @@ class ReferenceDispatcher:
         if self.fp8:
             send = _FP8Dispatch.apply(send)
         if capacity is None:
-            arrived = all_to_all(send, handle.recv_splits, handle.send_splits, self.group)
+            arrived = all_to_all(send, handle.recv_splits, handle.send_splits, self.group, self.pacing)
         else:
             arrived = self._padded_exchange(send, handle, capacity)
         # Arrival order is source-major; the layout wants expert-major rows.
@@ -180,7 +190,7 @@ class ReferenceDispatcher:
     def _padded_exchange(self, send: Tensor, handle: DispatchHandle, C: int) -> Tensor:
         E, G, L = self.num_experts, self.ep_size, self.num_local_experts
         padded = send.new_zeros(E * C, send.shape[1]).index_copy(0, self._send_slots(handle, C), send)
-        arrived = all_to_all(padded, [L * C] * G, [L * C] * G, self.group)  # [G * L * C, M], source-major
+        arrived = all_to_all(padded, [L * C] * G, [L * C] * G, self.group, self.pacing)  # [G * L * C, M], source-major
         return arrived.index_select(0, self._recv_slots(handle.layout, C))
 
     # ------------------------------------------------------------------ combine
@@ -189,7 +199,7 @@ class ReferenceDispatcher:
         T, k = layout.dest_row.shape
         back = y.index_select(0, layout.recv_rows)  # expert-major -> arrival order
         if handle.capacity is None:
-            returned = all_to_all(back, handle.send_splits, handle.recv_splits, self.group)
+            returned = all_to_all(back, handle.send_splits, handle.recv_splits, self.group, self.pacing)
         else:
             returned = self._padded_return(back, handle, handle.capacity)
         pair_rows = y.new_zeros(T * k, y.shape[1]).index_copy(0, layout.send_pairs, returned)
@@ -198,5 +208,5 @@ class ReferenceDispatcher:
     def _padded_return(self, back: Tensor, handle: DispatchHandle, C: int) -> Tensor:
         G, L = self.ep_size, self.num_local_experts
         padded = back.new_zeros(G * L * C, back.shape[1]).index_copy(0, self._recv_slots(handle.layout, C), back)
-        returned = all_to_all(padded, [L * C] * G, [L * C] * G, self.group)  # [E * C, M]
+        returned = all_to_all(padded, [L * C] * G, [L * C] * G, self.group, self.pacing)  # [E * C, M]
         return returned.index_select(0, self._send_slots(handle, C))

@@ -19,12 +19,21 @@ One layer on rank r:
 4. Combine over the offset group, in slot order in fp32.
 
 Backward: the gradient of a replica comes back to its owner through the
-gather's backward, which all-gathers the domain's replica gradients and adds
-them in domain-rank order (fp32), so each owner parameter receives exactly one
-gradient per backward, before DeepSpeed's expert-data-parallel reduction.
+gather's backward, an all-to-all that hands each owner the S gradients of its
+own tensors (the gather's bytes, mirrored), added in domain-rank order (fp32),
+so each owner parameter receives exactly one gradient per backward, before
+DeepSpeed's expert-data-parallel reduction.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
+
+:class:`InterSitePacing` (opt-in, off by default) holds a rank after each of
+these collectives for the bytes it exchanged with other sites over a given
+bandwidth: slow links between sites, emulated on one host, so HybridEP and
+plain EP can be measured against the cost model of :mod:`.model`.
 """
 
+import math
+import statistics
+import time
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -33,6 +42,101 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..reference import ReferenceDispatcher
+
+
+class InterSitePacing:
+    """Slow links between sites, emulated on one host by pacing (opt-in; nothing uses it by default).
+
+    Sites are runs of ``site_size`` consecutive global ranks. The fast backend (NCCL, gloo) still
+    moves every byte, so results are unchanged; after each collective a layer sends through
+    :meth:`pace` (the reference dispatcher's token all-to-alls forward and backward, HybridEP's
+    domain gather and the return of replica gradients, the probe of :func:`measure_bandwidths`),
+    the rank is held for ``max(bytes sent to other sites, bytes received from them) /
+    bytes_per_s``: each rank has one slow link per direction, and the bytes of one collective
+    cross it back to back. A collective's time is the fast backend's plus the hold;
+    :func:`measure_bandwidths` through the same pacing measures the sum. The exchange of
+    per-expert row counts (``[E]`` integers) is not paced.
+
+    How a CUDA rank is held (``hold``): ``"host"`` waits for the current stream to finish the
+    collective, then ``time.sleep``s (wall-clock exact; nothing is queued meanwhile); ``"stream"``
+    queues a spin on the current stream (``torch.cuda._sleep``, its clock rate timed once against
+    CUDA events), which the host does not wait for, but whose length follows the SM clock. A
+    CPU rank always sleeps.
+
+    ``paced_bytes`` and ``paced_s`` count what this rank was held for (tests and benchmarks read them).
+    """
+
+    HOLDS = ("host", "stream")
+
+    def __init__(self, site_size: int, bytes_per_s: float, hold: str = "host"):
+        if isinstance(site_size, bool) or not isinstance(site_size, int) or site_size < 1:
+            raise ValueError(f"InterSitePacing.site_size: must be a positive integer, got {site_size!r}")
+        if isinstance(bytes_per_s, bool) or not isinstance(bytes_per_s, (int, float)) or not bytes_per_s > 0 \
+                or math.isinf(bytes_per_s):
+            raise ValueError(f"InterSitePacing.bytes_per_s: must be a positive finite number, got {bytes_per_s!r}")
+        if hold not in self.HOLDS:
+            raise ValueError(f"InterSitePacing.hold: must be one of {', '.join(self.HOLDS)}, got {hold!r}")
+        self.site_size, self.bytes_per_s, self.hold_mode = site_size, float(bytes_per_s), hold
+        self.paced_bytes = 0
+        self.paced_s = 0.0
+        self._cycles_per_s: Dict[int, float] = {}
+
+    def site_of(self, global_rank: int) -> int:
+        return global_rank // self.site_size
+
+    def remote(self, group) -> List[bool]:
+        """For each rank of ``group`` (group order): does it lie in another site than this rank?"""
+        ranks = torch_dist.get_process_group_ranks(group) if group is not None else \
+            list(range(torch_dist.get_world_size()))
+        mine = self.site_of(torch_dist.get_rank())
+        return [self.site_of(r) != mine for r in ranks]
+
+    def pace(self, group, send_bytes: Sequence[int], recv_bytes: Sequence[int], device: torch.device) -> float:
+        """Hold this rank for the inter-site share of one collective over ``group``.
+
+        ``send_bytes[i]`` / ``recv_bytes[i]``: bytes this rank sent to / received from group rank
+        ``i``. Returns the seconds held."""
+        remote = self.remote(group)
+        nbytes = max(sum(b for b, far in zip(send_bytes, remote) if far),
+                     sum(b for b, far in zip(recv_bytes, remote) if far))
+        if nbytes == 0:
+            return 0.0
+        seconds = nbytes / self.bytes_per_s
+        self.paced_bytes += nbytes
+        self.paced_s += seconds
+        self.hold(seconds, device)
+        return seconds
+
+    def hold(self, seconds: float, device: torch.device) -> None:
+        """Delay the work queued after this point on ``device`` by ``seconds``."""
+        if device.type == "cuda" and self.hold_mode == "stream":
+            torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s(device))))
+            return
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        time.sleep(seconds)
+
+    def cycles_per_s(self, device: torch.device) -> float:
+        """Clock cycles of ``torch.cuda._sleep`` per second on ``device``, timed once with CUDA events."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._cycles_per_s:
+            cycles = 20_000_000  # ~10 ms at 2 GHz
+            with torch.cuda.device(idx):
+                torch.cuda._sleep(cycles // 10)  # first launch
+                ms = []
+                for _ in range(3):
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    torch.cuda._sleep(cycles)
+                    end.record()
+                    end.synchronize()
+                    ms.append(start.elapsed_time(end))
+            self._cycles_per_s[idx] = cycles / (statistics.median(ms) * 1e-3)
+        return self._cycles_per_s[idx]
+
+    def __repr__(self) -> str:
+        return (f"InterSitePacing(site_size={self.site_size}, bytes_per_s={self.bytes_per_s:g}, "
+                f"hold={self.hold_mode!r})")
 
 
 class HybridGroups:
@@ -73,12 +177,16 @@ class _GatherDomain(torch.autograd.Function):
     owner's gradient is the sum of the S replica gradients, added in domain-rank order in fp32."""
 
     @staticmethod
-    def forward(ctx, group, S: int, offset: int, counter: Optional[Dict[str, int]], *local: Tensor):
-        ctx.group, ctx.S, ctx.offset, ctx.counter = group, S, offset, counter
+    def forward(ctx, group, S: int, offset: int, counter: Optional[Dict[str, int]],
+                pacing: Optional[InterSitePacing], *local: Tensor):
+        ctx.group, ctx.S, ctx.offset, ctx.counter, ctx.pacing = group, S, offset, counter, pacing
         out = []
         for t in local:
             parts = [torch.empty_like(t) for _ in range(S)]
             torch_dist.all_gather(parts, t.detach().contiguous(), group=group)
+            if pacing is not None:  # one copy to and from every peer
+                nbytes = t.numel() * t.element_size()
+                pacing.pace(group, [nbytes] * S, [nbytes] * S, t.device)
             out.append(torch.stack(parts))
         return tuple(out)
 
@@ -87,17 +195,21 @@ class _GatherDomain(torch.autograd.Function):
         S = ctx.S
         result = []
         for g in grads:
-            # Rank j contributed g_j[offset] for this rank's tensor: gather every rank's [S, ...]
-            # gradient and add the owner's slice of each in rank order.
-            parts = [torch.empty_like(g) for _ in range(S)]
-            torch_dist.all_gather(parts, g.contiguous(), group=ctx.group)
+            # g[i]: this rank's gradient of domain rank i's tensor. After the all-to-all,
+            # parts[j] = rank j's gradient of this rank's tensor; they are added in rank order.
+            g = g.contiguous()
+            parts = torch.empty_like(g)
+            torch_dist.all_to_all_single(parts, g, group=ctx.group)
+            if ctx.pacing is not None:
+                nbytes = g[0].numel() * g.element_size()
+                ctx.pacing.pace(ctx.group, [nbytes] * S, [nbytes] * S, g.device)
             acc = torch.zeros_like(g[0], dtype=torch.float32)
             for j in range(S):
-                acc = acc + parts[j][ctx.offset].float()
+                acc = acc + parts[j].float()
             result.append(acc.to(g.dtype))
         if ctx.counter is not None:
             ctx.counter["owner_reductions"] = ctx.counter.get("owner_reductions", 0) + 1
-        return (None, None, None, None) + tuple(result)
+        return (None, None, None, None, None) + tuple(result)
 
 
 def _compressed_replicas(stacked: Sequence[Tensor], num_params: int, offset: int, ratio: float) -> List[Tensor]:
@@ -122,21 +234,28 @@ class HybridExperts:
     """Runs the domain's S * L experts on this rank from gathered weights."""
 
     def __init__(self, experts: Sequence[nn.Module], groups: HybridGroups, num_experts: int,
-                 compression_ratio: Optional[float] = None):
+                 compression_ratio: Optional[float] = None, pacing: Optional[InterSitePacing] = None):
         self.experts = list(experts)
         self.groups = groups
         self.compression_ratio = compression_ratio
         self.names = [n for n, _ in self.experts[0].named_parameters()]
         self.dispatcher = ReferenceDispatcher(num_experts, groups.ep_size // groups.domain_size,
                                               groups.offset_group, rank=groups.domain)
+        self.pacing = None
+        self.set_pacing(pacing)
         #: Backward passes that reduced replica gradients to their owners (tests count them).
         self.counter: Dict[str, int] = {}
+
+    def set_pacing(self, pacing: Optional[InterSitePacing]) -> None:
+        """Send the gather, the gradient return and the token all-to-alls through ``pacing`` (None: off)."""
+        self.pacing = pacing
+        self.dispatcher.pacing = pacing
 
     def gather(self) -> List[Dict[str, Tensor]]:
         """``[S * L]`` parameter dicts, domain expert order (owner offset, then local index)."""
         g = self.groups
         local = [p for e in self.experts for p in e.parameters()]
-        stacked = _GatherDomain.apply(g.domain_group, g.domain_size, g.offset, self.counter, *local)
+        stacked = _GatherDomain.apply(g.domain_group, g.domain_size, g.offset, self.counter, self.pacing, *local)
         P = len(self.names)
         if self.compression_ratio is not None:
             stacked = _compressed_replicas(stacked, P, g.offset, self.compression_ratio)
@@ -156,11 +275,14 @@ class HybridExperts:
         return torch.cat(outs) if outs else recv
 
 
-def _ring_exchange_s(ep_group, peer_next: int, peer_prev: int, nbytes: int, repeats: int, device) -> float:
+def _ring_exchange_s(ep_group, peer_next: int, peer_prev: int, nbytes: int, repeats: int, device,
+                     pacing: Optional[InterSitePacing] = None) -> float:
     """Slowest rank's median seconds to send ``nbytes`` to ``peer_next`` while receiving from
-    ``peer_prev`` (EP-group ranks)."""
-    import statistics
-    import time
+    ``peer_prev`` (EP-group ranks), through ``pacing`` when given."""
+    G = torch_dist.get_world_size(ep_group)
+    sent, received = [0] * G, [0] * G
+    sent[peer_next] += nbytes
+    received[peer_prev] += nbytes
     to_global = torch_dist.get_process_group_ranks(ep_group)
     send = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     recv = torch.empty_like(send)
@@ -173,6 +295,8 @@ def _ring_exchange_s(ep_group, peer_next: int, peer_prev: int, nbytes: int, repe
             torch_dist.P2POp(torch_dist.irecv, recv, to_global[peer_prev], group=ep_group)])
         for r in reqs:
             r.wait()
+        if pacing is not None:
+            pacing.pace(ep_group, sent, received, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
@@ -181,11 +305,13 @@ def _ring_exchange_s(ep_group, peer_next: int, peer_prev: int, nbytes: int, repe
     return float(worst.item())
 
 
-def measure_bandwidths(ep_group, site_size: int, nbytes: int = 8 << 20, repeats: int = 3):
+def measure_bandwidths(ep_group, site_size: int, nbytes: int = 8 << 20, repeats: int = 3,
+                       pacing: Optional[InterSitePacing] = None):
     """(intra-site, inter-site) bytes/s per rank, from ring exchanges inside a site and between
     same-offset ranks of neighbouring sites. Every rank gets the same numbers (the slowest rank's
     time), so every rank plans the same domain size. A level that does not exist (one site, or
-    sites of one rank) takes the other level's number."""
+    sites of one rank) takes the other level's number. With ``pacing`` the exchanges go through
+    it, as the layer's traffic does."""
     G = torch_dist.get_world_size(ep_group)
     r = torch_dist.get_rank(ep_group)
     device = torch.device("cuda", torch.cuda.current_device()) if torch_dist.get_backend(ep_group) == "nccl" \
@@ -194,10 +320,10 @@ def measure_bandwidths(ep_group, site_size: int, nbytes: int = 8 << 20, repeats:
     intra = inter = None
     if site_size > 1:
         t = _ring_exchange_s(ep_group, site * site_size + (off + 1) % site_size,
-                             site * site_size + (off - 1) % site_size, nbytes, repeats, device)
+                             site * site_size + (off - 1) % site_size, nbytes, repeats, device, pacing)
         intra = nbytes / t
     if G > site_size:
-        t = _ring_exchange_s(ep_group, (r + site_size) % G, (r - site_size) % G, nbytes, repeats, device)
+        t = _ring_exchange_s(ep_group, (r + site_size) % G, (r - site_size) % G, nbytes, repeats, device, pacing)
         inter = nbytes / t
     if intra is None and inter is None:
         raise ValueError("measuring bandwidths needs at least 2 ranks")
@@ -205,19 +331,18 @@ def measure_bandwidths(ep_group, site_size: int, nbytes: int = 8 << 20, repeats:
 
 
 def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int, k: int,
-                       max_tokens_per_rank: int, experts_per_rank: int, local_world_size: int, ep_group=None):
+                       max_tokens_per_rank: int, experts_per_rank: int, local_world_size: int, ep_group=None,
+                       pacing: Optional[InterSitePacing] = None):
     """``(S, plan)`` for ``"domain_size": "auto"``: the planner of :mod:`.model` on this layer.
 
     Inputs: the configured site size (auto: the ranks of one node, ``local_world_size``, as
     far as it divides the EP size) and bandwidths (bytes/s, or measured over ``ep_group`` by
-    :func:`measure_bandwidths`); token bytes D = T_max * k * M *
+    :func:`measure_bandwidths`, through ``pacing`` when given); token bytes D = T_max * k * M *
     element size; expert bytes from the expert's parameters; expert compute from its FLOPs and
     pre-expert compute from the attention projections' (2 * T * 4 * M^2), both at
     :data:`ds_uniep.hybrid.presets.DEFAULT_TFLOPS`, as the ``plan`` CLI estimates them. The runtime migrates whole domains, so the
     planner chooses between plain EP and full migration (fractions 0 and 1).
     """
-    import math
-
     from .model import Cluster, Workload, plan
     from .presets import DEFAULT_TFLOPS
     site = hybrid_cfg.site_size if hybrid_cfg.site_size != "auto" else math.gcd(local_world_size, ep_size)
@@ -225,7 +350,7 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
         raise ValueError(f'"uniep": {{"hybrid": {{"site_size": {site}}}}} must divide the expert-parallel size {ep_size}')
     intra, inter = hybrid_cfg.intra_site_bandwidth, hybrid_cfg.inter_site_bandwidth
     if "measure" in (intra, inter):
-        m_intra, m_inter = measure_bandwidths(ep_group, site)
+        m_intra, m_inter = measure_bandwidths(ep_group, site, pacing=pacing)
         intra = m_intra if intra == "measure" else intra
         inter = m_inter if inter == "measure" else inter
     params = list(expert.parameters())

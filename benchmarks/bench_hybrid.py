@@ -1,0 +1,489 @@
+"""HybridEP against plain EP over slow links between sites, and both against the cost model.
+
+    torchrun --nproc_per_node 4 benchmarks/bench_hybrid.py --inter-bw 2GB/s --out bench_out/hybrid
+    torchrun --nproc_per_node 4 benchmarks/bench_hybrid.py --device cpu --quick --out /tmp/bh   # gloo, tiny
+
+Sites: the G ranks form sites of ``--site-size`` consecutive ranks (default 2; on 4 GPUs, two
+sites of two GPUs). Ranks of one site talk over the fast backend (NVLink through NCCL). Every
+byte between sites goes through :class:`ds_uniep.hybrid.runtime.InterSitePacing` at
+``--inter-bw``: NCCL still moves it, then the rank is held for (bytes to or from other sites) /
+bandwidth after the collective (``--hold host``: the host waits for the collective, then
+sleeps; ``--hold stream``: a spin queued on the stream). The layers send through it
+themselves (``UniEPMoE.set_inter_site_pacing``): plain EP's token all-to-alls and HybridEP's
+token all-to-alls, expert gather and gradient return go through the same hook, so both pay
+the same time per inter-site byte.
+
+Sweep: T tokens per rank x expert size M x F (``--experts MxF ...``), SwiGLU experts, E
+experts, top-k, dropless, bf16 on GPU (fp32 on CPU). Options at each point, each timed
+forward+backward (input gradient included; CUDA events, or wall clock on CPU; warm-up, median,
+slowest rank):
+
+- ``EP``: ``UniEPMoE`` on the reference backend, no HybridEP;
+- ``S=<n>``: HybridEP at every domain size n > 1 the runtime accepts (whole domains migrated);
+- the planner: ``choose_domain_size``, the function ``"domain_size": "auto"`` runs, fed with the
+  bandwidths measured here. Where it keeps plain EP a layer built with ``"domain_size": "auto"``
+  is timed as well (what choosing costs); elsewhere its time is that of the chosen S.
+
+Cost model inputs (:mod:`ds_uniep.hybrid.model`), all measured in this run, at every point:
+
+- B_f, B_s: ``measure_bandwidths`` (ring exchanges inside a site and between sites, through the
+  same pacing);
+- t_exp: the experts' forward alone (``run_experts`` over the point's rows, all E experts);
+- t_pre: the rest of the layer's forward compute: the same layer at ep 1 (all experts local, no
+  communication) minus t_exp; c_b: that layer's backward over its forward;
+- D = T * k * M * bytes, P = one expert's bytes, E_r = E / G, one micro-batch per step (the
+  runtime gathers replicas at every forward).
+
+Reported per point: measured and predicted ms per option (ratio, within 15%?), inter-site
+bytes per forward+backward as paced against the model's, the planner's choice against the
+best measured option (within 5%?), the best HybridEP's speedup over EP, the overhead of the
+``"auto"`` layer where the planner keeps EP, and HybridEP's output and input-gradient error
+against EP. A short table is printed last; everything goes to ``--out/bench_hybrid.json`` and
+the plot to ``--out/bench_hybrid.png``.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ds_uniep from a checkout
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TOLERANCE = {"bf16": 2e-2, "fp32": 1e-5}
+"""Largest relative error (norm) of HybridEP's output and input gradient against plain EP's."""
+
+# Sized for 4 H200s at 2 GB/s between sites: the whole run takes about two minutes.
+DEFAULTS = {
+    "cuda": {"tokens": [1024, 2048, 4096, 8192, 16384], "experts": ["2048x768", "2048x1408", "4096x2048"],
+             "inter_bw": "2GB/s", "dtype": "bf16", "warmup": 2, "repeats": 8, "probe_bytes": 32 << 20},
+    "cpu": {"tokens": [64, 256, 1024], "experts": ["32x32", "32x128"], "inter_bw": "5MB/s", "dtype": "fp32",
+            "warmup": 1, "repeats": 3, "probe_bytes": 256 << 10},
+}
+QUICK = {"cuda": {"tokens": [1024, 8192], "experts": ["2048x768"], "warmup": 1, "repeats": 3},
+         "cpu": {"tokens": [64, 1024], "experts": ["32x32", "32x128"], "warmup": 1, "repeats": 2}}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="cuda (NCCL) where available, else cpu (gloo)")
+    p.add_argument("--site-size", type=int, default=2, help="L: consecutive ranks joined by the fast links")
+    p.add_argument("--inter-bw", default=None, help="bandwidth between sites per rank and direction, e.g. 2GB/s, "
+                   "16Gbps (GPU default 2GB/s, CPU 5MB/s)")
+    p.add_argument("--hold", choices=["host", "stream"], default="host",
+                   help="how a GPU rank is held for the inter-site bytes (see InterSitePacing)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="T tokens per rank")
+    p.add_argument("--experts", nargs="+", default=None, help="expert sizes MxF (hidden x FFN width)")
+    p.add_argument("--num-experts", type=int, default=8, help="E")
+    p.add_argument("--top-k", type=int, default=2, help="k")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="bf16 on GPU, fp32 on CPU by default")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--probe-bytes", type=int, default=None, help="bytes of each bandwidth probe exchange")
+    p.add_argument("--quick", action="store_true", help="a short sweep (GPU: 2 points; CPU: 4 tiny points)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--out", default="bench_out/hybrid", help="directory for bench_hybrid.json and .png")
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    fill = dict(DEFAULTS[args.device])
+    if args.quick:
+        fill.update(QUICK[args.device])
+    for key, value in fill.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.expert_sizes = [parse_expert(s) for s in args.experts]
+    return args
+
+
+def parse_expert(text):
+    """``"2048x1408"`` -> (M, F)."""
+    m, sep, f = text.lower().partition("x")
+    if not sep or not m.isdigit() or not f.isdigit() or int(m) < 1 or int(f) < 1:
+        raise SystemExit(f"--experts {text!r}: expected MxF, e.g. 2048x1408")
+    return int(m), int(f)
+
+
+# --------------------------------------------------------------------------- helpers
+def slowest(value, device):
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def fwd_bwd(layer):
+    def run(x, gy):
+        out, l_aux, _ = layer(x)
+        torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
+        return out
+    return run
+
+
+class Timer:
+    """Median of ``repeats`` runs after ``warmup``, the slowest rank's, in ms; grads cleared between runs."""
+
+    def __init__(self, args, device):
+        self.args, self.device = args, device
+
+    def __call__(self, fn, pool, modules=()):
+        from timing import bench
+
+        def sync():
+            for m in modules:
+                m.zero_grad(set_to_none=True)
+            for i in range(2):
+                pool(i)[0].grad = None
+            dist.barrier()
+        r = bench(fn, warmup=self.args.warmup, repeats=self.args.repeats, setup=pool, sync=sync,
+                  cuda=self.device.type == "cuda")
+        return slowest(r["median_ms"], self.device)
+
+
+def make_layer(M, F, args, ep, hybrid=None, max_tokens=None):
+    from ds_uniep import SwiGLUExpert, UniEPMoE
+    torch.manual_seed(0)  # the gate is replicated: the same initial weights on every rank
+    cfg = {"backend": "reference", "max_tokens_per_rank": max_tokens or max(args.tokens)}
+    if hybrid is not None:
+        cfg["hybrid"] = hybrid
+    return UniEPMoE(M, SwiGLUExpert(M, F), num_experts=args.num_experts, ep_size=ep, k=args.top_k, min_capacity=0,
+                    drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+
+
+def finish(layer, state, device, dtype, pacing):
+    if state is not None:
+        layer.load_state_dict(state)
+    layer = layer.to(device=device, dtype=dtype)
+    layer.deepspeed_moe.gate.wg.float()  # DeepSpeed's gate runs in fp32 either way
+    layer.set_inter_site_pacing(pacing)  # before set_deepspeed_parallelism, as the layer asks
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+def build_layers(M, F, args, sizes, device, dtype, pacing):
+    """``{"EP": plain, "S=n": HybridEP ...}`` with the same weights, the ep-1 compute layer, and the state."""
+    G, rank = dist.get_world_size(), dist.get_rank()
+    proto = make_layer(M, F, args, G)
+    g = torch.Generator().manual_seed(1 + rank)  # every rank's experts differ
+    with torch.no_grad():
+        for p in proto.deepspeed_moe.experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
+    state = proto.state_dict()
+    layers = {"EP": finish(make_layer(M, F, args, G), state, device, dtype, pacing)}
+    for S in sizes:
+        layers[f"S={S}"] = finish(make_layer(M, F, args, G, {"enabled": True, "domain_size": S,
+                                                               "site_size": args.site_size}),
+                                  state, device, dtype, pacing)
+    ep1 = make_layer(M, F, args, 1)
+    ep1.deepspeed_moe.gate.load_state_dict(proto.deepspeed_moe.gate.state_dict())
+    ep1 = finish(ep1, None, device, dtype, None)
+    return layers, ep1, state
+
+
+# --------------------------------------------------------------------------- one point
+def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, timer):
+    from timing import rotating
+
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.experts import run_experts
+    from ds_uniep.hybrid.model import Cluster, Workload, plan, predict
+    from ds_uniep.hybrid.runtime import choose_domain_size, measure_bandwidths
+    from ds_uniep.reference import ReferenceDispatcher
+
+    G, rank, L = dist.get_world_size(), dist.get_rank(), args.site_size
+    E, k = args.num_experts, args.top_k
+    elsize = torch.finfo(dtype).bits // 8
+
+    def inputs(i):
+        gen = torch.Generator(device=device).manual_seed(1000 * rank + i)
+        x = torch.randn(T, M, dtype=dtype, device=device, generator=gen).requires_grad_(True)
+        return x, torch.randn(T, M, dtype=dtype, device=device, generator=gen)
+    pool = rotating(inputs, 2)
+
+    # 1. One checked run per option: outputs and input gradients against plain EP, and the
+    #    inter-site bytes this rank was held for (forward + backward).
+    checks = {}
+    ref = None
+    for name, layer in layers.items():
+        x = pool(0)[0].detach().clone().requires_grad_(True)
+        before = pacing.paced_bytes
+        out = fwd_bwd(layer)(x, pool(0)[1])
+        nbytes = pacing.paced_bytes - before
+        layer.zero_grad(set_to_none=True)
+        if ref is None:
+            ref = (out.detach(), x.grad)
+        checks[name] = {"inter_bytes_measured": slowest(nbytes, device),
+                        "rel_err_out": slowest(rel_err(out.detach(), ref[0]), device),
+                        "rel_err_dx": slowest(rel_err(x.grad, ref[1]), device)}
+
+    # 2. Compute: the layer at ep 1 (no communication), forward and forward+backward, and the
+    #    experts' forward alone over the same rows.
+    ep1_fwd = timer(lambda x, gy: ep1(x), pool, [ep1])
+    ep1_fwdbwd = timer(fwd_bwd(ep1), pool, [ep1])
+    with torch.no_grad():
+        x0 = pool(0)[0].detach()
+        _, _, _, idx, _, _, _ = ep1.deepspeed_moe.gate(x0, None, True)
+        recv, counts, _ = ReferenceDispatcher(E, 1).dispatch(x0, idx.t())
+    recv = recv.detach().requires_grad_(True)
+    experts = list(ep1.deepspeed_moe.experts.deepspeed_experts)
+    exp_fwd = timer(lambda x, gy: run_experts(experts, recv, counts), pool, [ep1])
+    t_exp = exp_fwd * 1e-3
+    t_pre = max(ep1_fwd - exp_fwd, 1e-3) * 1e-3
+    c_b = max((ep1_fwdbwd - ep1_fwd) / ep1_fwd, 1.0)
+
+    # 3. Bandwidths, through the same pacing as the layers' traffic.
+    b_f, b_s = measure_bandwidths(dist.group.WORLD, L, nbytes=args.probe_bytes, repeats=3, pacing=pacing)
+
+    # 4. Every option, forward+backward.
+    measured = {name: timer(fwd_bwd(layer), pool, [layer]) for name, layer in layers.items()}
+
+    # 5. The model at the measured inputs, and the two planners.
+    expert0 = layers["EP"].deepspeed_moe.experts.deepspeed_experts[0]
+    P = float(sum(p.numel() * p.element_size() for p in expert0.parameters()))
+    D = float(T * k * M * elsize)
+    wl = Workload(token_bytes=D, expert_bytes=P, experts_per_rank=E / G, pre_expert_compute_s=t_pre,
+                  expert_compute_s=t_exp, backward_compute_factor=c_b, num_microbatches=1)
+    cl = Cluster(num_ranks=G, site_size=L, intra_site_bandwidth_bytes_per_s=b_f, inter_site_bandwidth_bytes_per_s=b_s)
+    options = {}
+    for name in layers:
+        S = 1 if name == "EP" else int(name.split("=")[1])
+        lt = predict(wl, cl, S, 0.0 if S == 1 else 1.0)
+        pred_ms = lt.total_s * 1e3
+        model_bytes = 4 * lt.token_bytes_inter + lt.gather_bytes_inter + lt.grad_return_bytes_inter
+        ratio = measured[name] / pred_ms
+        options[name] = {"S": S, "measured_ms": measured[name], "predicted_ms": pred_ms, "ratio": ratio,
+                         "within_15pct": abs(ratio - 1) <= 0.15, "inter_bytes_model": model_bytes, **checks[name],
+                         "outputs_match": checks[name]["rel_err_out"] <= TOLERANCE[args.dtype]
+                         and checks[name]["rel_err_dx"] <= TOLERANCE[args.dtype]}
+    auto_cfg = {"enabled": True, "domain_size": "auto", "site_size": L, "intra_site_bandwidth": float(b_f),
+                "inter_site_bandwidth": float(b_s)}
+    hyb = UniEPConfig.from_dict({"hybrid": auto_cfg}).hybrid
+    s_rt, rt_plan = choose_domain_size(hyb, G, expert0, M, k, T, E // G, L, dist.group.WORLD)
+    mp = plan(wl, cl, "auto", fractions=(0.0, 1.0))
+    s_model = mp.domain_size if mp.migrated_fraction > 0 else 1
+
+    def name_of(S):
+        return "EP" if S == 1 else f"S={S}"
+
+    # 6. Where the planner keeps plain EP: a layer built with "domain_size": "auto", timed.
+    auto_ms, overhead = measured[name_of(s_rt)], None
+    if s_rt == 1:
+        auto = finish(make_layer(M, F, args, G, auto_cfg, T), state, device, dtype, pacing)
+        assert auto.hybrid_domain_size == 1 and auto._hybrid is None, auto.hybrid_domain_size
+        auto_ms = timer(fwd_bwd(auto), pool, [auto])
+        overhead = auto_ms / measured["EP"] - 1
+        del auto
+
+    best = min(measured, key=measured.get)
+    hybrid_names = [n for n in measured if n != "EP"]
+    best_hybrid = min(hybrid_names, key=measured.get)
+    return {
+        "M": M, "F": F, "T": T, "E": E, "k": k, "G": G, "site_size": L, "dtype": args.dtype,
+        "token_bytes": D, "expert_bytes": P,
+        "bandwidth_bytes_per_s": {"intra_site": b_f, "inter_site": b_s},
+        "compute": {"ep1_fwd_ms": ep1_fwd, "ep1_fwdbwd_ms": ep1_fwdbwd, "experts_fwd_ms": exp_fwd,
+                    "t_pre_ms": t_pre * 1e3, "t_exp_ms": t_exp * 1e3, "c_b": c_b},
+        "options": options,
+        "best": best, "best_ms": measured[best],
+        "planner": {"runtime_choice": name_of(s_rt), "runtime_ms": auto_ms,
+                    "runtime_predicted_speedup": rt_plan.speedup,
+                    "within_5pct": auto_ms <= 1.05 * measured[best],
+                    "model_choice": name_of(s_model), "model_ms": measured[name_of(s_model)],
+                    "model_within_5pct": measured[name_of(s_model)] <= 1.05 * measured[best],
+                    "auto_overhead": overhead},
+        "best_hybrid": best_hybrid,
+        "speedup_best_hybrid": measured["EP"] / measured[best_hybrid],
+        "speedup_planner": measured["EP"] / auto_ms,
+    }
+
+
+# --------------------------------------------------------------------------- sweep
+def run(args, log=print):
+    """The sweep on the current process group; every rank returns the same results."""
+    from ds_uniep.hybrid.model import Cluster
+    from ds_uniep.hybrid.presets import parse_bandwidth
+    from ds_uniep.hybrid.runtime import InterSitePacing, measure_bandwidths
+
+    G, rank, L = dist.get_world_size(), dist.get_rank(), args.site_size
+    if L < 1 or G % L or G // L < 2:
+        raise SystemExit(f"--site-size {L}: must divide the {G} ranks into at least 2 sites")
+    if args.num_experts % G:
+        raise SystemExit(f"--num-experts {args.num_experts} must be a multiple of the {G} ranks")
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    dtype = DTYPES[args.dtype]
+    bw = parse_bandwidth(args.inter_bw)
+    pacing = InterSitePacing(L, bw, hold=args.hold)
+    sizes = [S for S in Cluster(G, L, 1.0, 1.0).valid_domain_sizes() if S > 1]
+    say = log if rank == 0 else (lambda *a, **k: None)
+
+    fast_f, fast_s = measure_bandwidths(dist.group.WORLD, L, nbytes=args.probe_bytes, repeats=3)
+    _, paced_s = measure_bandwidths(dist.group.WORLD, L, nbytes=args.probe_bytes, repeats=3, pacing=pacing)
+    say(f"{G} ranks in sites of {L}, {args.device}, {args.dtype}; inter-site pacing {bw / 1e9:g} GB/s "
+        f"(hold: {args.hold}). Measured per rank: intra-site {fast_f / 1e9:.3g} GB/s, inter-site unpaced "
+        f"{fast_s / 1e9:.3g} GB/s, paced {paced_s / 1e9:.3g} GB/s", flush=True)
+    results = {"config": {k: v for k, v in vars(args).items() if k != "expert_sizes"}, "G": G,
+               "domain_sizes": [1] + sizes, "inter_bw_set_bytes_per_s": bw,
+               "bandwidth_at_start_bytes_per_s": {"intra_site": fast_f, "inter_site_unpaced": fast_s,
+                                                  "inter_site_paced": paced_s},
+               "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "points": []}
+    n = len(args.expert_sizes) * len(args.tokens)
+    t_start = time.perf_counter()
+    timer = Timer(args, device)
+    for M, F in args.expert_sizes:
+        layers, ep1, state = build_layers(M, F, args, sizes, device, dtype, pacing)
+        for T in args.tokens:
+            t0 = time.perf_counter()
+            pt = measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, timer)
+            results["points"].append(pt)
+            opts = ", ".join(f"{name} {o['measured_ms']:.2f} ms (model {o['predicted_ms']:.2f})"
+                             for name, o in pt["options"].items())
+            say(f"[{len(results['points'])}/{n}] M={M} F={F} T={T}: {opts}; planner {pt['planner']['runtime_choice']}"
+                f", best {pt['best']} ({time.perf_counter() - t0:.1f} s)", flush=True)
+        del layers, ep1
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results["elapsed_s"] = time.perf_counter() - t_start
+    results["summary"] = summarize(results["points"])
+    return results
+
+
+def summarize(points):
+    """The acceptance checks over the sweep."""
+    preds = [o for p in points for o in p["options"].values()]
+    planner_ok = [p["planner"]["within_5pct"] for p in points]
+    model_ok = [p["planner"]["model_within_5pct"] for p in points]
+    grows, largest = {}, {}
+    for key in sorted({(p["M"], p["F"]) for p in points}):
+        row = sorted((p for p in points if (p["M"], p["F"]) == key), key=lambda p: p["token_bytes"])
+        s = [p["speedup_best_hybrid"] for p in row]
+        name = f"{key[0]}x{key[1]}"
+        grows[name] = all(s[i + 1] >= 0.97 * s[i] for i in range(len(s) - 1))  # 3% for noise
+        largest[name] = s[-1]
+    overheads = [p["planner"]["auto_overhead"] for p in points if p["planner"]["auto_overhead"] is not None]
+    errs = [abs(o["ratio"] - 1) for o in preds]
+    return {
+        "model_within_15pct": sum(o["within_15pct"] for o in preds), "predictions": len(preds),
+        "model_max_abs_error": max(errs), "model_median_abs_error": sorted(errs)[len(errs) // 2],
+        "planner_within_5pct": sum(planner_ok), "model_planner_within_5pct": sum(model_ok), "points": len(points),
+        "speedup_grows_with_token_bytes": grows, "speedup_at_largest_tokens": largest,
+        "max_auto_overhead_where_planner_keeps_ep": max(overheads) if overheads else None,
+        "outputs_match": all(o["outputs_match"] for o in preds),
+        "checks": {
+            "model_within_15pct_everywhere": all(o["within_15pct"] for o in preds),
+            "planner_within_5pct_in_most": sum(planner_ok) > len(points) / 2,
+            "speedup_grows_with_token_bytes": all(grows.values()),
+            "speedup_at_least_2x_at_largest": max(largest.values()) >= 2.0,
+            "overhead_at_most_2pct_where_planner_keeps_ep": all(o <= 0.02 for o in overheads) if overheads
+            else None,
+        },
+    }
+
+
+# --------------------------------------------------------------------------- output
+def print_table(results):
+    s = results["summary"]
+    names = ["EP"] + [f"S={S}" for S in results["domain_sizes"][1:]]
+    print(f"\nHybridEP vs plain EP, {results['G']} ranks in sites of {results['config']['site_size']}, "
+          f"inter-site {results['inter_bw_set_bytes_per_s'] / 1e9:g} GB/s set, "
+          f"{results['bandwidth_at_start_bytes_per_s']['inter_site_paced'] / 1e9:.3g} GB/s measured; "
+          "fwd+bwd ms, slowest rank's median (model's prediction); x = measured/model")
+    head = ["MxF", "T", "D MiB", "P MiB"] + names + ["planner", "plan/best", "speedup", "auto ovh", "max err"]
+    print(" | ".join(head))
+    for p in results["points"]:
+        cells = [f"{p['M']}x{p['F']}", str(p["T"]), f"{p['token_bytes'] / 2**20:.1f}",
+                 f"{p['expert_bytes'] / 2**20:.1f}"]
+        for name in names:
+            o = p["options"][name]
+            cells.append(f"{o['measured_ms']:.2f} ({o['predicted_ms']:.2f}) x{o['ratio']:.2f}")
+        pl = p["planner"]
+        cells.append(f"{pl['runtime_choice']}/{pl['model_choice']}")
+        cells.append(f"{pl['runtime_ms'] / p['best_ms']:.3f}")
+        cells.append(f"{p['speedup_best_hybrid']:.2f}x")
+        cells.append("-" if pl["auto_overhead"] is None else f"{100 * pl['auto_overhead']:+.1f}%")
+        cells.append(f"{max(max(o['rel_err_out'], o['rel_err_dx']) for o in p['options'].values()):.1e}")
+        print(" | ".join(cells))
+    c = s["checks"]
+    ovh = s["max_auto_overhead_where_planner_keeps_ep"]
+    print(f"model within 15%: {s['model_within_15pct']}/{s['predictions']} (median |err| "
+          f"{100 * s['model_median_abs_error']:.1f}%, max {100 * s['model_max_abs_error']:.1f}%); planner "
+          f"(runtime/model inputs) within 5% of best: {s['planner_within_5pct']}/{s['points']} / "
+          f"{s['model_planner_within_5pct']}/{s['points']}; speedup at largest T: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in s["speedup_at_largest_tokens"].items())
+          + f"; grows with token bytes: {c['speedup_grows_with_token_bytes']}; auto overhead where EP is kept: "
+          + ("-" if ovh is None else f"{100 * ovh:+.1f}%") + f"; outputs match EP: {s['outputs_match']}")
+    print("checks: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    keys = sorted({(p["M"], p["F"]) for p in results["points"]})
+    names = ["EP"] + [f"S={S}" for S in results["domain_sizes"][1:]]
+    fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 8), squeeze=False)
+    for j, key in enumerate(keys):
+        row = sorted((p for p in results["points"] if (p["M"], p["F"]) == key), key=lambda p: p["token_bytes"])
+        x = [p["token_bytes"] / 2**20 for p in row]
+        ax = axes[0][j]
+        for i, name in enumerate(names):
+            color = f"C{i}"
+            ax.plot(x, [p["options"][name]["measured_ms"] for p in row], "o-", color=color, label=f"{name} measured")
+            ax.plot(x, [p["options"][name]["predicted_ms"] for p in row], "--", color=color, label=f"{name} model")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"M={key[0]} F={key[1]}")
+        ax.set_xlabel("token bytes per rank D (MiB)")
+        ax.set_ylabel("forward+backward (ms)")
+        ax.legend(fontsize=7)
+        ax = axes[1][j]
+        ax.plot(x, [p["speedup_best_hybrid"] for p in row], "o-", label="best HybridEP / EP")
+        ax.plot(x, [p["speedup_planner"] for p in row], "s--", label="planner / EP")
+        ax.axhline(1.0, color="gray", lw=0.5)
+        ax.set_xscale("log")
+        ax.set_xlabel("token bytes per rank D (MiB)")
+        ax.set_ylabel("speedup over plain EP")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"HybridEP, {results['G']} ranks in sites of {results['config']['site_size']}, inter-site "
+                 f"{results['inter_bw_set_bytes_per_s'] / 1e9:g} GB/s (paced)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(results, out, with_plot=True):
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "bench_hybrid.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    if with_plot:
+        plot(results, os.path.join(out, "bench_hybrid.png"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", args.device)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import deepspeed
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo", verbose=False)
+    results = run(args)
+    if dist.get_rank() == 0:
+        write(results, args.out, not args.no_plot)
+        print_table(results)
+        print(f"(sweep {results['elapsed_s']:.0f} s; {os.path.join(args.out, 'bench_hybrid.json')})")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Inter-site pacing (emulated slow links between sites) and the HybridEP benchmark's core, on 4 gloo ranks
+as 2 sites of 2: pacing holds ranks for exactly the inter-site bytes and changes no numbers; the benchmark
+reports every option at every point, and HybridEP's outputs equal plain EP's."""
+import json
+import os
+import sys
+import time
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_pacing_rejects_bad_arguments():
+    from ds_uniep.hybrid.runtime import InterSitePacing
+    for kwargs, word in (({"site_size": 0, "bytes_per_s": 1e9}, "site_size"),
+                         ({"site_size": 2, "bytes_per_s": 0}, "bytes_per_s"),
+                         ({"site_size": 2, "bytes_per_s": float("inf")}, "bytes_per_s"),
+                         ({"site_size": 2, "bytes_per_s": 1e9, "hold": "later"}, "hold")):
+        with pytest.raises(ValueError, match=word):
+            InterSitePacing(**kwargs)
+
+
+M, F, BW = 16, 24, 20e6  # 20 MB/s between sites
+
+
+def _layer(world_size, rank, S, pacing):
+    from moe_models import MLP, distinct_experts
+
+    from ds_uniep import UniEPMoE
+    torch.manual_seed(3)
+    cfg = {"backend": "reference"}
+    if S > 1:
+        cfg["hybrid"] = {"enabled": True, "domain_size": S, "site_size": 2}
+    layer = UniEPMoE(M, MLP(M, F), num_experts=2 * world_size, ep_size=world_size, k=2, drop_tokens=False,
+                     use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+    distinct_experts(layer, rank)
+    if pacing is not None:
+        layer.set_inter_site_pacing(pacing)
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+def _fwd_bwd(layer, x, gy):
+    x = x.clone().requires_grad_(True)
+    out, l_aux, _ = layer(x)
+    ((out * gy).sum() + l_aux).backward()
+    with torch.no_grad():
+        route_idx = layer.deepspeed_moe.gate(x, None, True)[3]  # [k, T] experts, -1 where dropped
+    counts = torch.bincount(route_idx[route_idx >= 0].flatten(), minlength=layer.num_experts)
+    return [out.detach(), x.grad] + [p.grad for p in layer.parameters()], counts
+
+
+def _expected_token_bytes(rank, world_size, S, counts):
+    """2 sites of 2 ranks, 2 experts per rank; 4 all-to-alls (dispatch, combine and their gradients), each
+    holding this rank for max(rows sent to, rows received from the other site) * M * 4 bytes. Plain EP
+    receives the far ranks' rows for its own experts; with S = 2 (domain = site) the offset peer's rows for
+    the experts of the whole site."""
+    import torch.distributed as dist
+    everyone = [torch.empty_like(counts) for _ in range(world_size)]
+    dist.all_gather(everyone, counts)
+    c = torch.stack(everyone)  # [G, E]: rows of rank j's tokens for expert e
+    site = rank // 2
+    site_of_expert = torch.arange(2 * world_size) // 4
+    sent = int(c[rank, site_of_expert != site].sum())
+    if S == 1:
+        mine = torch.arange(2 * world_size) // 2 == rank
+        received = int(c[[j for j in range(world_size) if j // 2 != site]][:, mine].sum())
+    else:
+        received = int(c[(rank + 2) % world_size, site_of_expert == site].sum())
+    return 4 * max(sent, received) * M * 4
+
+
+def _expert_bytes():
+    from moe_models import MLP
+    return sum(p.numel() * 4 for p in MLP(M, F).parameters())
+
+
+def _pacing_body(rank, world_size):
+    import torch.distributed as dist
+
+    from ds_uniep.hybrid.runtime import InterSitePacing, measure_bandwidths
+    g = torch.Generator().manual_seed(rank)
+    x, gy = torch.randn(40, M, generator=g), torch.randn(40, M, generator=g)
+    for S in (1, 2, 4):
+        free, _ = _fwd_bwd(_layer(world_size, rank, S, None), x, gy)
+        pacing = InterSitePacing(2, BW)
+        t0 = time.perf_counter()
+        paced, counts = _fwd_bwd(_layer(world_size, rank, S, pacing), x, gy)
+        elapsed = time.perf_counter() - t0
+        for a, b in zip(free, paced):
+            assert torch.equal(a, b), f"rank {rank} S={S}: pacing changed a number"
+        if S == 4:  # no tokens cross sites; each far peer gets, and returns gradients of, every local expert
+            expected = 2 * (2 * 2 * _expert_bytes())
+        else:
+            expected = _expected_token_bytes(rank, world_size, S, counts)
+        assert pacing.paced_bytes == expected, (rank, S, pacing.paced_bytes, expected)
+        assert pacing.paced_s == pytest.approx(expected / BW)
+        assert elapsed >= 0.95 * pacing.paced_s, (rank, S, elapsed, pacing.paced_s)
+    intra, inter = measure_bandwidths(dist.group.WORLD, 2, nbytes=256 << 10, repeats=2,
+                                      pacing=InterSitePacing(2, BW))
+    assert 0.5 * BW < inter <= BW, inter
+    assert intra > inter, (intra, inter)
+
+
+def test_pacing_holds_ranks_for_inter_site_bytes_and_changes_no_numbers():
+    run_distributed(_pacing_body, 4)
+
+
+# --------------------------------------------------------------------------- the benchmark's core
+def _bench_body(rank, world_size, out_dir):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_hybrid
+    args = bench_hybrid.parse_args(["--device", "cpu", "--tokens", "16", "96", "--experts", "16x16", "--inter-bw",
+                                    "20MB/s", "--warmup", "0", "--repeats", "1", "--probe-bytes", str(64 << 10),
+                                    "--out", out_dir])
+    results = bench_hybrid.run(args, log=lambda *a, **k: None)
+    assert [p["T"] for p in results["points"]] == [16, 96]
+    for p in results["points"]:
+        assert set(p["options"]) == {"EP", "S=2", "S=4"}, p["options"].keys()
+        for name, o in p["options"].items():
+            for key in ("measured_ms", "predicted_ms", "ratio", "inter_bytes_measured", "inter_bytes_model"):
+                assert o[key] > 0, (name, key, o[key])
+            assert o["rel_err_out"] <= 1e-5 and o["rel_err_dx"] <= 1e-5, (name, o)
+            assert o["outputs_match"], (name, o)
+        # Expert gather and gradient return are deterministic: paced bytes are the model's exactly.
+        s4 = p["options"]["S=4"]
+        assert s4["inter_bytes_measured"] == s4["inter_bytes_model"] == 4 * 2 * p["expert_bytes"], s4
+        assert p["planner"]["runtime_choice"] in p["options"] and p["best"] in p["options"]
+        assert p["speedup_best_hybrid"] > 0 and p["compute"]["c_b"] >= 1
+        assert (p["planner"]["auto_overhead"] is None) == (p["planner"]["runtime_choice"] != "EP")
+    s = results["summary"]
+    assert s["predictions"] == 6 and s["points"] == 2 and s["outputs_match"]
+    assert set(s["checks"]) == {"model_within_15pct_everywhere", "planner_within_5pct_in_most",
+                                "speedup_grows_with_token_bytes", "speedup_at_least_2x_at_largest",
+                                "overhead_at_most_2pct_where_planner_keeps_ep"}
+    if rank == 0:
+        bench_hybrid.write(results, out_dir, with_plot=True)
+        bench_hybrid.print_table(results)
+
+
+def test_bench_hybrid_core_reports_every_option_and_matches_plain_ep(tmp_path, capsys):
+    run_distributed(_bench_body, 4, str(tmp_path))
+    with open(tmp_path / "bench_hybrid.json") as f:
+        saved = json.load(f)
+    assert len(saved["points"]) == 2 and saved["summary"]["outputs_match"]
+    assert (tmp_path / "bench_hybrid.png").stat().st_size > 0
