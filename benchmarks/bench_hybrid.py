@@ -22,7 +22,8 @@ slowest rank):
 - ``S=<n>``: HybridEP at every domain size n > 1 the runtime accepts (whole domains migrated);
 - the planner: ``choose_domain_size``, the function ``"domain_size": "auto"`` runs, fed with the
   bandwidths measured here. Where it keeps plain EP a layer built with ``"domain_size": "auto"``
-  is timed as well (what choosing costs); elsewhere its time is that of the chosen S.
+  is timed as well, in alternation with plain EP (what choosing costs); elsewhere its time is
+  that of the chosen S.
 
 Cost model inputs (:mod:`ds_uniep.hybrid.model`), all measured in this run, at every point:
 
@@ -147,6 +148,29 @@ class Timer:
         r = bench(fn, warmup=self.args.warmup, repeats=self.args.repeats, setup=pool, sync=sync,
                   cuda=self.device.type == "cuda")
         return slowest(r["median_ms"], self.device)
+
+    def paired(self, fns, pool, modules=(), min_rounds=10):
+        """``{name: ms}`` for functions timed in alternation, one run each per round, so that a slow
+        drift of the machine falls on all of them alike (for differences of a few percent)."""
+        import statistics
+
+        from timing import bench
+
+        def sync():
+            for m in modules:
+                m.zero_grad(set_to_none=True)
+            for i in range(2):
+                pool(i)[0].grad = None
+            dist.barrier()
+        cuda = self.device.type == "cuda"
+        for fn in fns.values():
+            bench(fn, warmup=self.args.warmup, repeats=1, setup=pool, sync=sync, cuda=cuda)
+        times = {name: [] for name in fns}
+        for r in range(max(self.args.repeats, min_rounds)):
+            for name, fn in fns.items():
+                times[name].append(bench(fn, warmup=0, repeats=1, setup=lambda i, r=r: pool(r), sync=sync,
+                                         cuda=cuda)["median_ms"])
+        return {name: slowest(statistics.median(t), self.device) for name, t in times.items()}
 
 
 def make_layer(M, F, args, ep, hybrid=None, max_tokens=None):
@@ -274,13 +298,15 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     def name_of(S):
         return "EP" if S == 1 else f"S={S}"
 
-    # 6. Where the planner keeps plain EP: a layer built with "domain_size": "auto", timed.
+    # 6. Where the planner keeps plain EP: a layer built with "domain_size": "auto", timed in
+    #    alternation with plain EP (its overhead is a difference of a few percent at most).
     auto_ms, overhead = measured[name_of(s_rt)], None
     if s_rt == 1:
         auto = finish(make_layer(M, F, args, G, auto_cfg, T), state, device, dtype, pacing)
         assert auto.hybrid_domain_size == 1 and auto._hybrid is None, auto.hybrid_domain_size
-        auto_ms = timer(fwd_bwd(auto), pool, [auto])
-        overhead = auto_ms / measured["EP"] - 1
+        pair = timer.paired({"EP": fwd_bwd(layers["EP"]), "auto": fwd_bwd(auto)}, pool, [layers["EP"], auto])
+        auto_ms = pair["auto"]
+        overhead = pair["auto"] / pair["EP"] - 1
         del auto
 
     best = min(measured, key=measured.get)
