@@ -49,7 +49,9 @@ class OverlapConfig(_Block):
         "rows on separate streams; fused: one persistent kernel whose GEMM tiles start as their rows arrive.")
     num_chunks: int = Field(2, ge=1, le=64, description="Chunks per layer for the pipelined schedule.")
     num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
-                              "launches its dispatch and combine copy kernels with this many blocks.")
+                              "launches its dispatch and combine copy kernels with this many blocks when this is "
+                              "set (in the block or by a tuning plan); left unset, the sequential schedule gives "
+                              "them one block per SM.")
     roles: Literal["partitioned", "interleaved"] = Field(
         "partitioned",
         description="partitioned: whole SMs communicate while others compute; interleaved: communication "
@@ -102,7 +104,11 @@ class CommFuseConfig(_Block):
     schedule: Literal["ring", "bidirectional_ring"] = Field(
         "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
         "round, half the steps.")
-    num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into.")
+    num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into (p2p "
+                            "transport).")
+    transport: Literal["auto", "p2p", "copy_engine"] = Field(
+        "auto", description="p2p: NCCL/gloo send/recv; copy_engine: copies into peers' symmetric buffers (CUDA, "
+        "no SMs taken from the GEMMs); auto: copy_engine where usable, else p2p.")
 
 
 class HybridCompressionConfig(_Block):

@@ -145,7 +145,7 @@ class UniEPMoE(MoE):
         it is (the block count of its copy kernels); a new dispatch dtype rebuilds the dispatchers."""
         self._applied_plan = plan
         cfg = plan.apply(self.uniep_config)
-        if cfg == self.uniep_config:
+        if cfg == self.uniep_config and _comm_blocks(cfg) == _comm_blocks(self.uniep_config):
             return
         rebuild = cfg.compression != self.uniep_config.compression
         self.uniep_config = cfg
@@ -205,7 +205,7 @@ class UniEPMoE(MoE):
             y = self._hybrid.run(recv, local_counts)
         elif tp > 1 and self.enable_expert_tensor_parallelism:
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
-                                       self.uniep_config.commfuse.schedule)
+                                       self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)
         else:
             y = run_experts(moe.experts.deepspeed_experts, recv, local_counts)
         output = dispatcher.combine(y, gates, handle)
@@ -236,7 +236,7 @@ class UniEPMoE(MoE):
         if name == "megakernel":
             from .megakernel import NVLinkDispatcher
             d = NVLinkDispatcher(self.layer_name, self.num_experts, self.ep_size, self.hidden_size, self.k, x.dtype,
-                                 self.uniep_config, self.ep_group, num_blocks=self.uniep_config.overlap.num_comm_sms)
+                                 self.uniep_config, self.ep_group, num_blocks=_comm_blocks(self.uniep_config))
         else:
             d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group,
                                     dispatch_dtype=self.uniep_config.compression.dispatch_dtype, pacing=self._pacing)
@@ -376,3 +376,9 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
         raise ValueError(f"noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', got {noisy_gate_policy!r}")
     if torch.distributed.is_initialized() and ep_size > torch.distributed.get_world_size():
         raise ValueError(f"ep_size={ep_size} is larger than the world size {torch.distributed.get_world_size()}")
+
+
+def _comm_blocks(cfg: UniEPConfig) -> Optional[int]:
+    """Blocks of the megakernel's copy kernels: ``overlap.num_comm_sms`` when the config or a tuning
+    plan sets it; otherwise None, one block per SM, since the sequential schedule runs them alone."""
+    return cfg.overlap.num_comm_sms if "num_comm_sms" in cfg.overlap.model_fields_set else None
