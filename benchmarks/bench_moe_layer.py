@@ -142,7 +142,7 @@ def gemm_alone(layer, x, mode, args, dist):
     moe = layer.deepspeed_moe
     with torch.no_grad():
         _, _, _, idx, _, _, _ = moe.gate(x, None, True)
-        d = ReferenceDispatcher(layer.num_experts, layer.ep_size, layer.ep_group)
+        d = ReferenceDispatcher(layer.num_experts, layer.ep_size, moe.ep_group)
         recv, counts, _ = d.dispatch(x, idx.t())
     experts = list(moe.experts.deepspeed_experts)
     recv = recv.detach().requires_grad_(mode == "fwdbwd")
