@@ -81,7 +81,9 @@ def _run(args) -> int:
     else:
         gpu, gpu_note = GPUInfo.cpu(), "no GPU here: H100-sized stand-in limits"
     space = Space.from_config(cfg, shape, gpu)
-    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    # Launched ranks know their rank from the environment before distributed is initialised.
+    rank0 = (torch.distributed.get_rank() == 0 if torch.distributed.is_initialized()
+             else int(os.environ.get("RANK", "0")) == 0)
     say = print if rank0 else (lambda *a, **k: None)
     say(f"shape {name}: {shape}")
     say(f"GPU {gpu.name}: {gpu.num_sms} SMs, {gpu.smem_per_block} B shared memory per block ({gpu_note})")
@@ -148,6 +150,8 @@ def _space_only(args, space: Space, cfg: UniEPConfig, stem: str, say) -> int:
 def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, rank0: bool) -> int:
     from .tuning.runner import build_layer, layer_runner, reference_paths
     at = cfg.autotune
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per launched rank
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if mode == "reference":
         say("reference backend: only dispatch_dtype changes its path (schedule, chunks, SMs, tiles, stages and "

@@ -38,8 +38,10 @@ __global__ void __launch_bounds__(kCopyThreads) combine_push_kernel(const T* __r
 
 // One warp per token, a lane per 16-byte vector: the k slots are added in slot
 // order, product then sum rounded separately (no contraction), so the result does
-// not depend on the schedule that moved the rows.
-template <typename T, bool kWeighted>
+// not depend on the schedule that moved the rows. kSlots >= k is a compile-time
+// bound, so a token's row pointers and gates stay in registers and a lane issues
+// the loads of all k slots before adding any of them.
+template <typename T, bool kWeighted, int kSlots>
 __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s, uint32_t epoch, WaitPolicy w,
                                                                       const int* __restrict__ expert_idx,
                                                                       const float* __restrict__ weights,
@@ -53,22 +55,38 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s,
   const int num_vecs = hidden / kElems;
   const char* comb = s.ptrs[s.rank] + s.comb_off;
   for (int t = warp; t < num_tokens; t += num_warps) {
+    const int4* rows[kSlots];
+    float g[kSlots];
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      rows[j] = nullptr;
+      g[j] = 1.0f;
+      if (j < k) {
+        const int64_t pair = static_cast<int64_t>(t) * k + j;
+        const int e = __ldg(expert_idx + pair);
+        if (e >= 0 && e < num_experts) {  // a dropped pair sent no row
+          rows[j] = reinterpret_cast<const int4*>(comb + pair * s.comb_row_bytes);
+          if (kWeighted) g[j] = __ldg(weights + pair);
+        }
+      }
+    }
     int4* row_out = reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden);
     for (int c = lane; c < num_vecs; c += 32) {
+      int4 v[kSlots];
+#pragma unroll
+      for (int j = 0; j < kSlots; ++j)
+        if (rows[j] != nullptr) v[j] = __ldcg(rows[j] + c);
       float acc[kElems];
 #pragma unroll
       for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
-      for (int j = 0; j < k; ++j) {
-        const int64_t pair = static_cast<int64_t>(t) * k + j;
-        const int e = __ldg(expert_idx + pair);
-        if (e < 0 || e >= num_experts) continue;  // dropped: no row was sent
-        const int4 v = __ldcg(reinterpret_cast<const int4*>(comb + pair * s.comb_row_bytes) + c);
-        float f[kElems];
-        unpack<T>(v, f);
-        if (kWeighted) {
-          const float g = __ldg(weights + pair);
 #pragma unroll
-          for (int i = 0; i < kElems; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(g, f[i]));
+      for (int j = 0; j < kSlots; ++j) {
+        if (rows[j] == nullptr) continue;
+        float f[kElems];
+        unpack<T>(v[j], f);
+        if (kWeighted) {
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(g[j], f[i]));
         } else {
 #pragma unroll
           for (int i = 0; i < kElems; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
@@ -77,6 +95,14 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s,
       row_out[c] = pack<T>(acc);
     }
   }
+}
+
+template <typename T, bool kWeighted, int kSlots>
+void launch_reduce(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, const int* expert_idx,
+                   const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
+                   int num_blocks, cudaStream_t stream) {
+  combine_reduce_kernel<T, kWeighted, kSlots><<<num_blocks, kCopyThreads, 0, stream>>>(
+      sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts, static_cast<T*>(out));
 }
 
 template <typename T>
@@ -135,8 +161,21 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
-      combine_reduce_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
-          sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts, static_cast<T*>(out));
+      if (k <= 2) {
+        launch_reduce<T, kWeighted, 2>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts,
+                                       out, num_blocks, stream);
+      } else if (k <= 4) {
+        launch_reduce<T, kWeighted, 4>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts,
+                                       out, num_blocks, stream);
+      } else if (k <= 8) {
+        launch_reduce<T, kWeighted, 8>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts,
+                                       out, num_blocks, stream);
+      } else if (k <= kMaxTopK) {
+        launch_reduce<T, kWeighted, kMaxTopK>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden,
+                                              num_experts, out, num_blocks, stream);
+      } else {
+        return cudaErrorInvalidValue;
+      }
     });
   });
   return cudaGetLastError();
