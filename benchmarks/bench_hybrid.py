@@ -136,15 +136,21 @@ class Timer:
     def __init__(self, args, device):
         self.args, self.device = args, device
 
-    def __call__(self, fn, pool, modules=()):
-        from timing import bench
-
+    @staticmethod
+    def _sync(pool, modules):
+        """Between runs: no gradient left on the modules or the pooled inputs, all ranks together."""
         def sync():
             for m in modules:
                 m.zero_grad(set_to_none=True)
             for i in range(2):
                 pool(i)[0].grad = None
             dist.barrier()
+        return sync
+
+    def __call__(self, fn, pool, modules=()):
+        from timing import bench
+
+        sync = self._sync(pool, modules)
         r = bench(fn, warmup=self.args.warmup, repeats=self.args.repeats, setup=pool, sync=sync,
                   cuda=self.device.type == "cuda")
         return slowest(r["median_ms"], self.device)
@@ -156,12 +162,7 @@ class Timer:
 
         from timing import bench
 
-        def sync():
-            for m in modules:
-                m.zero_grad(set_to_none=True)
-            for i in range(2):
-                pool(i)[0].grad = None
-            dist.barrier()
+        sync = self._sync(pool, modules)
         cuda = self.device.type == "cuda"
         for fn in fns.values():
             bench(fn, warmup=self.args.warmup, repeats=1, setup=pool, sync=sync, cuda=cuda)
