@@ -191,3 +191,47 @@ def test_nvlink_ep2(dtype_name):
 @needs_gpus(4)
 def test_nvlink_ep4():
     run_distributed(_body, 4, "bfloat16", backend="nccl")
+
+
+def _direct_body(rank, G):
+    """In-place receive: a rank still holding its rows (or a view of them) gets the next rows by
+    staging and copy-out, its held rows stay as they were, and both paths give the same rows."""
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.megakernel import NVLinkDispatcher
+
+    dev = torch.device("cuda", rank)
+    E, k, T = 4 * G, 2, 257
+    cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T, "overlap": {"timeout_s": 30.0}})
+    disp = NVLinkDispatcher("test.direct", E, G, M, k, torch.bfloat16, cfg)
+    plain = NVLinkDispatcher("test.staging", E, G, M, k, torch.bfloat16, cfg, direct_receive=False)
+    idx = _routing(rank, 4242, T, k, E, "random")[0].to(dev)
+    x1, x2 = (_inputs(rank, c, T, torch.bfloat16).to(dev) for c in (1, 2))
+    want1, want2 = (plain.dispatch(x, idx)[0].clone() for x in (x1, x2))
+    assert not torch.equal(want1, want2)
+
+    r1 = disp.dispatch(x1, idx)[0]
+    assert disp.direct_stats == {"in_place": 1, "copied": 0}, disp.direct_stats
+    assert torch.equal(r1, want1), "rows received in place differ from staging's"
+    if rank != 0:
+        del r1  # rank 0 keeps its rows, so its region is busy; the others' are free
+    r2 = disp.dispatch(x2, idx)[0]
+    stats = {"in_place": 1, "copied": 1} if rank == 0 else {"in_place": 2, "copied": 0}
+    assert disp.direct_stats == stats, (rank, disp.direct_stats)
+    assert torch.equal(r2, want2), "rows of a mixed dispatch (one region busy) differ"
+    if rank == 0:
+        assert torch.equal(r1, want1), "held rows were overwritten by the next dispatch"
+        del r1
+    del r2
+    # A view taken without autograd keeps no reference to its base, only to the storage.
+    with torch.no_grad():
+        head = disp.dispatch(x1, idx)[0][:7]
+    r4 = disp.dispatch(x2, idx)[0]
+    assert torch.equal(head, want1[:7]), "a surviving view was overwritten"
+    assert torch.equal(r4, want2)
+    assert disp.direct_stats["copied"] == (2 if rank == 0 else 1), (rank, disp.direct_stats)
+    disp.check(synchronize=True)
+
+
+@needs_gpus(2)
+def test_direct_receive_never_overwrites_held_rows():
+    run_distributed(_direct_body, 2, backend="nccl")
