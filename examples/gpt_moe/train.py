@@ -277,3 +277,9 @@ if __name__ == "__main__":
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(2)
         raise
+    # main() finished and destroyed its process group. Leave without C++ static destructors:
+    # a communication thread can abort a finished process ("terminate called without an
+    # active exception") at interpreter exit, which would turn a good run into exit code -6.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
