@@ -46,7 +46,6 @@ import importlib.util
 import itertools
 import os
 import sys
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -56,6 +55,7 @@ import torch.distributed as torch_dist
 from torch import Tensor
 
 from .config import UniEPConfig
+from .symm import rendezvous
 
 # Kernel limits repeated from ops/csrc/configs.cuh (tests/test_ops_compile.py checks they agree).
 MAX_RANKS = 8
@@ -132,14 +132,7 @@ class _SymBuffers:
         self.buffer.zero_()
         torch.cuda.synchronize(device)
         pg = group if group is not None else torch_dist.group.WORLD
-        try:
-            self.handle = symm_mem.rendezvous(self.buffer, pg)
-        except RuntimeError:
-            # Older torch needs the group registered first (deprecated and unneeded in newer ones).
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(pg.group_name)
-            self.handle = symm_mem.rendezvous(self.buffer, pg)
+        self.handle = rendezvous(self.buffer, pg)
         ptrs = list(self.handle.buffer_ptrs)
         if len(ptrs) != G:
             raise RuntimeError(f"symmetric memory rendezvous gave {len(ptrs)} peers, expected {G}")
@@ -163,7 +156,7 @@ class _DirectRegion:
         from torch.distributed import _symmetric_memory as symm_mem
         elsize = torch.empty(0, dtype=dtype).element_size()
         self.buffer = symm_mem.empty(rows * M * elsize, dtype=torch.uint8, device=device)
-        self.handle = symm_mem.rendezvous(self.buffer, group)
+        self.handle = rendezvous(self.buffer, group)
         ptrs = list(self.handle.buffer_ptrs)
         self.ptrs = ptrs + [0] * (MAX_RANKS - len(ptrs))
         self.rows = self.buffer.view(dtype).view(rows, M)
@@ -490,6 +483,6 @@ class _CombineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         y, gates, expert_idx, dest_row, recv_pair, num_recv = ctx.saved_tensors
-        grad_y, grad_gates = nvl_combine_backward(grad_out.to(y.dtype).contiguous(), y, gates, expert_idx, dest_row, recv_pair,
-                                                  num_recv, ctx.ctx_id)
+        grad_y, grad_gates = nvl_combine_backward(grad_out.to(y.dtype).contiguous(), y, gates, expert_idx, dest_row,
+                                                  recv_pair, num_recv, ctx.ctx_id)
         return grad_y, grad_gates, None, None, None, None, None

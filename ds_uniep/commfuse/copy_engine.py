@@ -29,25 +29,15 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..symm import rendezvous
+from .ops import side_stream
+
 _DATA_CHANNEL = 1
 _BARRIER_CHANNEL = 0
 _ALIGN_ELEMS = 128
 
 _workspaces: Dict[Tuple[str, int], "_Workspace"] = {}
-_streams: Dict[Tuple[int, int], torch.cuda.Stream] = {}
 _unavailable: Dict[Tuple[str, int], str] = {}
-
-
-def _rendezvous(buf: torch.Tensor, group):
-    from torch.distributed import _symmetric_memory as symm_mem
-    try:
-        return symm_mem.rendezvous(buf, group)
-    except RuntimeError:
-        # Older torch needs the group registered first (deprecated and unneeded in newer ones).
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-        return symm_mem.rendezvous(buf, group)
 
 
 class _Workspace:
@@ -57,7 +47,7 @@ class _Workspace:
         from torch.distributed import _symmetric_memory as symm_mem
         self.nbytes = nbytes
         self.buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self.handle = _rendezvous(self.buf, group)
+        self.handle = rendezvous(self.buf, group)
         self._views: Dict[tuple, torch.Tensor] = {}
 
     def view(self, peer: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -110,14 +100,6 @@ def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
     return ws
 
 
-def _side_stream(device: torch.device, compute: torch.cuda.Stream) -> torch.cuda.Stream:
-    key = (device.index, compute.cuda_stream)
-    s = _streams.get(key)
-    if s is None:
-        s = _streams[key] = torch.cuda.Stream(device=device)
-    return s
-
-
 def _round_up(n: int) -> int:
     return (n + _ALIGN_ELEMS - 1) // _ALIGN_ELEMS * _ALIGN_ELEMS
 
@@ -134,34 +116,29 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
     ws = _workspace(group, device, T * K * _element_bytes(dtype))
     mine = ws.view(me, (T, K), dtype)
     compute = torch.cuda.current_stream(device)
-    comm = _side_stream(device, compute)
+    comm = side_stream(device, compute)
     comm.wait_stream(compute)  # before the local GEMM is queued: the copies do not wait for it
 
     def rows(t, b):
         return t[offs[b]:offs[b] + shard_sizes[b]]
 
-    def mark(stream):
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        return ev
-
     def gemm(step, a, b):
-        t0 = mark(compute) if timeline else None
+        t0 = timeline.mark(compute) if timeline else None
         mm_into(a, w, rows(out, b))
         if timeline:
-            timeline.entries.append(("gemm", step, t0, mark(compute)))
+            timeline.entries.append(("gemm", step, t0, timeline.mark(compute)))
 
     gemm(0, x_shard, me)  # queued first, so the GPU starts on it while the copies are being issued
     with torch.cuda.stream(comm):
         ws.handle.barrier(_BARRIER_CHANNEL)
         for i, d in enumerate(order):
             p = (me + d) % G
-            t0 = mark(comm) if timeline else None
+            t0 = timeline.mark(comm) if timeline else None
             if shard_sizes[me]:
                 rows(ws.view(p, (T, K), dtype), me).copy_(x_shard)
             ws.handle.put_signal(p, _DATA_CHANNEL)
             if timeline:
-                timeline.entries.append(("transfer", i, t0, mark(comm)))
+                timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
     x_shard.record_stream(comm)
     for i, d in enumerate(order):
         src = (me - d) % G
@@ -191,19 +168,14 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
     ws = _workspace(group, device, G * t_max * N * _element_bytes(dtype))
     mine = ws.view(me, (G, t_max, N), dtype)
     compute = torch.cuda.current_stream(device)
-    comm = _side_stream(device, compute)
+    comm = side_stream(device, compute)
     comm.wait_stream(compute)
 
-    def mark(stream):
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record(stream)
-        return ev
-
     def partial(step, j):
-        t0 = mark(compute) if timeline else None
+        t0 = timeline.mark(compute) if timeline else None
         p = x[offs[j]:offs[j] + out_sizes[j]] @ w
         if timeline:
-            timeline.entries.append(("gemm", step, t0, mark(compute)))
+            timeline.entries.append(("gemm", step, t0, timeline.mark(compute)))
         return p
 
     with torch.cuda.stream(comm):
@@ -216,12 +188,12 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
         ready.record(compute)
         comm.wait_event(ready)
         with torch.cuda.stream(comm):
-            t0 = mark(comm) if timeline else None
+            t0 = timeline.mark(comm) if timeline else None
             if out_sizes[dst]:
                 ws.view(dst, (G, t_max, N), dtype)[me, :out_sizes[dst]].copy_(p)
             ws.handle.put_signal(dst, _DATA_CHANNEL)
             if timeline:
-                timeline.entries.append(("transfer", i, t0, mark(comm)))
+                timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
         p.record_stream(comm)
         sent.append(p)
     own = partial(len(order), me)
@@ -230,10 +202,10 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
         if src != me:
             ws.handle.wait_signal(src, _DATA_CHANNEL)
     parts = [own if src == me else mine[src, :t_me] for src in range(G)]
-    t0 = mark(compute) if timeline else None
+    t0 = timeline.mark(compute) if timeline else None
     out = ordered_sum(parts)
     if timeline:
-        timeline.entries.append(("reduce", 0, t0, mark(compute)))
+        timeline.entries.append(("reduce", 0, t0, timeline.mark(compute)))
     compute.wait_stream(comm)
     del sent
     return out

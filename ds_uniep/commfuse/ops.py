@@ -60,6 +60,14 @@ _CUDA_ALIGN = 256
 _comm_streams = {}
 
 
+def side_stream(device: torch.device, compute) -> "torch.cuda.Stream":
+    """The transfer stream paired with the compute stream ``compute`` (one per pair, reused)."""
+    key = (device.index, compute.cuda_stream)
+    if key not in _comm_streams:
+        _comm_streams[key] = torch.cuda.Stream(device=device)
+    return _comm_streams[key]
+
+
 def even_split(total: int, parts: int) -> List[int]:
     """``parts`` sizes summing to ``total``; the remainder goes one each to the first ranks."""
     base, rem = divmod(total, parts)
@@ -195,10 +203,7 @@ class _Exchange:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.compute = torch.cuda.current_stream(device)
-            key = (device.index, self.compute.cuda_stream)
-            if key not in _comm_streams:
-                _comm_streams[key] = torch.cuda.Stream(device=device)
-            self.comm = _comm_streams[key]
+            self.comm = side_stream(device, self.compute)
             # Inputs and every buffer allocated so far are ready for the side stream.
             self.comm.wait_stream(self.compute)
         else:

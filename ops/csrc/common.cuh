@@ -46,6 +46,25 @@ namespace uniep {
     __VA_ARGS__;                             \
   }
 
+// k (1..kMaxTopK) becomes kSlots, the next bound in {2, 4, 8, kMaxTopK}: per-slot arrays of
+// that length stay in registers. A k outside the range is an error.
+#define UNIEP_SWITCH_SLOTS(k, kSlots, ...)      \
+  if ((k) < 1 || (k) > ::uniep::kMaxTopK) {     \
+    return cudaErrorInvalidValue;               \
+  } else if ((k) <= 2) {                        \
+    constexpr int kSlots = 2;                   \
+    __VA_ARGS__;                                \
+  } else if ((k) <= 4) {                        \
+    constexpr int kSlots = 4;                   \
+    __VA_ARGS__;                                \
+  } else if ((k) <= 8) {                        \
+    constexpr int kSlots = 8;                   \
+    __VA_ARGS__;                                \
+  } else {                                      \
+    constexpr int kSlots = ::uniep::kMaxTopK;   \
+    __VA_ARGS__;                                \
+  }
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -97,14 +97,6 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s,
   }
 }
 
-template <typename T, bool kWeighted, int kSlots>
-void launch_reduce(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, const int* expert_idx,
-                   const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
-                   int num_blocks, cudaStream_t stream) {
-  combine_reduce_kernel<T, kWeighted, kSlots><<<num_blocks, kCopyThreads, 0, stream>>>(
-      sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts, static_cast<T*>(out));
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint32_t epoch, WaitPolicy w,
                                                                  const int* __restrict__ expert_idx,
@@ -161,21 +153,10 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
-      if (k <= 2) {
-        launch_reduce<T, kWeighted, 2>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts,
-                                       out, num_blocks, stream);
-      } else if (k <= 4) {
-        launch_reduce<T, kWeighted, 4>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts,
-                                       out, num_blocks, stream);
-      } else if (k <= 8) {
-        launch_reduce<T, kWeighted, 8>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts,
-                                       out, num_blocks, stream);
-      } else if (k <= kMaxTopK) {
-        launch_reduce<T, kWeighted, kMaxTopK>(sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden,
-                                              num_experts, out, num_blocks, stream);
-      } else {
-        return cudaErrorInvalidValue;
-      }
+      UNIEP_SWITCH_SLOTS(k, kSlots, {
+        combine_reduce_kernel<T, kWeighted, kSlots><<<num_blocks, kCopyThreads, 0, stream>>>(
+            sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts, static_cast<T*>(out));
+      });
     });
   });
   return cudaGetLastError();
