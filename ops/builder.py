@@ -14,8 +14,19 @@ from deepspeed.ops.op_builder.builder import CUDAOpBuilder
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 
-# Hopper only: the kernels store into peers' memory over NVLink and use sm_90 fences.
+# Hopper only: the kernels store into peers' memory over NVLink and use sm_90 fences, and the
+# grouped GEMM uses wgmma and TMA.
 GENCODE = ["-gencode=arch=compute_90a,code=sm_90a"]
+
+# What CUTLASS/CuTe templates need from nvcc: constexpr host functions in device code, and the
+# half/bfloat16 operators torch's extension build switches off by default.
+KERNEL_NVCC_FLAGS = [
+    "--expt-relaxed-constexpr",
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+]
 
 
 def kernel_sources() -> List[str]:
@@ -35,7 +46,8 @@ def adapter_sources() -> List[str]:
 
 
 def cutlass_include() -> Optional[str]:
-    """``.../cutlass_library/source/include`` of the installed wheel, or None."""
+    """``.../cutlass_library/source/include`` of the installed wheel, or None (the grouped GEMM
+    needs it; ``build_requirements`` says so)."""
     try:
         import cutlass_library
     except ImportError:
@@ -97,7 +109,7 @@ class UniEPBuilder(CUDAOpBuilder):
             threads = max(1, int(os.environ.get("DS_NVCC_THREADS", "")))
         except ValueError:
             threads = min(os.cpu_count() or 1, 8)
-        return ["-O3", cxx_standard(), "-lineinfo", f"--threads={threads}"] + GENCODE
+        return ["-O3", cxx_standard(), "-lineinfo", f"--threads={threads}"] + KERNEL_NVCC_FLAGS + GENCODE
 
 
 def build_requirements(device=None):
@@ -115,4 +127,6 @@ def build_requirements(device=None):
                        "the UniEP kernels need a Hopper GPU (9.x)")
     if find_nvcc() is None:
         return False, "nvcc was not found (set CUDA_HOME or put nvcc on the PATH)"
+    if cutlass_include() is None:
+        return False, "the CUTLASS/CuTe headers were not found: pip install nvidia-cutlass"
     return True, "ok"

@@ -86,16 +86,31 @@ def test_kernel_headers_are_torch_free():
             f"{os.path.relpath(path, ROOT)} includes torch headers; only the adapters may"
 
 
+def _builder_module():
+    pytest.importorskip("deepspeed")
+    sys.path.insert(0, ROOT)
+    from ds_uniep.megakernel import ops_package
+    return ops_package()
+
+
 def test_nvcc_compiles_every_kernel_file():
+    """All ``.cu`` files, the CUTLASS grouped GEMM instances included, with the builder's nvcc
+    flags and the ``nvidia-cutlass`` wheel's headers (an install requirement, so never skipped
+    for want of it)."""
     nvcc = _nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on the PATH)")
+    ops = _builder_module()
+    from ds_uniep.ops.builder import KERNEL_NVCC_FLAGS
+    cutlass = ops.cutlass_include()
+    assert cutlass is not None, "nvidia-cutlass is an install requirement but its headers were not found"
     sources = _files(".cu")
     with tempfile.TemporaryDirectory() as tmp:
 
         def build(src):
             obj = os.path.join(tmp, os.path.basename(src) + ".o")
-            cmd = [nvcc, GENCODE, "-std=c++17", "-O3", "-I", CSRC, "-c", src, "-o", obj]
+            cmd = [nvcc, GENCODE, "-std=c++17", "-O3", *KERNEL_NVCC_FLAGS, "-I", CSRC, "-I", cutlass, "-c", src,
+                   "-o", obj]
             r = subprocess.run(cmd, capture_output=True, text=True)
             return src, r.returncode, r.stdout + r.stderr
 
@@ -149,15 +164,14 @@ def test_adapters_parse_with_torch_headers():
 
 def test_builder_flags():
     """The builder names absolute sources and explicit sm_90a gencode flags (no TORCH_CUDA_ARCH_LIST)."""
-    pytest.importorskip("deepspeed")
-    sys.path.insert(0, ROOT)
-    from ds_uniep.megakernel import ops_package
-    ops = ops_package()
+    ops = _builder_module()
     b = ops.UniEPBuilder()
     srcs = b.sources()
     assert srcs and all(os.path.isabs(s) and os.path.isfile(s) for s in srcs)
     assert set(_files(".cu")) <= set(srcs)
     assert GENCODE in b.nvcc_args()
+    assert "--expt-relaxed-constexpr" in b.nvcc_args()
+    assert ops.cutlass_include() in b.include_paths()
     assert "--use_fast_math" not in b.nvcc_args()
     ok, reason = ops.megakernel_available("cpu")
     assert not ok and reason

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
 
 namespace uniep {
@@ -39,5 +40,12 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
 // signal_adapter.cpp
 void barrier(const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns, const torch::Tensor& error_record,
              int64_t layer_id, int64_t device_index);
+
+// gemm/gemm_adapter.cpp
+// op 0 (fwd): a = x [R, K], b = w [G, N, K] -> y [R, N]; op 1 (dgrad): a = dy [R, N], b = w -> dx [R, K];
+// op 2 (wgrad): a = dy [R, N], b = x [R, K] -> dw [G, N, K]. offs: [G] int32 row ends. bf16 only.
+torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs, int64_t op,
+                         int64_t config, int64_t sm_count);
+std::string grouped_mm_config_name(int64_t config);
 
 }  // namespace uniep

@@ -11,6 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_push", &uniep::combine_push, "store every received row back at its source pair");
   m.def("combine_reduce", &uniep::combine_reduce, "wait, then sum each token's k rows in slot order in fp32");
   m.def("gate_grad", &uniep::gate_grad, "wait, then grad_gates[t, j] = <grad_out[t], row of (t, j)>");
+  // gemm: grouped GEMM of the experts (fwd, dgrad, wgrad), deterministic tiles
+  m.def("grouped_mm", &uniep::grouped_mm, "grouped GEMM: op 0 fwd, 1 dgrad, 2 wgrad over groups of rows");
+  m.def("grouped_mm_config_name", &uniep::grouped_mm_config_name, "name of a grouped GEMM tile configuration");
   // signal: entry barrier over the group
   m.def("barrier", &uniep::barrier, "signal every rank and wait for all of them");
 }

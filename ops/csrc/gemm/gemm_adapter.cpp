@@ -1,0 +1,74 @@
+// Grouped GEMM family: tensor checks, output and workspace allocation, device guard and stream.
+#include "../adapters.h"
+#include "../host_utils.h"
+#include "grouped_gemm.cuh"
+
+namespace uniep {
+
+torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs, int64_t op,
+                         int64_t config, int64_t sm_count) {
+  UNIEP_CHECK_INPUT(a);
+  UNIEP_CHECK_INPUT(b);
+  UNIEP_CHECK_INPUT(offs);
+  UNIEP_CHECK_DTYPE(a, torch::kBFloat16);
+  UNIEP_CHECK_DTYPE(b, torch::kBFloat16);
+  UNIEP_CHECK_DTYPE(offs, torch::kInt32);
+  TORCH_CHECK(a.device() == b.device() && a.device() == offs.device(), "a, b and offs must be on one device");
+  TORCH_CHECK(config >= 0 && config < gemm::kNumConfigs, "grouped_mm: config ", config, " outside 0..",
+              gemm::kNumConfigs - 1);
+  TORCH_CHECK(offs.dim() == 1 && offs.size(0) >= 1, "offs must be [G] int32 row ends, got ", offs.sizes());
+  TORCH_CHECK(a.dim() == 2, "a must be [R, *], got ", a.sizes());
+  const int64_t groups = offs.size(0);
+  int64_t n = 0, k = 0;
+  torch::Tensor out;
+  if (op == gemm::kFwd || op == gemm::kDgrad) {
+    TORCH_CHECK(b.dim() == 3 && b.size(0) == groups, "w must be [G, N, K] with G = ", groups, ", got ", b.sizes());
+    n = b.size(1);
+    k = b.size(2);
+    const int64_t a_cols = op == gemm::kFwd ? k : n;
+    TORCH_CHECK(a.size(1) == a_cols, op == gemm::kFwd ? "x" : "dy", " must have ", a_cols, " columns, got ",
+                a.sizes());
+    out = torch::empty({a.size(0), op == gemm::kFwd ? n : k}, a.options());
+  } else if (op == gemm::kWgrad) {
+    TORCH_CHECK(b.dim() == 2 && b.size(0) == a.size(0), "x must be [R, K] with the R of dy (", a.size(0), "), got ",
+                b.sizes());
+    n = a.size(1);
+    k = b.size(1);
+    out = torch::empty({groups, n, k}, a.options());
+  } else {
+    TORCH_CHECK(false, "grouped_mm: op ", op, " is not 0 (fwd), 1 (dgrad) or 2 (wgrad)");
+  }
+  TORCH_CHECK(n % 8 == 0 && k % 8 == 0, "grouped_mm needs N and K multiples of 8 (16-byte rows), got N=", n,
+              " K=", k);
+  TORCH_CHECK(n <= INT32_MAX && k <= INT32_MAX && a.size(0) <= INT32_MAX && groups <= INT32_MAX,
+              "grouped_mm: sizes must fit int32");
+  if (a.size(0) == 0) {
+    if (op == gemm::kWgrad) out.zero_();
+    return out;
+  }
+  const c10::cuda::CUDAGuard guard(a.device());
+  gemm::GroupedGemmArgs args;
+  args.a = a.data_ptr();
+  args.b = b.data_ptr();
+  args.d = out.data_ptr();
+  args.offs = offs.data_ptr<int32_t>();
+  args.groups = static_cast<int>(groups);
+  args.n = static_cast<int>(n);
+  args.k = static_cast<int>(k);
+  args.sm_count = static_cast<int>(sm_count);
+  args.device = a.get_device();
+  const size_t bytes = gemm::grouped_gemm_workspace(static_cast<int>(op), static_cast<int>(config), args.groups,
+                                                    args.sm_count, args.device);
+  torch::Tensor ws = torch::empty({static_cast<int64_t>(bytes)}, a.options().dtype(torch::kUInt8));
+  int status = 0;
+  const cudaError_t err = gemm::grouped_gemm(static_cast<int>(op), static_cast<int>(config), args, ws.data_ptr(),
+                                             bytes, c10::cuda::getCurrentCUDAStream(), &status);
+  TORCH_CHECK(err == cudaSuccess, "grouped_mm (op ", op, ", config ", gemm::config_name(static_cast<int>(config)),
+              ", G=", groups, " N=", n, " K=", k, ") failed: ", cudaGetErrorString(err), " (CUTLASS status ",
+              status, ")");
+  return out;
+}
+
+std::string grouped_mm_config_name(int64_t config) { return gemm::config_name(static_cast<int>(config)); }
+
+}  // namespace uniep

@@ -1,0 +1,67 @@
+// Grouped GEMM of the experts: bf16 operands, fp32 accumulation, bf16 output, on Hopper
+// (wgmma + TMA, CUTLASS 3.x ptr-array grouped kernels from the nvidia-cutlass wheel's headers).
+//
+// Three operations over G groups of rows; group g owns rows [offs[g-1], offs[g]) of the row
+// operands (offs: [G] int32 inclusive ends on the device, read by a prepare kernel, so the
+// host never waits for the counts). All tensors are row-major and contiguous:
+//   kFwd:   y[R, N]     = x[R, K]  @ w[g]^T      (w: [G, N, K], an nn.Linear weight per group)
+//   kDgrad: dx[R, K]    = dy[R, N] @ w[g]        (same w)
+//   kWgrad: dw[g][N, K] = dy_g^T   @ x_g         (dy: [R, N], x: [R, K]); a group without rows
+//                                                 gets dw[g] = 0
+// No split-K or stream-K: each output tile is computed by one CTA with a fixed k order
+// (k16 wgmma steps in increasing k), so a row's result never depends on the tile shape, the
+// raster order or how many SMs run the kernel. Tests check this bit for bit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace uniep {
+namespace gemm {
+
+enum GemmOp : int { kFwd = 0, kDgrad = 1, kWgrad = 2, kNumOps = 3 };
+
+// Tile configurations; every op is built with each. Names are reported by config_name().
+enum GemmConfig : int {
+  kCoop128x256 = 0,      // cooperative, tile 128x256x64, cluster 2x1
+  kCoop256x128 = 1,      // cooperative, tile 256x128x64, cluster 2x1
+  kPingpong128x128 = 2,  // ping-pong, tile 128x128x64, cluster 2x1
+  kNumConfigs = 3,
+};
+
+struct GroupedGemmArgs {
+  const void* a = nullptr;     // x (kFwd) or dy (kDgrad, kWgrad)
+  const void* b = nullptr;     // w (kFwd, kDgrad) or x (kWgrad)
+  void* d = nullptr;           // y, dx or dw
+  const int32_t* offs = nullptr;
+  int groups = 0;
+  int n = 0;                   // the N and K of the [G, N, K] weight
+  int k = 0;
+  int sm_count = 0;            // SMs the persistent kernel may use; 0: all of the device's
+  int device = 0;
+};
+
+// Bytes of device workspace an (op, config) needs for `groups` groups (argument arrays
+// included); the caller allocates it and passes it to grouped_gemm().
+size_t grouped_gemm_workspace(int op, int config, int groups, int sm_count, int device);
+
+// Launches on `stream`. Returns cudaSuccess or the error (cudaErrorInvalidValue for an
+// unsupported shape or an unknown op/config; CUTLASS's status goes to `cutlass_status`).
+cudaError_t grouped_gemm(int op, int config, const GroupedGemmArgs& args, void* ws, size_t ws_bytes,
+                         cudaStream_t stream, int* cutlass_status);
+
+const char* config_name(int config);
+
+// One (op, config) pair, defined in grouped_gemm_impl.cuh and instantiated in its own
+// translation unit (grouped_gemm_<op>_<config>.cu), so the nine kernels build in parallel.
+template <int Op, int Config>
+struct Instance {
+  static size_t workspace(int groups, int sm_count, int device);
+  static cudaError_t run(const GroupedGemmArgs& args, void* ws, size_t ws_bytes, cudaStream_t stream,
+                         int* cutlass_status);
+};
+
+}  // namespace gemm
+}  // namespace uniep

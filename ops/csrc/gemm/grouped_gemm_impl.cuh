@@ -1,0 +1,264 @@
+// The CUTLASS kernel types behind grouped_gemm.cuh and their launch: a prepare kernel turns
+// the device offsets into per-group problem shapes, pointers and strides (no host sync), then
+// the ptr-array grouped kernel runs with device-side problem shapes.
+#pragma once
+
+#include "grouped_gemm.cuh"
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/epilogue/fusion/operations.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+
+namespace uniep {
+namespace gemm {
+namespace detail {
+
+using namespace cute;
+using Bf16 = cutlass::bfloat16_t;
+using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+using RowMajor = cutlass::layout::RowMajor;
+using ColumnMajor = cutlass::layout::ColumnMajor;
+
+// CUTLASS's A is (M, K), B is (N, K) and D is (M, N); the layout tags say which index is
+// contiguous. See grouped_gemm.cuh for what A, B and D are per op.
+template <int Op> struct OpLayouts;
+template <> struct OpLayouts<kFwd> { using A = RowMajor; using B = ColumnMajor; };    // x, w[g] (K contiguous)
+template <> struct OpLayouts<kDgrad> { using A = RowMajor; using B = RowMajor; };     // dy, w[g] (N contiguous)
+template <> struct OpLayouts<kWgrad> { using A = ColumnMajor; using B = RowMajor; };  // dy^T, x (M, N contiguous)
+
+template <int Config> struct ConfigTraits;
+template <> struct ConfigTraits<kCoop128x256> {
+  using Tile = Shape<_128, _256, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <> struct ConfigTraits<kCoop256x128> {
+  using Tile = Shape<_256, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+template <> struct ConfigTraits<kPingpong128x128> {
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+  using Mainloop = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+constexpr int kAlign = 8;  // elements per 16-byte access
+
+// The stride of a packed (mode0, mode1) operand: the non-unit stride is the extent of the
+// contiguous mode. These are the two stride forms the ptr-array kernels use per group.
+template <class IntT>
+CUTE_HOST_DEVICE Stride<IntT, _1, _0> packed_stride(Stride<IntT, _1, _0> s, int, int extent1) {
+  get<0>(s) = static_cast<IntT>(extent1);
+  return s;
+}
+template <class IntT>
+CUTE_HOST_DEVICE Stride<_1, IntT, _0> packed_stride(Stride<_1, IntT, _0> s, int extent0, int) {
+  get<1>(s) = static_cast<IntT>(extent0);
+  return s;
+}
+
+template <int Op, int Config>
+struct Kernel {
+  using Layouts = OpLayouts<Op>;
+  using Traits = ConfigTraits<Config>;
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Traits::Tile, typename Traits::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      void, RowMajor*, kAlign,  // no C operand: D = accumulator, cast once
+      Bf16, RowMajor*, kAlign, typename Traits::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<Bf16, float>>::CollectiveOp;
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, typename Layouts::A*, kAlign, Bf16,
+      typename Layouts::B*, kAlign, float, typename Traits::Tile, typename Traits::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Traits::Mainloop>::CollectiveOp;
+  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
+  using StrideA = typename GemmKernel::InternalStrideA;
+  using StrideB = typename GemmKernel::InternalStrideB;
+  using StrideD = typename GemmKernel::InternalStrideD;
+};
+
+// Per-group argument arrays, carved from the caller's workspace after CUTLASS's own part.
+template <class K>
+struct ArgArrays {
+  Shape3* shapes;
+  const Bf16** a;
+  const Bf16** b;
+  Bf16** d;
+  typename K::StrideA* sa;
+  typename K::StrideB* sb;
+  typename K::StrideD* sd;
+
+  static size_t align(size_t bytes) { return (bytes + 255) & ~size_t(255); }
+  static size_t bytes(int groups) {
+    const size_t g = static_cast<size_t>(groups);
+    return align(g * sizeof(Shape3)) + 3 * align(g * sizeof(void*)) + align(g * sizeof(typename K::StrideA)) +
+           align(g * sizeof(typename K::StrideB)) + align(g * sizeof(typename K::StrideD));
+  }
+  static ArgArrays carve(char* p, int groups) {
+    const size_t g = static_cast<size_t>(groups);
+    ArgArrays r;
+    r.shapes = reinterpret_cast<Shape3*>(p);
+    p += align(g * sizeof(Shape3));
+    r.a = reinterpret_cast<const Bf16**>(p);
+    p += align(g * sizeof(void*));
+    r.b = reinterpret_cast<const Bf16**>(p);
+    p += align(g * sizeof(void*));
+    r.d = reinterpret_cast<Bf16**>(p);
+    p += align(g * sizeof(void*));
+    r.sa = reinterpret_cast<typename K::StrideA*>(p);
+    p += align(g * sizeof(typename K::StrideA));
+    r.sb = reinterpret_cast<typename K::StrideB*>(p);
+    p += align(g * sizeof(typename K::StrideB));
+    r.sd = reinterpret_cast<typename K::StrideD*>(p);
+    return r;
+  }
+};
+
+// One thread per group: its problem shape and operand pointers from the row offsets. Every
+// operand is packed, so the strides are the same for all groups and come in by value.
+template <int Op, class K>
+__global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename K::StrideA sa,
+                               typename K::StrideB sb, typename K::StrideD sd) {
+  const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g >= args.groups) return;
+  const int64_t start = g == 0 ? 0 : args.offs[g - 1];
+  const int rows = static_cast<int>(args.offs[g] - start);
+  const int64_t n = args.n, k = args.k;
+  const Bf16* a = static_cast<const Bf16*>(args.a);
+  const Bf16* b = static_cast<const Bf16*>(args.b);
+  Bf16* d = static_cast<Bf16*>(args.d);
+  if (Op == kFwd) {
+    out.shapes[g] = Shape3{rows, args.n, args.k};
+    out.a[g] = a + start * k;
+    out.b[g] = b + g * n * k;
+    out.d[g] = d + start * n;
+  } else if (Op == kDgrad) {
+    out.shapes[g] = Shape3{rows, args.k, args.n};
+    out.a[g] = a + start * n;
+    out.b[g] = b + g * n * k;
+    out.d[g] = d + start * k;
+  } else {
+    // K = rows: a group without rows has no tiles here (M = 0); zero_empty_groups clears it.
+    out.shapes[g] = Shape3{rows > 0 ? args.n : 0, args.k, rows};
+    out.a[g] = a + start * n;
+    out.b[g] = b + start * k;
+    out.d[g] = d + g * n * k;
+  }
+  out.sa[g] = sa;
+  out.sb[g] = sb;
+  out.sd[g] = sd;
+}
+
+// dw[g] = 0 for every group without rows (the wgrad of an expert that received nothing).
+__global__ void zero_empty_groups(const int32_t* offs, uint4* dw, int64_t vec_per_group) {
+  const int g = blockIdx.y;
+  const int32_t start = g == 0 ? 0 : offs[g - 1];
+  if (offs[g] != start) return;
+  uint4* p = dw + g * vec_per_group;
+  for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < vec_per_group; i += int64_t(gridDim.x) * blockDim.x)
+    p[i] = make_uint4(0, 0, 0, 0);
+}
+
+inline int device_sm_count(int device) {
+  static int cached[64] = {0};
+  if (device < 0 || device >= 64) return cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  if (cached[device] == 0) cached[device] = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(device);
+  return cached[device];
+}
+
+template <class K>
+typename K::Gemm::Arguments make_arguments(int groups, const ArgArrays<K>& arr, int sm_count, int device) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count > 0 ? sm_count : device_sm_count(device);
+  typename K::Gemm::Arguments arguments{
+      cutlass::gemm::GemmUniversalMode::kGrouped,
+      {groups, arr.shapes, nullptr},  // shapes live on the device only
+      {arr.a, arr.sa, arr.b, arr.sb},
+      {{}, nullptr, arr.sd, arr.d, arr.sd},  // alpha 1, beta 0, no C
+      hw};
+  return arguments;
+}
+
+}  // namespace detail
+
+template <int Op, int Config>
+size_t Instance<Op, Config>::workspace(int groups, int sm_count, int device) {
+  using K = detail::Kernel<Op, Config>;
+  detail::ArgArrays<K> none{};
+  const auto arguments = detail::make_arguments<K>(groups, none, sm_count, device);
+  return detail::ArgArrays<K>::align(K::Gemm::get_workspace_size(arguments)) + detail::ArgArrays<K>::bytes(groups);
+}
+
+template <int Op, int Config>
+cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, size_t ws_bytes,
+                                      cudaStream_t stream, int* cutlass_status) {
+  using K = detail::Kernel<Op, Config>;
+  using Arrays = detail::ArgArrays<K>;
+  if (cutlass_status) *cutlass_status = 0;
+  if (args.groups <= 0 || args.n <= 0 || args.k <= 0 || args.n % detail::kAlign || args.k % detail::kAlign)
+    return cudaErrorInvalidValue;
+  if (ws_bytes < workspace(args.groups, args.sm_count, args.device)) return cudaErrorInvalidValue;
+  detail::ArgArrays<K> none{};
+  const size_t cutlass_bytes =
+      Arrays::align(K::Gemm::get_workspace_size(detail::make_arguments<K>(args.groups, none, args.sm_count, args.device)));
+  char* base = static_cast<char*>(ws);
+  const Arrays arr = Arrays::carve(base + cutlass_bytes, args.groups);
+
+  // Packed strides from representative shapes (M and N or K) of this op; see prepare_groups.
+  const int n = args.n, k = args.k;
+  typename K::StrideA sa;
+  typename K::StrideB sb;
+  typename K::StrideD sd;
+  if (Op == kFwd) {  // A x (M, K=k), B w[g] (N=n, K=k), D (M, n)
+    sa = detail::packed_stride(typename K::StrideA{}, 1, k);
+    sb = detail::packed_stride(typename K::StrideB{}, n, k);
+    sd = detail::packed_stride(typename K::StrideD{}, 1, n);
+  } else if (Op == kDgrad) {  // A dy (M, K=n), B w[g] (N=k, K=n), D (M, k)
+    sa = detail::packed_stride(typename K::StrideA{}, 1, n);
+    sb = detail::packed_stride(typename K::StrideB{}, k, n);
+    sd = detail::packed_stride(typename K::StrideD{}, 1, k);
+  } else {  // A dy^T (M=n, K=rows), B x (N=k, K=rows), D dw[g] (n, k)
+    sa = detail::packed_stride(typename K::StrideA{}, n, 1);
+    sb = detail::packed_stride(typename K::StrideB{}, k, 1);
+    sd = detail::packed_stride(typename K::StrideD{}, n, k);
+  }
+  const int threads = 128;
+  detail::prepare_groups<Op, K><<<(args.groups + threads - 1) / threads, threads, 0, stream>>>(args, arr, sa, sb, sd);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  if (Op == kWgrad) {
+    const int64_t vec = static_cast<int64_t>(n) * k / 8;
+    detail::zero_empty_groups<<<dim3(16, args.groups), 256, 0, stream>>>(args.offs, static_cast<uint4*>(args.d), vec);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const auto arguments = detail::make_arguments<K>(args.groups, arr, args.sm_count, args.device);
+  typename K::Gemm gemm;
+  cutlass::Status status = gemm.can_implement(arguments);
+  if (status == cutlass::Status::kSuccess) status = gemm.initialize(arguments, base, stream);
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    if (cutlass_status) *cutlass_status = static_cast<int>(status);
+    const cudaError_t last = cudaGetLastError();
+    return last != cudaSuccess ? last : cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace gemm
+}  // namespace uniep
