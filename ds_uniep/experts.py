@@ -78,10 +78,68 @@ def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor) -> bool:
         all(d % 8 == 0 for p in params for d in p.shape)
 
 
-def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor) -> Tensor:
-    """All local experts as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [L]`` rows per expert."""
+class _SwiGLUHalves(torch.autograd.Function):
+    """``silu(h[:, :F]) * h[:, F:]`` of one ``[R, 2F]`` up-projection output (w1 and w3 as one
+    GEMM). Backward writes both halves of the gradient into one ``[R, 2F]`` tensor with the same
+    kernels torch's autograd of ``silu(a) * b`` runs, so the values are those of the unfused form."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        f = h.shape[1] // 2
+        a, b = h[:, :f], h[:, f:]
+        ctx.save_for_backward(h)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (h, ) = ctx.saved_tensors
+        f = h.shape[1] // 2
+        a, b = h[:, :f], h[:, f:]
+        dh = torch.empty_like(h)
+        torch.ops.aten.silu_backward.grad_input(grad * b, a, grad_input=dh[:, :f])
+        torch.mul(grad, F.silu(a), out=dh[:, f:])
+        return dh
+
+
+def _stacked(linears: Sequence[nn.Linear]) -> Tensor:
+    return torch.stack([lin.weight for lin in linears])  # [L, N, K]
+
+
+def _run_grouped_uniep(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, offs: Tensor,
+                       configs=None) -> Tensor:
+    from .gemm import grouped_linear
+    if isinstance(experts[0], SwiGLUExpert):
+        # w1 and w3 of each expert stacked as one [2F, M] weight (one copy, as the stack is anyway).
+        ffn, hidden = experts[0].w1.weight.shape
+        w13 = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)]).view(len(experts), 2 * ffn, hidden)
+        act = _SwiGLUHalves.apply(grouped_linear(recv, w13, offs, configs))
+        return grouped_linear(act, _stacked([e.w2 for e in experts]), offs, configs)
+
+    def linear(x, linears):
+        y = grouped_linear(x, _stacked(linears), offs, configs)
+        if linears[0].bias is not None:
+            y = _AddGroupBias.apply(y, torch.stack([lin.bias for lin in linears]), counts)
+        return y
+    return linear(F.gelu(linear(recv, [e.fc1 for e in experts])), [e.fc2 for e in experts])
+
+
+GEMMS = ("torch", "uniep")
+"""Grouped GEMMs the recognised experts run on: ``torch._grouped_mm`` or ds_uniep's own
+(:mod:`ds_uniep.gemm`, Hopper GPUs)."""
+
+
+def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
+                gemm_configs=None) -> Tensor:
+    """All local experts as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [L]`` rows per expert.
+
+    ``gemm``: one of :data:`GEMMS`; ``gemm_configs``: tile configuration per op for ``"uniep"``.
+    """
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     counts = counts.to(recv.device)
     offs = torch.cumsum(counts, 0).to(torch.int32)
+    if gemm == "uniep":
+        return _run_grouped_uniep(experts, recv, counts, offs, gemm_configs)
     if isinstance(experts[0], SwiGLUExpert):
         h = F.silu(_grouped_linear(recv, [e.w1 for e in experts], offs, counts)) * \
             _grouped_linear(recv, [e.w3 for e in experts], offs, counts)
@@ -91,16 +149,17 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor) -> T
 
 
 def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,
-                grouped: bool = True) -> Tensor:
+                grouped: bool = True, gemm: str = "torch", gemm_configs=None) -> Tensor:
     """Run local expert ``l`` over its rows of ``recv [R, M]``; returns ``[R, M]`` in the same order.
 
-    Recognised bf16 MLP experts run as grouped GEMMs (when ``grouped``). Otherwise every
+    Recognised bf16 MLP experts run as grouped GEMMs (when ``grouped``) on ``gemm`` (see
+    :func:`run_grouped`). Otherwise every
     expert is called, also with zero rows, so its parameters always join the autograd
     graph (zero gradients rather than None, as with DeepSpeed's padded buffers). A
     ``(out, bias)`` tuple keeps ``out``, as DeepSpeed's Experts does.
     """
     if grouped and _grouped_ok(experts, recv):
-        return run_grouped(experts, recv, local_expert_counts)
+        return run_grouped(experts, recv, local_expert_counts, gemm, gemm_configs)
     outs: List[Tensor] = []
     for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
         out = expert(rows)

@@ -1,0 +1,195 @@
+"""ds_uniep's grouped GEMM against ``torch._grouped_mm`` at the expert shapes of BENCHMARKS.md.
+
+    python benchmarks/bench_grouped_gemm.py --out bench_out/gemm            # one GPU
+    python benchmarks/bench_grouped_gemm.py --shapes dsv2lite-like --ep 4
+
+Per shape (at ``--ep`` ranks: G = E / ep local experts, R = T * k received rows per rank, each
+row routed to a uniformly random local expert, so groups are close to but not exactly even):
+the SwiGLU expert's two projections, ``up`` (w1 and w3 as one [2F, M] weight per expert) and
+``down`` (w2, [M, F]), each as ``fwd``, ``dgrad`` and ``wgrad``, on random normal bf16 data:
+
+- ``torch._grouped_mm`` in the layouts torch's own autograd uses;
+- ds_uniep's grouped GEMM (:mod:`ds_uniep.gemm`) with every tile configuration.
+
+Checks, all in the same run: each result against an fp32 reference (relative Frobenius error;
+ds_uniep's may be at most 2x torch's own); ds_uniep's results bitwise equal across tile
+configurations, SM counts and two runs; whether they also equal torch's bit for bit (reported,
+not required). Then the whole SwiGLU expert, forward and forward+backward, through
+``run_grouped`` with either GEMM. Times are CUDA-event medians; TFLOP/s = 2 R N K / time.
+Prints a table last and writes ``--out/bench_grouped_gemm.json``.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # timing.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ds_uniep from a checkout
+
+from timing import bench  # noqa: E402
+
+SHAPES = {  # name: (M hidden, F expert FFN, E experts, k, T tokens per rank), as in BENCHMARKS.md
+    "mixtral-like": (4096, 14336, 8, 2, 8192),
+    "dsv2lite-like": (2048, 1408, 64, 6, 8192),
+    "dsv3-like": (7168, 2048, 32, 8, 4096),
+}
+
+
+def offsets(rows: int, groups: int, gen: torch.Generator, device) -> torch.Tensor:
+    pick = torch.randint(0, groups, (rows, ), generator=gen)
+    counts = torch.bincount(pick, minlength=groups)
+    return torch.cumsum(counts, 0).to(torch.int32).to(device)
+
+
+def reference(op, a, b, offs):
+    """fp32 result of ``op`` group by group (the ground truth both GEMMs are measured against)."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    a32, b32 = a.float(), b.float()
+    if op == "fwd":
+        return torch.cat([a32[s:e] @ b32[g].t() for g, (s, e) in enumerate(zip(starts, ends))])
+    if op == "dgrad":
+        return torch.cat([a32[s:e] @ b32[g] for g, (s, e) in enumerate(zip(starts, ends))])
+    return torch.stack([a32[s:e].t() @ b32[s:e] for s, e in zip(starts, ends)])
+
+
+def torch_op(op, a, b, offs):
+    """The same GEMM through torch._grouped_mm, as torch's autograd of it calls it."""
+    if op == "fwd":
+        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+    if op == "dgrad":
+        return torch._grouped_mm(a, b, offs=offs)
+    return torch._grouped_mm(a.t(), b, offs=offs)
+
+
+def rel_err(x, ref):
+    return float((x.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def operands(op, rows, n, k, groups, gen, device):
+    """(a, b) of ``op`` for a [G, N, K] weight: fwd (x [R, K], w), dgrad (dy [R, N], w), wgrad (dy, x [R, K])."""
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cpu").to(device, torch.bfloat16)
+    w = randn(groups, n, k) * (k ** -0.5)
+    if op == "fwd":
+        return randn(rows, k), w
+    if op == "dgrad":
+        return randn(rows, n), w
+    return randn(rows, n), randn(rows, k)
+
+
+def run_shape(name, args, device, gemm, results):
+    from ds_uniep.experts import SwiGLUExpert, run_grouped
+    M, F, E, k, T = SHAPES[name]
+    groups = E // args.ep
+    rows = T * k
+    gen = torch.Generator().manual_seed(1234)
+    offs = offsets(rows, groups, gen, device)
+    shape_rows = {"shape": name, "groups": groups, "rows": rows, "ops": []}
+    for proj, n, kk in (("up", 2 * F, M), ("down", M, F)):
+        for op in ("fwd", "dgrad", "wgrad"):
+            a, b = operands(op, rows, n, kk, groups, gen, device)
+            ref = reference(op, a, b, offs)
+            flops = 2.0 * rows * n * kk
+            t_torch = bench(lambda: torch_op(op, a, b, offs), warmup=args.warmup, repeats=args.repeats)["median_ms"]
+            out_torch = torch_op(op, a, b, offs)
+            entry = {"proj": proj, "op": op, "N": n, "K": kk, "torch_ms": t_torch,
+                     "torch_tflops": flops / t_torch / 1e9, "torch_rel_err": rel_err(out_torch, ref), "configs": {}}
+            first = None
+            for config in gemm.CONFIGS:
+                out = gemm.grouped_mm(a, b, offs, op, config)
+                again = gemm.grouped_mm(a, b, offs, op, config)
+                t = bench(lambda: gemm.grouped_mm(a, b, offs, op, config), warmup=args.warmup,
+                          repeats=args.repeats)["median_ms"]
+                first = out if first is None else first
+                entry["configs"][config] = {
+                    "ms": t, "tflops": flops / t / 1e9, "rel_err": rel_err(out, ref),
+                    "repeat_bitwise": bool(torch.equal(out, again)),
+                    "equals_first_config": bool(torch.equal(out, first)),
+                }
+            fewer = gemm.grouped_mm(a, b, offs, op, gemm.CONFIGS[0], sm_count=args.fewer_sms)
+            entry["fewer_sms_bitwise"] = bool(torch.equal(fewer, first))
+            entry["equals_torch_bitwise"] = bool(torch.equal(first, out_torch))
+            best = min(entry["configs"], key=lambda c: entry["configs"][c]["ms"])
+            entry["best_config"] = best
+            entry["best_ms"] = entry["configs"][best]["ms"]
+            entry["speedup_vs_torch"] = t_torch / entry["best_ms"]
+            entry["err_ok"] = all(c["rel_err"] <= 2 * entry["torch_rel_err"] + 1e-6 for c in entry["configs"].values())
+            shape_rows["ops"].append(entry)
+    # The whole SwiGLU expert on the same rows: torch._grouped_mm against ds_uniep's GEMM.
+    experts = [SwiGLUExpert(M, F).to(device, torch.bfloat16) for _ in range(groups)]
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+    x = torch.randn(rows, M, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(rows, M, generator=gen).to(device, torch.bfloat16)
+    layer = {}
+    for which in ("torch", "uniep"):
+        def fwd():
+            with torch.no_grad():
+                return run_grouped(experts, x, counts, gemm=which)
+
+        def fwdbwd():
+            run_grouped(experts, x, counts, gemm=which).backward(dy)
+        layer[which] = {"fwd_ms": bench(fwd, warmup=args.warmup, repeats=args.repeats)["median_ms"],
+                        "fwdbwd_ms": bench(fwdbwd, warmup=args.warmup, repeats=args.repeats)["median_ms"]}
+    flops_fwd = 3 * 2.0 * rows * M * F
+    for which in layer:
+        layer[which]["fwd_tflops"] = flops_fwd / layer[which]["fwd_ms"] / 1e9
+        layer[which]["fwdbwd_tflops"] = 3 * flops_fwd / layer[which]["fwdbwd_ms"] / 1e9
+    y_t = run_grouped(experts, x.detach(), counts, gemm="torch")
+    y_u = run_grouped(experts, x.detach(), counts, gemm="uniep")
+    layer["output_rel_diff"] = rel_err(y_u, y_t.float())
+    shape_rows["expert"] = layer
+    results.append(shape_rows)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--ep", type=int, default=4, help="expert-parallel ranks the shape is taken at")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--fewer-sms", type=int, default=100, help="SM count of the bitwise check with fewer SMs")
+    p.add_argument("--out", default="bench_out/gemm")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_grouped_gemm needs a CUDA GPU")
+    from ds_uniep import gemm
+    ok, why = gemm.available("cuda")
+    if not ok:
+        sys.exit(f"ds_uniep's grouped GEMM cannot run here: {why}")
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = []
+    for name in args.shapes:
+        run_shape(name, args, device, gemm, results)
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "bench_grouped_gemm.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(device), "ep": args.ep, "results": results}, f, indent=1)
+    print(f"\nbench_grouped_gemm on {torch.cuda.get_device_name(device)} (ep {args.ep}); json: {path}")
+    print(f"{'shape':14s} {'proj':4s} {'op':5s} {'torch ms':>8s} {'TF/s':>5s} {'ours ms':>8s} {'TF/s':>5s} "
+          f"{'best config':15s} {'speedup':>7s} {'err ok':>6s} {'bitwise*':>8s} {'=torch':>6s}")
+    for r in results:
+        for e in r["ops"]:
+            c = e["configs"][e["best_config"]]
+            bit = all(v["repeat_bitwise"] and v["equals_first_config"] for v in e["configs"].values()) \
+                and e["fewer_sms_bitwise"]
+            print(f"{r['shape']:14s} {e['proj']:4s} {e['op']:5s} {e['torch_ms']:8.3f} {e['torch_tflops']:5.0f} "
+                  f"{e['best_ms']:8.3f} {c['tflops']:5.0f} {e['best_config']:15s} {e['speedup_vs_torch']:7.2f} "
+                  f"{str(e['err_ok']):>6s} {str(bit):>8s} {str(e['equals_torch_bitwise']):>6s}")
+        ex = r["expert"]
+        print(f"{r['shape']:14s} SwiGLU expert fwd {ex['torch']['fwd_ms']:.3f} -> {ex['uniep']['fwd_ms']:.3f} ms "
+              f"({ex['torch']['fwd_ms'] / ex['uniep']['fwd_ms']:.2f}x), fwd+bwd {ex['torch']['fwdbwd_ms']:.3f} -> "
+              f"{ex['uniep']['fwdbwd_ms']:.3f} ms ({ex['torch']['fwdbwd_ms'] / ex['uniep']['fwdbwd_ms']:.2f}x); "
+              f"TFLOP/s fwd {ex['torch']['fwd_tflops']:.0f} -> {ex['uniep']['fwd_tflops']:.0f}, fwd+bwd "
+              f"{ex['torch']['fwdbwd_tflops']:.0f} -> {ex['uniep']['fwdbwd_tflops']:.0f}; output rel diff "
+              f"{ex['output_rel_diff']:.1e}")
+    print("* bitwise: every config equal to the first, each equal to its repeat, and equal with fewer SMs")
+
+
+if __name__ == "__main__":
+    main()

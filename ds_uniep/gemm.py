@@ -1,0 +1,99 @@
+"""ds_uniep's grouped GEMM of the experts (Hopper, CUTLASS wgmma + TMA) and its autograd.
+
+Letters: R rows, G groups (local experts), N and K the two sides of a group's weight
+``w[g]: [N, K]`` (an ``nn.Linear`` weight), ``offs: [G]`` int32 row ends on the device.
+
+Three operations, each one kernel launch with the problem shapes read from ``offs`` on the
+device (the host never waits for the routing counts):
+
+- ``fwd``: ``y[R, N] = x[R, K] @ w[g]^T`` for the rows of group g;
+- ``dgrad``: ``dx[R, K] = dy[R, N] @ w[g]``;
+- ``wgrad``: ``dw[g] = dy_g^T @ x_g`` (zero for a group without rows).
+
+bf16 operands, fp32 accumulation, one rounding to bf16. No split-K: every output element is a
+single CTA's k-ordered sum, so results are bitwise the same for every tile configuration and SM
+count (tests check it) and from run to run. :data:`CONFIGS` are the tile configurations built;
+:data:`DEFAULT_CONFIGS` picks one per operation (``bench_grouped_gemm.py`` measures them all).
+"""
+
+from typing import Mapping, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+OPS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
+CONFIGS = ("coop128x256", "coop256x128", "pingpong128x128")
+"""Tile configurations, in the kernels' index order: cooperative 128x256x64, cooperative
+256x128x64, ping-pong 128x128x64; all with 2x1 clusters."""
+
+DEFAULT_CONFIGS = {"fwd": "coop128x256", "dgrad": "coop128x256", "wgrad": "coop128x256"}
+"""The configuration each operation runs with unless told otherwise."""
+
+
+def available(device) -> Tuple[bool, str]:
+    """(usable, reason) for the grouped GEMM on ``device``: a Hopper GPU, nvcc and the CUTLASS
+    headers; checks, never builds."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False, f"device {device} is not a CUDA device"
+    from .megakernel import ops_package
+    return ops_package().build_requirements(device)
+
+
+def _ops():
+    from .megakernel import ops_package
+    return ops_package().load_uniep_ops()
+
+
+def _config_index(config: str) -> int:
+    if config not in CONFIGS:
+        raise ValueError(f"grouped GEMM config {config!r} is not one of {CONFIGS}")
+    return CONFIGS.index(config)
+
+
+def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, op: str, config: Optional[str] = None,
+               sm_count: int = 0) -> Tensor:
+    """One grouped GEMM (see the module docstring for ``op``); ``config`` defaults to
+    :data:`DEFAULT_CONFIGS`; ``sm_count`` caps the SMs the persistent kernel uses (0: all)."""
+    if op not in OPS:
+        raise ValueError(f"grouped GEMM op {op!r} is not one of {tuple(OPS)}")
+    config = DEFAULT_CONFIGS[op] if config is None else config
+    return _ops().grouped_mm(a, b, offs, OPS[op], _config_index(config), int(sm_count))
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y = x @ w[g]^T`` per group; backward is a dgrad and a wgrad grouped GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str]) -> Tensor:
+        ctx.save_for_backward(x, w, offs)
+        ctx.configs = configs
+        return grouped_mm(x, w, offs, "fwd", configs["fwd"])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, w, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        dx = grouped_mm(grad, w, offs, "dgrad", ctx.configs["dgrad"]) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm(grad, x, offs, "wgrad", ctx.configs["wgrad"]) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None
+
+
+def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping[str, str]] = None) -> Tensor:
+    """Rows of group g of ``x [R, K]`` times ``w[g]^T`` (``w: [G, N, K]``), with autograd.
+
+    ``offs``: ``[G]`` int32 cumulative row counts on ``x``'s device, ``offs[-1] == R``.
+    ``configs``: tile configuration per op (missing ops take :data:`DEFAULT_CONFIGS`).
+    """
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"grouped_linear takes bf16 x and w, got {x.dtype} and {w.dtype}")
+    if x.dim() != 2 or w.dim() != 3 or w.shape[2] != x.shape[1] or offs.shape != (w.shape[0], ):
+        raise ValueError(f"grouped_linear: x must be [R, K], w [G, N, K] and offs [G]; got x {tuple(x.shape)}, "
+                         f"w {tuple(w.shape)}, offs {tuple(offs.shape)}")
+    merged = dict(DEFAULT_CONFIGS)
+    merged.update(configs or {})
+    for op, config in merged.items():
+        if op not in OPS:
+            raise ValueError(f"grouped_linear: configs names unknown op {op!r} (ops: {tuple(OPS)})")
+        _config_index(config)
+    return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged)

@@ -1,0 +1,169 @@
+"""ds_uniep's grouped GEMM (fwd, dgrad, wgrad) on one Hopper GPU.
+
+Every op and tile configuration against an fp32 reference computed group by group, at most
+2x the error ``torch._grouped_mm`` itself has; bitwise equal across configurations, SM counts
+and repeats; row counts 1, 19, 4096, empty groups, all rows in one group. Then its autograd
+and the SwiGLU / GeLU experts on it against the ``torch._grouped_mm`` path. Inputs are
+self-identifying: each group's weight is scaled by its own factor, so rows reaching the wrong
+group's weight land far outside the tolerance.
+"""
+import pytest
+import torch
+
+from conftest import needs_gpus
+
+pytestmark = needs_gpus(1)
+
+COUNTS = {
+    "one-row": [1],
+    "nineteen": [19, 0, 7],
+    "empty-groups": [0, 64, 0, 33, 0],
+    "all-in-one": [0, 0, 4096, 0],
+    "random-4096": None,  # 4096 rows over 6 groups at random
+}
+
+
+def _gemm():
+    from ds_uniep import gemm
+    ok, why = gemm.available("cuda")
+    if not ok:
+        pytest.skip(why)
+    return gemm
+
+
+def _counts(name):
+    if COUNTS[name] is not None:
+        return torch.tensor(COUNTS[name])
+    g = torch.Generator().manual_seed(5)
+    return torch.bincount(torch.randint(0, 6, (4096, ), generator=g), minlength=6)
+
+
+def _operands(op, counts, n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows, groups = int(counts.sum()), len(counts)
+    scale = torch.arange(1, groups + 1, dtype=torch.float32).view(-1, 1, 1)  # group g's weight is (g + 1) x
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+    w = (randn(groups, n, k) * k ** -0.5 * scale).cuda().bfloat16()
+    if op == "fwd":
+        return randn(rows, k).cuda().bfloat16(), w
+    if op == "dgrad":
+        return randn(rows, n).cuda().bfloat16(), w
+    return randn(rows, n).cuda().bfloat16(), randn(rows, k).cuda().bfloat16()
+
+
+def _reference(op, a, b, counts):
+    ends = torch.cumsum(counts, 0).tolist()
+    starts = [0] + ends[:-1]
+    a, b = a.float(), b.float()
+    if op == "fwd":
+        return torch.cat([a[s:e] @ b[i].t() for i, (s, e) in enumerate(zip(starts, ends))])
+    if op == "dgrad":
+        return torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(zip(starts, ends))])
+    return torch.stack([a[s:e].t() @ b[s:e] for s, e in zip(starts, ends)])
+
+
+def _torch(op, a, b, offs):
+    if op == "fwd":
+        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+    if op == "dgrad":
+        return torch._grouped_mm(a, b, offs=offs)
+    return torch._grouped_mm(a.t(), b, offs=offs)
+
+
+def _err(x, ref):
+    return float((x.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("counts_name", list(COUNTS))
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_every_config_matches_reference_and_each_other(op, counts_name):
+    gemm = _gemm()
+    counts = _counts(counts_name)
+    n, k = 384, 256
+    a, b = _operands(op, counts, n, k)
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    ref = _reference(op, a, b, counts)
+    torch_err = _err(_torch(op, a, b, offs), ref)
+    first = None
+    for config in gemm.CONFIGS:
+        out = gemm.grouped_mm(a, b, offs, op, config)
+        assert out.shape == ref.shape
+        assert torch.isfinite(out).all()
+        err = _err(out, ref)
+        assert err <= 2 * torch_err + 1e-6, f"{op} {config}: rel err {err:.2e}, torch's {torch_err:.2e}"
+        assert torch.equal(out, gemm.grouped_mm(a, b, offs, op, config)), f"{op} {config}: repeat differs"
+        first = out if first is None else first
+        assert torch.equal(out, first), f"{op} {config} differs from {gemm.CONFIGS[0]}"
+    assert torch.equal(gemm.grouped_mm(a, b, offs, op, gemm.CONFIGS[0], sm_count=7), first), \
+        "the result depends on the SM count"
+    if op == "wgrad":  # groups without rows get zero gradients
+        for i, c in enumerate(counts.tolist()):
+            if c == 0:
+                assert not first[i].any()
+
+
+def test_output_is_fully_written():
+    """Outputs are poisoned first (a fresh allocation may hold the previous result)."""
+    gemm = _gemm()
+    counts = torch.tensor([3, 0, 130])
+    a, b = _operands("fwd", counts, 128, 64)
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    for _ in range(3):
+        torch.full((4096 * 4096, ), float("nan"), device="cuda").sum()  # churn the allocator's blocks with NaNs
+        assert torch.isfinite(gemm.grouped_mm(a, b, offs, "fwd")).all()
+
+
+def test_bad_input_is_refused():
+    gemm = _gemm()
+    x = torch.zeros(8, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 64, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([4, 8], device="cuda", dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="bf16|BFloat16"):
+        gemm.grouped_mm(x.float(), w, offs, "fwd")
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        gemm.grouped_mm(x[:, :60].contiguous(), w[:, :, :60].contiguous(), offs, "fwd")
+    with pytest.raises(ValueError, match="op"):
+        gemm.grouped_mm(x, w, offs, "sideways")
+    with pytest.raises(ValueError, match="config"):
+        gemm.grouped_mm(x, w, offs, "fwd", "huge")
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+def test_experts_on_uniep_gemm_match_torch_path(kind):
+    _gemm()
+    from ds_uniep.experts import GeLUExpert, SwiGLUExpert, run_grouped
+    torch.manual_seed(3)
+    M, F = 256, 384
+    counts = torch.tensor([37, 0, 300, 19])
+    make = (lambda: SwiGLUExpert(M, F)) if kind == "swiglu" else (lambda: GeLUExpert(M, F))
+    experts = [make().cuda().bfloat16() for _ in counts]
+    x = torch.randn(int(counts.sum()), M, device="cuda").bfloat16()
+    dy = torch.randn_like(x)
+
+    def run(gemm):
+        for e in experts:
+            e.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        y = run_grouped(experts, xi, counts.cuda(), gemm=gemm)
+        y.backward(dy)
+        return [y.detach(), xi.grad] + [p.grad.clone() for e in experts for p in e.parameters()]
+
+    # fp32 ground truth: the same experts in fp32, row by row.
+    ref_experts = [make().cuda() for _ in counts]
+    for r, e in zip(ref_experts, experts):
+        r.load_state_dict({k: v.float() for k, v in e.state_dict().items()})
+    xr = x.float().requires_grad_(True)
+    yr = torch.cat([e(part) for e, part in zip(ref_experts, xr.split(counts.tolist()))])
+    yr.backward(dy.float())
+    ref = [yr.detach(), xr.grad] + [p.grad if p.grad is not None else torch.zeros_like(p)
+                                    for e in ref_experts for p in e.parameters()]
+    got_t, got_u = run("torch"), run("uniep")
+    assert torch.equal(run("uniep")[0], got_u[0]) and all(torch.equal(a, b) for a, b in zip(run("uniep"), got_u))
+    for i, (t, u, r) in enumerate(zip(got_t, got_u, ref)):
+        if not r.any():
+            assert not u.any(), f"tensor {i}: expected zeros (an expert without rows)"
+            continue
+        et, eu = _err(t, r), _err(u, r)
+        assert eu <= 2 * et + 1e-3, f"tensor {i}: uniep rel err {eu:.2e} vs torch path's {et:.2e}"
