@@ -182,6 +182,8 @@ class UniEPMoE(MoE):
             self._autotune(hidden_states)
         moe = self.deepspeed_moe
         x = hidden_states.reshape(-1, self.hidden_size)
+        if self._hybrid is not None:  # HybridEP: the domain's replicas travel while the gate and dispatch run
+            self._hybrid.prefetch()
         # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts.
         l_aux, capacity, _, route_idx, _, route_gates, exp_counts = moe.gate(x, used_token, True)
         moe.l_aux, moe.exp_counts = l_aux, exp_counts

@@ -7,8 +7,11 @@ experts ``[d * S * L, (d + 1) * S * L)``.
 
 One layer on rank r:
 
-1. Gather: every rank of the domain receives the weights of all S * L experts of
-   its domain (its own included, through the same path).
+1. Gather, issued first, before the router: every rank of the domain receives the
+   weights of all S * L experts of its domain (its own included, through the same
+   path), in one all-gather of its experts' parameters laid end to end (one per
+   dtype), asynchronous, so it runs beside the router and the dispatch layout and
+   is waited for only when the experts need it.
 2. Dispatch over the *offset group* (the D ranks with r's offset, one per
    domain): a token routed to expert e goes to the rank of e's domain with r's
    offset, which holds a replica of e. A token whose expert lives in r's own
@@ -19,16 +22,18 @@ One layer on rank r:
 4. Combine over the offset group, in slot order in fp32.
 
 Backward: the gradient of a replica comes back to its owner through the
-gather's backward, an all-to-all that hands each owner the S gradients of its
-own tensors (the gather's bytes, mirrored), added in domain-rank order (fp32),
-so each owner parameter receives exactly one gradient per backward, before
-DeepSpeed's expert-data-parallel reduction.
+gather's backward, one all-to-all (again of all parameters end to end) that
+hands each owner the S gradients of its own tensors (the gather's bytes,
+mirrored), added in domain-rank order (fp32), so each owner parameter receives
+exactly one gradient per backward, before DeepSpeed's expert-data-parallel
+reduction. The all-to-all is issued as soon as the expert backward has produced
+the replica gradients and runs beside the rest of the backward.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
-:class:`InterSitePacing` (opt-in, off by default) holds a rank after each of
-these collectives for the bytes it exchanged with other sites over a given
-bandwidth: slow links between sites, emulated on one host, so HybridEP and
-plain EP can be measured against the cost model of :mod:`.model`.
+:class:`InterSitePacing` (opt-in, off by default) holds a rank for the bytes it
+exchanged with other sites over a given bandwidth: slow links between sites,
+emulated on one host, so HybridEP and plain EP can be measured against the cost
+model of :mod:`.model`.
 """
 
 import math
@@ -44,26 +49,52 @@ from torch.func import functional_call
 from ..reference import ReferenceDispatcher
 
 
+class PacedTransfer:
+    """A background transfer on the emulated slow link (:meth:`InterSitePacing.start`)."""
+
+    __slots__ = ("seconds", "deadline", "event")
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        #: Host clock (``time.perf_counter``) at which its bytes have crossed ("host" hold).
+        self.deadline: Optional[float] = None
+        #: End of its spin on the side stream ("stream" hold on CUDA).
+        self.event = None
+
+
 class InterSitePacing:
     """Slow links between sites, emulated on one host by pacing (opt-in; nothing uses it by default).
 
     Sites are runs of ``site_size`` consecutive global ranks. The fast backend (NCCL, gloo) still
-    moves every byte, so results are unchanged; after each collective a layer sends through
-    :meth:`pace` (the reference dispatcher's token all-to-alls forward and backward, HybridEP's
-    domain gather and the return of replica gradients, the probe of :func:`measure_bandwidths`),
-    the rank is held for ``max(bytes sent to other sites, bytes received from them) /
-    bytes_per_s``: each rank has one slow link per direction, and the bytes of one collective
-    cross it back to back. A collective's time is the fast backend's plus the hold;
-    :func:`measure_bandwidths` through the same pacing measures the sum. The exchange of
-    per-expert row counts (``[E]`` integers) is not paced.
+    moves every byte, so results are unchanged; each rank has one slow link per direction, and a
+    collective occupies it for ``max(bytes sent to other sites, bytes received from them) /
+    bytes_per_s`` seconds. Two kinds of traffic go through it:
+
+    - blocking collectives (the reference dispatcher's token all-to-alls forward and backward, the
+      probe of :func:`measure_bandwidths`): after the collective, :meth:`pace` holds the rank for
+      its link time; such a collective's time is the fast backend's plus the hold, and
+      :func:`measure_bandwidths` through the same pacing measures the sum;
+    - background transfers (HybridEP's replica gather and gradient return): :meth:`start` puts
+      the bytes on the link when the collective is issued, behind background bytes already on it,
+      and :meth:`finish` holds the rank, when the result is needed, until they have crossed. The
+      rank computes meanwhile. A blocking collective's bytes go first: they delay the background
+      bytes still on the link by their own link time (the order of the cost model of
+      :mod:`.model`: the dispatch waits for no replica, the replica bytes take the link's idle
+      time).
+
+    The exchange of per-expert row counts (``[E]`` integers) is not paced.
 
     How a CUDA rank is held (``hold``): ``"host"`` waits for the current stream to finish the
-    collective, then ``time.sleep``s (wall-clock exact; nothing is queued meanwhile); ``"stream"``
-    queues a spin on the current stream (``torch.cuda._sleep``, its clock rate timed once against
-    CUDA events), which the host does not wait for, but whose length follows the SM clock. A
-    CPU rank always sleeps.
+    collective, then ``time.sleep``s (wall-clock exact; nothing is queued meanwhile; a background
+    transfer starts when the stream has reached it and :meth:`finish` sleeps only what is left of
+    it); ``"stream"`` queues a spin (``torch.cuda._sleep``, its clock rate timed once against CUDA
+    events), which the host does not wait for, but whose length follows the SM clock: on the
+    current stream for a blocking collective, on a side stream for a background transfer (the
+    current stream waits for it in :meth:`finish`), so in this mode background bytes do not yield
+    to token bytes: the two overlap where both cross sites at once. A CPU rank always sleeps.
 
-    ``paced_bytes`` and ``paced_s`` count what this rank was held for (tests and benchmarks read them).
+    ``paced_bytes``, ``paced_s`` (link seconds) and ``paced_transfers`` (collectives that crossed
+    sites) count what this rank was held for (tests and benchmarks read them).
     """
 
     HOLDS = ("host", "stream")
@@ -79,7 +110,10 @@ class InterSitePacing:
         self.site_size, self.bytes_per_s, self.hold_mode = site_size, float(bytes_per_s), hold
         self.paced_bytes = 0
         self.paced_s = 0.0
+        self.paced_transfers = 0
         self._cycles_per_s: Dict[int, float] = {}
+        self._background: List[PacedTransfer] = []  # host-clock transfers started and not finished
+        self._side_streams: Dict[int, "torch.cuda.Stream"] = {}
 
     def site_of(self, global_rank: int) -> int:
         return global_rank // self.site_size
@@ -91,11 +125,8 @@ class InterSitePacing:
         mine = self.site_of(torch_dist.get_rank())
         return [self.site_of(r) != mine for r in ranks]
 
-    def pace(self, group, send_bytes: Sequence[int], recv_bytes: Sequence[int], device: torch.device) -> float:
-        """Hold this rank for the inter-site share of one collective over ``group``.
-
-        ``send_bytes[i]`` / ``recv_bytes[i]``: bytes this rank sent to / received from group rank
-        ``i``. Returns the seconds held."""
+    def _link_seconds(self, group, send_bytes: Sequence[int], recv_bytes: Sequence[int]) -> float:
+        """Seconds the inter-site share of one collective occupies this rank's link (counted)."""
         remote = self.remote(group)
         nbytes = max(sum(b for b, far in zip(send_bytes, remote) if far),
                      sum(b for b, far in zip(recv_bytes, remote) if far))
@@ -104,17 +135,76 @@ class InterSitePacing:
         seconds = nbytes / self.bytes_per_s
         self.paced_bytes += nbytes
         self.paced_s += seconds
-        self.hold(seconds, device)
+        self.paced_transfers += 1
         return seconds
 
+    def pace(self, group, send_bytes: Sequence[int], recv_bytes: Sequence[int], device: torch.device) -> float:
+        """Hold this rank for the inter-site share of one blocking collective over ``group``.
+
+        ``send_bytes[i]`` / ``recv_bytes[i]``: bytes this rank sent to / received from group rank
+        ``i``. Returns the seconds held."""
+        seconds = self._link_seconds(group, send_bytes, recv_bytes)
+        if seconds:
+            self.hold(seconds, device)
+        return seconds
+
+    def start(self, group, send_bytes: Sequence[int], recv_bytes: Sequence[int],
+              device: torch.device) -> Optional[PacedTransfer]:
+        """Put the inter-site share of a background collective on the link now (arguments as
+        :meth:`pace`); None if nothing crosses sites. Call :meth:`finish` before using its result."""
+        seconds = self._link_seconds(group, send_bytes, recv_bytes)
+        if not seconds:
+            return None
+        transfer = PacedTransfer(seconds)
+        if device.type == "cuda" and self.hold_mode == "stream":
+            side = self._side_stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s(device))))
+                transfer.event = torch.cuda.Event()
+                transfer.event.record(side)
+            return transfer
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()  # the transfer starts where the stream is
+        now = time.perf_counter()
+        transfer.deadline = max([now] + [t.deadline for t in self._background]) + seconds
+        self._background.append(transfer)
+        return transfer
+
+    def finish(self, transfer: Optional[PacedTransfer], device: torch.device) -> None:
+        """Hold this rank until the bytes of ``transfer`` (from :meth:`start`) have crossed."""
+        if transfer is None:
+            return
+        if transfer.event is not None:
+            torch.cuda.current_stream(device).wait_event(transfer.event)
+            return
+        if transfer in self._background:
+            self._background.remove(transfer)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        left = transfer.deadline - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+
     def hold(self, seconds: float, device: torch.device) -> None:
-        """Delay the work queued after this point on ``device`` by ``seconds``."""
+        """Delay the work queued after this point on ``device`` by ``seconds`` (a blocking collective's
+        link time: background bytes still on the link wait behind it)."""
         if device.type == "cuda" and self.hold_mode == "stream":
             torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s(device))))
             return
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
+        now = time.perf_counter()
+        for t in self._background:
+            if t.deadline > now:
+                t.deadline += seconds
         time.sleep(seconds)
+
+    def _side_stream(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._side_streams:
+            self._side_streams[idx] = torch.cuda.Stream(device=idx)
+        return self._side_streams[idx]
 
     def cycles_per_s(self, device: torch.device) -> float:
         """Clock cycles of ``torch.cuda._sleep`` per second on ``device``, timed once with CUDA events."""
@@ -172,44 +262,108 @@ class HybridGroups:
                     self.offset_group = g
 
 
+def _all_gather_flat(out: Tensor, flat: Tensor, group):
+    """Asynchronous all-gather of ``flat`` into ``out`` (``[S * n]``, rank-major)."""
+    fn = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+    return fn(out, flat, group=group, async_op=True)
+
+
+class DomainGather:
+    """The domain's copies of this rank's expert parameters, in flight (issued on construction).
+
+    The parameters are laid end to end, one buffer per dtype, and all-gathered asynchronously over
+    the domain group: one collective per dtype instead of one per tensor, and the layer computes
+    while it runs. With ``pacing`` its inter-site bytes are a background transfer (one copy of every
+    tensor to and from every peer). :meth:`wait` returns ``[S, ...]`` replicas of each tensor:
+    views of the gathered buffers, no copy."""
+
+    def __init__(self, local: Sequence[Tensor], group, S: int, pacing: Optional[InterSitePacing]):
+        self.local, self.group, self.S, self.pacing = list(local), group, S, pacing
+        self.buckets = _buckets(self.local)
+        self.outs, self.works = [], []
+        nbytes = 0
+        for idx in self.buckets:
+            flat = torch.cat([self.local[i].detach().reshape(-1) for i in idx])
+            out = flat.new_empty(S * flat.numel())
+            self.works.append(_all_gather_flat(out, flat, group))
+            self.outs.append(out.view(S, -1))
+            nbytes += flat.numel() * flat.element_size()
+        self.device = self.local[0].device
+        self.transfer = pacing.start(group, [nbytes] * S, [nbytes] * S, self.device) if pacing is not None \
+            else None
+
+    def wait(self) -> List[Tensor]:
+        for w in self.works:
+            w.wait()
+        if self.pacing is not None:
+            self.pacing.finish(self.transfer, self.device)
+        out: List[Optional[Tensor]] = [None] * len(self.local)
+        for idx, buf in zip(self.buckets, self.outs):
+            off = 0
+            for i in idx:
+                n = self.local[i].numel()
+                out[i] = buf[:, off:off + n].view(self.S, *self.local[i].shape)
+                off += n
+        return out
+
+
+def _buckets(tensors: Sequence[Tensor]) -> List[List[int]]:
+    """Indices of ``tensors`` grouped by dtype, in first-seen order (one flat buffer each)."""
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    return list(by_dtype.values())
+
+
 class _GatherDomain(torch.autograd.Function):
-    """Forward: ``[S, ...]`` replicas of each local tensor across the domain. Backward: the
-    owner's gradient is the sum of the S replica gradients, added in domain-rank order in fp32."""
+    """Forward: the ``[S, ...]`` replicas of each local tensor that a :class:`DomainGather` brought.
+    Backward: the owner's gradient is the sum of the S replica gradients, added in domain-rank order
+    in fp32, after one asynchronous all-to-all per dtype; with pacing, its inter-site bytes are a
+    background transfer that the rank waits for at the end of the backward pass."""
 
     @staticmethod
-    def forward(ctx, group, S: int, offset: int, counter: Optional[Dict[str, int]],
-                pacing: Optional[InterSitePacing], *local: Tensor):
-        ctx.group, ctx.S, ctx.offset, ctx.counter, ctx.pacing = group, S, offset, counter, pacing
-        out = []
-        for t in local:
-            parts = [torch.empty_like(t) for _ in range(S)]
-            torch_dist.all_gather(parts, t.detach().contiguous(), group=group)
-            if pacing is not None:  # one copy to and from every peer
-                nbytes = t.numel() * t.element_size()
-                pacing.pace(group, [nbytes] * S, [nbytes] * S, t.device)
-            out.append(torch.stack(parts))
-        return tuple(out)
+    def forward(ctx, gathered: DomainGather, counter: Optional[Dict[str, int]], *local: Tensor):
+        ctx.gathered, ctx.counter = gathered, counter
+        return tuple(gathered.wait())
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        S = ctx.S
-        result = []
-        for g in grads:
-            # g[i]: this rank's gradient of domain rank i's tensor. After the all-to-all,
-            # parts[j] = rank j's gradient of this rank's tensor; they are added in rank order.
-            g = g.contiguous()
-            parts = torch.empty_like(g)
-            torch_dist.all_to_all_single(parts, g, group=ctx.group)
-            if ctx.pacing is not None:
-                nbytes = g[0].numel() * g.element_size()
-                ctx.pacing.pace(ctx.group, [nbytes] * S, [nbytes] * S, g.device)
-            acc = torch.zeros_like(g[0], dtype=torch.float32)
+        gathered, S = ctx.gathered, ctx.gathered.S
+        local = gathered.local
+        result: List[Optional[Tensor]] = [None] * len(local)
+        sends, parts, works = [], [], []
+        nbytes = 0
+        for idx in gathered.buckets:
+            # send[i]: this rank's gradients of domain rank i's tensors. After the all-to-all,
+            # part[j] = rank j's gradients of this rank's tensors; they are added in rank order.
+            send = torch.cat([(grads[i] if grads[i] is not None else local[i].new_zeros((S, ) + local[i].shape))
+                              .reshape(S, -1) for i in idx], dim=1)
+            part = torch.empty_like(send)
+            works.append(torch_dist.all_to_all_single(part, send, group=gathered.group, async_op=True))
+            sends.append(send)
+            parts.append(part)
+            nbytes += send[0].numel() * send.element_size()
+        pacing = gathered.pacing
+        if pacing is not None:
+            device = local[0].device
+            transfer = pacing.start(gathered.group, [nbytes] * S, [nbytes] * S, device)
+            if transfer is not None:  # the gradients are the owner's once the bytes have crossed
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: pacing.finish(transfer, device))
+        for idx, part, w in zip(gathered.buckets, parts, works):
+            w.wait()
+            acc = torch.zeros(part.shape[1], dtype=torch.float32, device=part.device)
             for j in range(S):
-                acc = acc + parts[j].float()
-            result.append(acc.to(g.dtype))
+                acc = acc + part[j].float()
+            off = 0
+            for i in idx:
+                n = local[i].numel()
+                piece = acc[off:off + n].view(local[i].shape)
+                result[i] = piece.to(local[i].dtype) if local[i].dtype != torch.float32 else piece.clone()
+                off += n
         if ctx.counter is not None:
             ctx.counter["owner_reductions"] = ctx.counter.get("owner_reductions", 0) + 1
-        return (None, None, None, None, None) + tuple(result)
+        return (None, None) + tuple(result)
 
 
 def _compressed_replicas(stacked: Sequence[Tensor], num_params: int, offset: int, ratio: float) -> List[Tensor]:
@@ -243,6 +397,7 @@ class HybridExperts:
                                               groups.offset_group, rank=groups.domain)
         self.pacing = None
         self.set_pacing(pacing)
+        self._inflight: Optional[DomainGather] = None
         #: Backward passes that reduced replica gradients to their owners (tests count them).
         self.counter: Dict[str, int] = {}
 
@@ -251,11 +406,22 @@ class HybridExperts:
         self.pacing = pacing
         self.dispatcher.pacing = pacing
 
+    def prefetch(self) -> None:
+        """Issue the gather of the domain's expert weights now (asynchronous); :meth:`gather` waits
+        for it. The layer calls this first in its forward, before the router."""
+        g = self.groups
+        if self._inflight is not None:  # issued and never used (a forward that stopped early)
+            self._inflight.wait()
+        self._inflight = DomainGather([p for e in self.experts for p in e.parameters()], g.domain_group,
+                                      g.domain_size, self.pacing)
+
     def gather(self) -> List[Dict[str, Tensor]]:
         """``[S * L]`` parameter dicts, domain expert order (owner offset, then local index)."""
         g = self.groups
-        local = [p for e in self.experts for p in e.parameters()]
-        stacked = _GatherDomain.apply(g.domain_group, g.domain_size, g.offset, self.counter, self.pacing, *local)
+        if self._inflight is None:
+            self.prefetch()
+        gathered, self._inflight = self._inflight, None
+        stacked = _GatherDomain.apply(gathered, self.counter, *gathered.local)
         P = len(self.names)
         if self.compression_ratio is not None:
             stacked = _compressed_replicas(stacked, P, g.offset, self.compression_ratio)

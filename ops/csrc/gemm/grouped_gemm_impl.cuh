@@ -164,7 +164,7 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
 }
 
 // dw[g] = 0 for every group without rows (the wgrad of an expert that received nothing).
-__global__ void zero_empty_groups(const int32_t* offs, uint4* dw, int64_t vec_per_group) {
+static __global__ void zero_empty_groups(const int32_t* offs, uint4* dw, int64_t vec_per_group) {
   const int g = blockIdx.y;
   const int32_t start = g == 0 ? 0 : offs[g - 1];
   if (offs[g] != start) return;
