@@ -9,7 +9,8 @@ the SwiGLU expert's two projections, ``up`` (w1 and w3 as one [2F, M] weight per
 ``down`` (w2, [M, F]), each as ``fwd``, ``dgrad`` and ``wgrad``, on random normal bf16 data:
 
 - ``torch._grouped_mm`` in the layouts torch's own autograd uses;
-- ds_uniep's grouped GEMM (:mod:`ds_uniep.gemm`) with every tile configuration.
+- ds_uniep's grouped GEMM (:mod:`ds_uniep.gemm`) with every tile configuration, each with the
+  scheduler tile orders of :data:`ORDERS`; all variants are timed in alternation (rounds).
 
 Checks, all in the same run: each result against an fp32 reference (relative Frobenius error;
 ds_uniep's may be at most 2x torch's own); ds_uniep's results bitwise equal across tile
@@ -81,6 +82,21 @@ def operands(op, rows, n, k, groups, gen, device):
     return randn(rows, n), randn(rows, k)
 
 
+ORDERS = ("", ":n1", ":m4", ":n4")
+"""Scheduler tile orders timed with every tile configuration ("": along M, band 1)."""
+
+
+def interleaved(fns, args):
+    """Median ms of each of ``fns`` ({name: fn}), timed in alternation over ``args.rounds`` rounds
+    so that clock or temperature drift falls on all of them alike."""
+    samples = {name: [] for name in fns}
+    for r in range(args.rounds):
+        for name, fn in fns.items():
+            res = bench(fn, warmup=args.warmup if r == 0 else 1, repeats=args.repeats)
+            samples[name] += res["all_ms"]
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
 def run_shape(name, args, device, gemm, results):
     from ds_uniep.experts import SwiGLUExpert, run_grouped
     M, F, E, k, T = SHAPES[name]
@@ -89,55 +105,58 @@ def run_shape(name, args, device, gemm, results):
     gen = torch.Generator().manual_seed(1234)
     offs = offsets(rows, groups, gen, device)
     shape_rows = {"shape": name, "groups": groups, "rows": rows, "ops": []}
+    variants = [tile + order for tile in gemm.CONFIGS for order in ORDERS]
     for proj, n, kk in (("up", 2 * F, M), ("down", M, F)):
         for op in ("fwd", "dgrad", "wgrad"):
             a, b = operands(op, rows, n, kk, groups, gen, device)
             ref = reference(op, a, b, offs)
             flops = 2.0 * rows * n * kk
-            t_torch = bench(lambda: torch_op(op, a, b, offs), warmup=args.warmup, repeats=args.repeats)["median_ms"]
+            fns = {"torch": lambda: torch_op(op, a, b, offs)}
+            fns.update({v: (lambda v=v: gemm.grouped_mm(a, b, offs, op, v)) for v in variants})
+            times = interleaved(fns, args)
             out_torch = torch_op(op, a, b, offs)
+            t_torch = times["torch"]
             entry = {"proj": proj, "op": op, "N": n, "K": kk, "torch_ms": t_torch,
                      "torch_tflops": flops / t_torch / 1e9, "torch_rel_err": rel_err(out_torch, ref), "configs": {}}
-            first = None
-            for config in gemm.CONFIGS:
-                out = gemm.grouped_mm(a, b, offs, op, config)
-                again = gemm.grouped_mm(a, b, offs, op, config)
-                t = bench(lambda: gemm.grouped_mm(a, b, offs, op, config), warmup=args.warmup,
-                          repeats=args.repeats)["median_ms"]
-                first = out if first is None else first
-                entry["configs"][config] = {
-                    "ms": t, "tflops": flops / t / 1e9, "rel_err": rel_err(out, ref),
-                    "repeat_bitwise": bool(torch.equal(out, again)),
+            first = gemm.grouped_mm(a, b, offs, op, variants[0])
+            for v in variants:
+                out = gemm.grouped_mm(a, b, offs, op, v)
+                entry["configs"][v] = {
+                    "ms": times[v], "tflops": flops / times[v] / 1e9, "rel_err": rel_err(out, ref),
+                    "repeat_bitwise": bool(torch.equal(out, gemm.grouped_mm(a, b, offs, op, v))),
                     "equals_first_config": bool(torch.equal(out, first)),
                 }
-            fewer = gemm.grouped_mm(a, b, offs, op, gemm.CONFIGS[0], sm_count=args.fewer_sms)
+            fewer = gemm.grouped_mm(a, b, offs, op, variants[0], sm_count=args.fewer_sms)
             entry["fewer_sms_bitwise"] = bool(torch.equal(fewer, first))
             entry["equals_torch_bitwise"] = bool(torch.equal(first, out_torch))
             best = min(entry["configs"], key=lambda c: entry["configs"][c]["ms"])
             entry["best_config"] = best
             entry["best_ms"] = entry["configs"][best]["ms"]
             entry["speedup_vs_torch"] = t_torch / entry["best_ms"]
+            entry["default_config"] = gemm.DEFAULT_CONFIGS[op]
+            entry["default_speedup_vs_torch"] = t_torch / entry["configs"][gemm.DEFAULT_CONFIGS[op]]["ms"]
             entry["err_ok"] = all(c["rel_err"] <= 2 * entry["torch_rel_err"] + 1e-6 for c in entry["configs"].values())
             shape_rows["ops"].append(entry)
-    # The whole SwiGLU expert on the same rows: torch._grouped_mm against ds_uniep's GEMM.
+    # The whole SwiGLU expert on the same rows: torch._grouped_mm against ds_uniep's GEMM (its defaults).
     experts = [SwiGLUExpert(M, F).to(device, torch.bfloat16) for _ in range(groups)]
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
     x = torch.randn(rows, M, generator=gen).to(device, torch.bfloat16).requires_grad_()
     dy = torch.randn(rows, M, generator=gen).to(device, torch.bfloat16)
+
+    def fwd(which):
+        with torch.no_grad():
+            return run_grouped(experts, x, counts, gemm=which)
+
+    def fwdbwd(which):
+        run_grouped(experts, x, counts, gemm=which).backward(dy)
+    times = interleaved({"torch fwd": lambda: fwd("torch"), "uniep fwd": lambda: fwd("uniep"),
+                         "torch fwdbwd": lambda: fwdbwd("torch"), "uniep fwdbwd": lambda: fwdbwd("uniep")}, args)
+    flops_fwd = 3 * 2.0 * rows * M * F
     layer = {}
     for which in ("torch", "uniep"):
-        def fwd():
-            with torch.no_grad():
-                return run_grouped(experts, x, counts, gemm=which)
-
-        def fwdbwd():
-            run_grouped(experts, x, counts, gemm=which).backward(dy)
-        layer[which] = {"fwd_ms": bench(fwd, warmup=args.warmup, repeats=args.repeats)["median_ms"],
-                        "fwdbwd_ms": bench(fwdbwd, warmup=args.warmup, repeats=args.repeats)["median_ms"]}
-    flops_fwd = 3 * 2.0 * rows * M * F
-    for which in layer:
-        layer[which]["fwd_tflops"] = flops_fwd / layer[which]["fwd_ms"] / 1e9
-        layer[which]["fwdbwd_tflops"] = 3 * flops_fwd / layer[which]["fwdbwd_ms"] / 1e9
+        layer[which] = {"fwd_ms": times[f"{which} fwd"], "fwdbwd_ms": times[f"{which} fwdbwd"],
+                        "fwd_tflops": flops_fwd / times[f"{which} fwd"] / 1e9,
+                        "fwdbwd_tflops": 3 * flops_fwd / times[f"{which} fwdbwd"] / 1e9}
     y_t = run_grouped(experts, x.detach(), counts, gemm="torch")
     y_u = run_grouped(experts, x.detach(), counts, gemm="uniep")
     layer["output_rel_diff"] = rel_err(y_u, y_t.float())
@@ -150,7 +169,8 @@ def main():
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     p.add_argument("--ep", type=int, default=4, help="expert-parallel ranks the shape is taken at")
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per variant and round")
+    p.add_argument("--rounds", type=int, default=3, help="rounds of alternation between the variants")
     p.add_argument("--fewer-sms", type=int, default=100, help="SM count of the bitwise check with fewer SMs")
     p.add_argument("--out", default="bench_out/gemm")
     args = p.parse_args()
@@ -172,15 +192,15 @@ def main():
         json.dump({"device": torch.cuda.get_device_name(device), "ep": args.ep, "results": results}, f, indent=1)
     print(f"\nbench_grouped_gemm on {torch.cuda.get_device_name(device)} (ep {args.ep}); json: {path}")
     print(f"{'shape':14s} {'proj':4s} {'op':5s} {'torch ms':>8s} {'TF/s':>5s} {'ours ms':>8s} {'TF/s':>5s} "
-          f"{'best config':15s} {'speedup':>7s} {'err ok':>6s} {'bitwise*':>8s} {'=torch':>6s}")
+          f"{'best config':18s} {'speedup':>7s} {'default':>7s} {'err ok':>6s} {'bitwise*':>8s} {'=torch':>6s}")
     for r in results:
         for e in r["ops"]:
             c = e["configs"][e["best_config"]]
             bit = all(v["repeat_bitwise"] and v["equals_first_config"] for v in e["configs"].values()) \
                 and e["fewer_sms_bitwise"]
             print(f"{r['shape']:14s} {e['proj']:4s} {e['op']:5s} {e['torch_ms']:8.3f} {e['torch_tflops']:5.0f} "
-                  f"{e['best_ms']:8.3f} {c['tflops']:5.0f} {e['best_config']:15s} {e['speedup_vs_torch']:7.2f} "
-                  f"{str(e['err_ok']):>6s} {str(bit):>8s} {str(e['equals_torch_bitwise']):>6s}")
+                  f"{e['best_ms']:8.3f} {c['tflops']:5.0f} {e['best_config']:18s} {e['speedup_vs_torch']:7.2f} "
+                  f"{e['default_speedup_vs_torch']:7.2f} {str(e['err_ok']):>6s} {str(bit):>8s} {str(e['equals_torch_bitwise']):>6s}")
         ex = r["expert"]
         print(f"{r['shape']:14s} SwiGLU expert fwd {ex['torch']['fwd_ms']:.3f} -> {ex['uniep']['fwd_ms']:.3f} ms "
               f"({ex['torch']['fwd_ms'] / ex['uniep']['fwd_ms']:.2f}x), fwd+bwd {ex['torch']['fwdbwd_ms']:.3f} -> "
@@ -188,7 +208,8 @@ def main():
               f"TFLOP/s fwd {ex['torch']['fwd_tflops']:.0f} -> {ex['uniep']['fwd_tflops']:.0f}, fwd+bwd "
               f"{ex['torch']['fwdbwd_tflops']:.0f} -> {ex['uniep']['fwdbwd_tflops']:.0f}; output rel diff "
               f"{ex['output_rel_diff']:.1e}")
-    print("* bitwise: every config equal to the first, each equal to its repeat, and equal with fewer SMs")
+    print("* bitwise: every config equal to the first, each equal to its repeat, and equal with fewer SMs; "
+          "speedup: best config vs torch; default: DEFAULT_CONFIGS vs torch")
 
 
 if __name__ == "__main__":

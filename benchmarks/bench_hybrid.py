@@ -6,12 +6,14 @@
 Sites: the G ranks form sites of ``--site-size`` consecutive ranks (default 2; on 4 GPUs, two
 sites of two GPUs). Ranks of one site talk over the fast backend (NVLink through NCCL). Every
 byte between sites goes through :class:`ds_uniep.hybrid.runtime.InterSitePacing` at
-``--inter-bw``: NCCL still moves it, then the rank is held for (bytes to or from other sites) /
-bandwidth after the collective (``--hold host``: the host waits for the collective, then
-sleeps; ``--hold stream``: a spin queued on the stream). The layers send through it
-themselves (``UniEPMoE.set_inter_site_pacing``): plain EP's token all-to-alls and HybridEP's
-token all-to-alls, expert gather and gradient return go through the same hook, so both pay
-the same time per inter-site byte.
+``--inter-bw``: NCCL still moves it, and the rank's link is busy for (bytes to or from other
+sites) / bandwidth (``--hold host``: the host waits for the collective, then sleeps; ``--hold
+stream``: a spin queued on a stream). The layers send through it themselves
+(``UniEPMoE.set_inter_site_pacing``): plain EP's and HybridEP's token all-to-alls hold the rank
+after the collective; HybridEP's expert gather (issued before the router) and gradient return
+(issued after the expert backward) occupy the link in the background, and the rank waits for
+what is left of them only when the experts need the replicas and at the end of the backward.
+Every option pays the same time per inter-site byte.
 
 Sweep: T tokens per rank x expert size M x F (``--experts MxF ...``), SwiGLU experts, E
 experts, top-k, dropless, bf16 on GPU (fp32 on CPU). Options at each point, each timed
@@ -36,7 +38,8 @@ Cost model inputs (:mod:`ds_uniep.hybrid.model`), all measured in this run, at e
   runtime gathers replicas at every forward).
 
 Reported per point: measured and predicted ms per option (ratio, within 15%?), inter-site
-bytes per forward+backward as paced against the model's, the planner's choice against the
+bytes per forward+backward as paced against the model's, the paced collectives per
+forward+backward (``inter_transfers_measured``), the planner's choice against the
 best measured option (within 5%?), the best HybridEP's speedup over EP, the overhead of the
 ``"auto"`` layer where the planner keeps EP, and HybridEP's output and input-gradient error
 against EP. A short table is printed last; everything goes to ``--out/bench_hybrid.json`` and
@@ -240,13 +243,15 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     ref = None
     for name, layer in layers.items():
         x = pool(0)[0].detach().clone().requires_grad_(True)
-        before = pacing.paced_bytes
+        before, transfers = pacing.paced_bytes, pacing.paced_transfers
         out = fwd_bwd(layer)(x, pool(0)[1])
         nbytes = pacing.paced_bytes - before
+        transfers = pacing.paced_transfers - transfers
         layer.zero_grad(set_to_none=True)
         if ref is None:
             ref = (out.detach(), x.grad)
         checks[name] = {"inter_bytes_measured": slowest(nbytes, device),
+                        "inter_transfers_measured": int(slowest(transfers, device)),
                         "rel_err_out": slowest(rel_err(out.detach(), ref[0]), device),
                         "rel_err_dx": slowest(rel_err(x.grad, ref[1]), device)}
 

@@ -24,7 +24,9 @@ from torch import Tensor
 OPS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
 CONFIGS = ("coop128x256", "coop256x128", "pingpong128x128")
 """Tile configurations, in the kernels' index order: cooperative 128x256x64, cooperative
-256x128x64, ping-pong 128x128x64; all with 2x1 clusters."""
+256x128x64, ping-pong 128x128x64; all with 2x1 clusters. A configuration may carry the
+persistent scheduler's tile order after a colon: ``"coop128x256:n4"`` walks tiles along N in
+bands of 4 (``m``: along M, the default; band 1, 2, 4 or 8). Neither changes the values."""
 
 DEFAULT_CONFIGS = {"fwd": "coop128x256", "dgrad": "coop128x256", "wgrad": "coop128x256"}
 """The configuration each operation runs with unless told otherwise."""
@@ -45,10 +47,17 @@ def _ops():
     return ops_package().load_uniep_ops()
 
 
-def _config_index(config: str) -> int:
-    if config not in CONFIGS:
-        raise ValueError(f"grouped GEMM config {config!r} is not one of {CONFIGS}")
-    return CONFIGS.index(config)
+def parse_config(config: str) -> Tuple[int, int, int]:
+    """``"tile[:<m|n><band>]"`` -> (tile index, raster along N?, swizzle band)."""
+    tile, _, order = str(config).partition(":")
+    if tile not in CONFIGS:
+        raise ValueError(f"grouped GEMM config {config!r}: tile {tile!r} is not one of {CONFIGS}")
+    if not order:
+        return CONFIGS.index(tile), 0, 1
+    if order[0] not in "mn" or order[1:] not in ("1", "2", "4", "8"):
+        raise ValueError(f"grouped GEMM config {config!r}: the order after ':' must be m or n and a band of "
+                         "1, 2, 4 or 8 (e.g. 'n4')")
+    return CONFIGS.index(tile), int(order[0] == "n"), int(order[1:])
 
 
 def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, op: str, config: Optional[str] = None,
@@ -58,7 +67,8 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, op: str, config: Optional[str
     if op not in OPS:
         raise ValueError(f"grouped GEMM op {op!r} is not one of {tuple(OPS)}")
     config = DEFAULT_CONFIGS[op] if config is None else config
-    return _ops().grouped_mm(a, b, offs, OPS[op], _config_index(config), int(sm_count))
+    tile, raster_n, swizzle = parse_config(config)
+    return _ops().grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -95,5 +105,5 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
     for op, config in merged.items():
         if op not in OPS:
             raise ValueError(f"grouped_linear: configs names unknown op {op!r} (ops: {tuple(OPS)})")
-        _config_index(config)
+        parse_config(config)
     return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged)

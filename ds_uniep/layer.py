@@ -131,7 +131,8 @@ class UniEPMoE(MoE):
         For measuring plain EP and HybridEP over slow links on one host: the token all-to-alls
         (plain EP and HybridEP alike), HybridEP's expert gather and gradient return, and the
         bandwidth measurement of ``domain_size: "auto"`` then hold each rank for the bytes it
-        exchanged with other sites over the pacing's bandwidth. Numbers do not change. Reference
+        exchanged with other sites over the pacing's bandwidth (the gather and the gradient
+        return as background transfers: see ``InterSitePacing``). Numbers do not change. Reference
         backend only. Call it before ``set_deepspeed_parallelism`` (``deepspeed.initialize``) so that
         a measured inter-site bandwidth goes through it too."""
         self._pacing = pacing

@@ -18,9 +18,11 @@ CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # grouped GEMM uses wgmma and TMA.
 GENCODE = ["-gencode=arch=compute_90a,code=sm_90a"]
 
-# What CUTLASS/CuTe templates need from nvcc: constexpr host functions in device code, and the
-# half/bfloat16 operators torch's extension build switches off by default.
+# What CUTLASS/CuTe templates need from nvcc: constexpr host functions in device code, the
+# half/bfloat16 operators torch's extension build switches off by default, and NDEBUG: a device
+# assert is a function call inside the wgmma pipeline, which ptxas then serialises (C7510).
 KERNEL_NVCC_FLAGS = [
+    "-DNDEBUG",
     "--expt-relaxed-constexpr",
     "-U__CUDA_NO_HALF_OPERATORS__",
     "-U__CUDA_NO_HALF_CONVERSIONS__",

@@ -23,6 +23,31 @@ def test_pacing_rejects_bad_arguments():
             InterSitePacing(**kwargs)
 
 
+def test_background_transfers_yield_to_blocking_ones_and_overlap_compute():
+    """One far peer, 1 MB/s: a 40 ms background transfer behind which a 20 ms blocking one goes first
+    ends at 60 ms; compute done meanwhile is not added; a second background one queues behind the first."""
+    from ds_uniep.hybrid.runtime import InterSitePacing
+    cpu = torch.device("cpu")
+    pacing = InterSitePacing(2, 1e6)
+    pacing.remote = lambda group: [False, True]
+    t0 = time.perf_counter()
+    bg = pacing.start(None, [0, 40_000], [0, 40_000], cpu)
+    assert pacing.pace(None, [0, 20_000], [0, 10_000], cpu) == pytest.approx(0.02)
+    pacing.finish(bg, cpu)
+    assert 0.058 <= time.perf_counter() - t0 < 0.1
+    t0 = time.perf_counter()
+    first = pacing.start(None, [0, 30_000], [0, 0], cpu)
+    second = pacing.start(None, [0, 30_000], [0, 0], cpu)
+    time.sleep(0.05)  # compute while the bytes cross
+    pacing.finish(first, cpu)
+    assert 0.05 <= time.perf_counter() - t0 < 0.058
+    pacing.finish(second, cpu)
+    assert 0.059 <= time.perf_counter() - t0 < 0.1
+    assert pacing.start(None, [5, 0], [5, 0], cpu) is None  # nothing crosses sites
+    assert pacing.paced_transfers == 4 and pacing.paced_bytes == 120_000
+    assert pacing.paced_s == pytest.approx(0.12)
+
+
 M, F, BW = 16, 24, 20e6  # 20 MB/s between sites
 
 
@@ -97,6 +122,8 @@ def _pacing_body(rank, world_size):
         else:
             expected = _expected_token_bytes(rank, world_size, S, counts)
         assert pacing.paced_bytes == expected, (rank, S, pacing.paced_bytes, expected)
+        # S = 4: one gather and one gradient return, whatever the number of tensors; else 4 all-to-alls.
+        assert pacing.paced_transfers == (2 if S == 4 else 4), (rank, S, pacing.paced_transfers)
         assert pacing.paced_s == pytest.approx(expected / BW)
         assert elapsed >= 0.95 * pacing.paced_s, (rank, S, elapsed, pacing.paced_s)
     intra, inter = measure_bandwidths(dist.group.WORLD, 2, nbytes=256 << 10, repeats=2,
@@ -128,6 +155,7 @@ def _bench_body(rank, world_size, out_dir):
         # Expert gather and gradient return are deterministic: paced bytes are the model's exactly.
         s4 = p["options"]["S=4"]
         assert s4["inter_bytes_measured"] == s4["inter_bytes_model"] == 4 * 2 * p["expert_bytes"], s4
+        assert s4["inter_transfers_measured"] == 2 and p["options"]["EP"]["inter_transfers_measured"] == 4
         assert p["planner"]["runtime_choice"] in p["options"] and p["best"] in p["options"]
         assert p["speedup_best_hybrid"] > 0 and p["compute"]["c_b"] >= 1
         assert (p["planner"]["auto_overhead"] is None) == (p["planner"]["runtime_choice"] != "EP")

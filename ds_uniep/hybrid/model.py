@@ -77,6 +77,16 @@ with the pre-expert backward::
     bwd_n = a + c_b t_exp + a + c_b t_pre
     bwd_M = a + c_b t_exp + max(a + c_b t_pre, max over x of (tok_x + r_x) / B_x)
 
+The runtime (:mod:`ds_uniep.hybrid.runtime`) follows these streams: it issues the gather, one
+asynchronous all-gather of all local expert parameters, first in the layer's forward and waits
+for it only before the experts, so the gather overlaps the layer's compute up to the experts
+(router, dispatch layout; compute before the layer only as far as the layer's forward starts
+while it is still queued); it issues the replica-gradient return, one asynchronous all-to-all,
+as soon as the expert backward has produced the gradients, and the backward pass ends when it
+has arrived. Over emulated slow links (``InterSitePacing``) the token all-to-alls go first and
+the replica bytes take the link's idle time, which gives the same completion times as the
+formulas.
+
 Reported times are per micro-batch, averaged over the step::
 
     forward  = (fwd_1 + (M - 1) fwd_n) / M

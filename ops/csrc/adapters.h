@@ -44,8 +44,9 @@ void barrier(const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
 // gemm/gemm_adapter.cpp
 // op 0 (fwd): a = x [R, K], b = w [G, N, K] -> y [R, N]; op 1 (dgrad): a = dy [R, N], b = w -> dx [R, K];
 // op 2 (wgrad): a = dy [R, N], b = x [R, K] -> dw [G, N, K]. offs: [G] int32 row ends. bf16 only.
+// raster_n / swizzle: the persistent scheduler's tile order (no effect on the values).
 torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs, int64_t op,
-                         int64_t config, int64_t sm_count);
+                         int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle);
 std::string grouped_mm_config_name(int64_t config);
 
 }  // namespace uniep

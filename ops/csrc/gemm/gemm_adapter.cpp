@@ -6,7 +6,7 @@
 namespace uniep {
 
 torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs, int64_t op,
-                         int64_t config, int64_t sm_count) {
+                         int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle) {
   UNIEP_CHECK_INPUT(a);
   UNIEP_CHECK_INPUT(b);
   UNIEP_CHECK_INPUT(offs);
@@ -16,6 +16,10 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
   TORCH_CHECK(a.device() == b.device() && a.device() == offs.device(), "a, b and offs must be on one device");
   TORCH_CHECK(config >= 0 && config < gemm::kNumConfigs, "grouped_mm: config ", config, " outside 0..",
               gemm::kNumConfigs - 1);
+  TORCH_CHECK(raster_n == 0 || raster_n == 1, "grouped_mm: raster_n must be 0 (along M) or 1 (along N), got ",
+              raster_n);
+  TORCH_CHECK(swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8,
+              "grouped_mm: swizzle must be 1, 2, 4 or 8, got ", swizzle);
   TORCH_CHECK(offs.dim() == 1 && offs.size(0) >= 1, "offs must be [G] int32 row ends, got ", offs.sizes());
   TORCH_CHECK(a.dim() == 2, "a must be [R, *], got ", a.sizes());
   const int64_t groups = offs.size(0);
@@ -57,6 +61,8 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
   args.k = static_cast<int>(k);
   args.sm_count = static_cast<int>(sm_count);
   args.device = a.get_device();
+  args.raster_n = static_cast<int>(raster_n);
+  args.swizzle = static_cast<int>(swizzle);
   const size_t bytes = gemm::grouped_gemm_workspace(static_cast<int>(op), static_cast<int>(config), args.groups,
                                                     args.sm_count, args.device);
   torch::Tensor ws = torch::empty({static_cast<int64_t>(bytes)}, a.options().dtype(torch::kUInt8));

@@ -40,6 +40,8 @@ struct GroupedGemmArgs {
   int n = 0;                   // the N and K of the [G, N, K] weight
   int k = 0;
   int sm_count = 0;            // SMs the persistent kernel may use; 0: all of the device's
+  int raster_n = 0;            // tile order: 0 along M (consecutive CTAs share a B tile), 1 along N
+  int swizzle = 1;             // CTAs per swizzle band (1, 2, 4 or 8)
   int device = 0;
 };
 

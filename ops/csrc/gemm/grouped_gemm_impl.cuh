@@ -181,7 +181,8 @@ inline int device_sm_count(int device) {
 }
 
 template <class K>
-typename K::Gemm::Arguments make_arguments(int groups, const ArgArrays<K>& arr, int sm_count, int device) {
+typename K::Gemm::Arguments make_arguments(int groups, const ArgArrays<K>& arr, int sm_count, int device,
+                                           int raster_n = 0, int swizzle = 1) {
   cutlass::KernelHardwareInfo hw;
   hw.device_id = device;
   hw.sm_count = sm_count > 0 ? sm_count : device_sm_count(device);
@@ -191,6 +192,9 @@ typename K::Gemm::Arguments make_arguments(int groups, const ArgArrays<K>& arr, 
       {arr.a, arr.sa, arr.b, arr.sb},
       {{}, nullptr, arr.sd, arr.d, arr.sd},  // alpha 1, beta 0, no C
       hw};
+  using Raster = decltype(arguments.scheduler.raster_order);
+  arguments.scheduler.raster_order = raster_n ? Raster::AlongN : Raster::AlongM;
+  arguments.scheduler.max_swizzle_size = swizzle;
   return arguments;
 }
 
@@ -211,6 +215,9 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, siz
   using Arrays = detail::ArgArrays<K>;
   if (cutlass_status) *cutlass_status = 0;
   if (args.groups <= 0 || args.n <= 0 || args.k <= 0 || args.n % detail::kAlign || args.k % detail::kAlign)
+    return cudaErrorInvalidValue;
+  if (args.raster_n < 0 || args.raster_n > 1 || !(args.swizzle == 1 || args.swizzle == 2 || args.swizzle == 4 ||
+                                                  args.swizzle == 8))
     return cudaErrorInvalidValue;
   if (ws_bytes < workspace(args.groups, args.sm_count, args.device)) return cudaErrorInvalidValue;
   detail::ArgArrays<K> none{};
@@ -247,7 +254,8 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, siz
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  const auto arguments = detail::make_arguments<K>(args.groups, arr, args.sm_count, args.device);
+  const auto arguments =
+      detail::make_arguments<K>(args.groups, arr, args.sm_count, args.device, args.raster_n, args.swizzle);
   typename K::Gemm gemm;
   cutlass::Status status = gemm.can_implement(arguments);
   if (status == cutlass::Status::kSuccess) status = gemm.initialize(arguments, base, stream);
