@@ -82,15 +82,11 @@ def operands(op, rows, n, k, groups, gen, device):
     return randn(rows, n), randn(rows, k)
 
 
-ORDERS = ("", ":n1", ":m4", ":n4")
-"""Scheduler tile orders timed with every tile configuration ("": along M, band 1)."""
-
-
-def interleaved(fns, args):
-    """Median ms of each of ``fns`` ({name: fn}), timed in alternation over ``args.rounds`` rounds
-    so that clock or temperature drift falls on all of them alike."""
+def interleaved(fns, args, rounds=None):
+    """Median ms of each of ``fns`` ({name: fn}), timed in alternation over ``rounds`` rounds
+    (default ``args.rounds``) so that clock or temperature drift falls on all of them alike."""
     samples = {name: [] for name in fns}
-    for r in range(args.rounds):
+    for r in range(rounds or args.rounds):
         for name, fn in fns.items():
             res = bench(fn, warmup=args.warmup if r == 0 else 1, repeats=args.repeats)
             samples[name] += res["all_ms"]
@@ -105,7 +101,7 @@ def run_shape(name, args, device, gemm, results):
     gen = torch.Generator().manual_seed(1234)
     offs = offsets(rows, groups, gen, device)
     shape_rows = {"shape": name, "groups": groups, "rows": rows, "ops": []}
-    variants = [tile + order for tile in gemm.CONFIGS for order in ORDERS]
+    variants = gemm.candidates()
     for proj, n, kk in (("up", 2 * F, M), ("down", M, F)):
         for op in ("fwd", "dgrad", "wgrad"):
             a, b = operands(op, rows, n, kk, groups, gen, device)
@@ -133,8 +129,16 @@ def run_shape(name, args, device, gemm, results):
             entry["best_config"] = best
             entry["best_ms"] = entry["configs"][best]["ms"]
             entry["speedup_vs_torch"] = t_torch / entry["best_ms"]
-            entry["default_config"] = gemm.DEFAULT_CONFIGS[op]
-            entry["default_speedup_vs_torch"] = t_torch / entry["configs"][gemm.DEFAULT_CONFIGS[op]]["ms"]
+            # Confirmation, in a second alternation: torch against what "auto" picks (its own timing on
+            # the first call), so the speedup is not the best of many noisy medians.
+            auto = lambda: gemm.grouped_mm(a, b, offs, op, "auto")  # noqa: E731
+            auto_out = auto()
+            entry["auto_config"] = [v for key, v in gemm.chosen_configs().items()
+                                    if key[0] == op and key[3] == n and key[4] == kk and key[2] == groups][-1]
+            entry["auto_bitwise"] = bool(torch.equal(auto_out, first))
+            confirm = interleaved({"torch": fns["torch"], "auto": auto}, args, rounds=args.confirm_rounds)
+            entry["confirm_torch_ms"], entry["confirm_auto_ms"] = confirm["torch"], confirm["auto"]
+            entry["auto_speedup_vs_torch"] = confirm["torch"] / confirm["auto"]
             entry["err_ok"] = all(c["rel_err"] <= 2 * entry["torch_rel_err"] + 1e-6 for c in entry["configs"].values())
             shape_rows["ops"].append(entry)
     # The whole SwiGLU expert on the same rows: torch._grouped_mm against ds_uniep's GEMM (its defaults).
@@ -171,6 +175,7 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds of alternation between the variants")
+    p.add_argument("--confirm-rounds", type=int, default=6, help="rounds of torch against the 'auto' choice")
     p.add_argument("--fewer-sms", type=int, default=100, help="SM count of the bitwise check with fewer SMs")
     p.add_argument("--out", default="bench_out/gemm")
     args = p.parse_args()
@@ -192,15 +197,16 @@ def main():
         json.dump({"device": torch.cuda.get_device_name(device), "ep": args.ep, "results": results}, f, indent=1)
     print(f"\nbench_grouped_gemm on {torch.cuda.get_device_name(device)} (ep {args.ep}); json: {path}")
     print(f"{'shape':14s} {'proj':4s} {'op':5s} {'torch ms':>8s} {'TF/s':>5s} {'ours ms':>8s} {'TF/s':>5s} "
-          f"{'best config':18s} {'speedup':>7s} {'default':>7s} {'err ok':>6s} {'bitwise*':>8s} {'=torch':>6s}")
+          f"{'best config':18s} {'speedup':>7s} {'auto config':18s} {'auto x':>6s} {'err ok':>6s} {'bitwise*':>8s} "
+          f"{'=torch':>6s}")
     for r in results:
         for e in r["ops"]:
             c = e["configs"][e["best_config"]]
             bit = all(v["repeat_bitwise"] and v["equals_first_config"] for v in e["configs"].values()) \
-                and e["fewer_sms_bitwise"]
+                and e["fewer_sms_bitwise"] and e["auto_bitwise"]
             print(f"{r['shape']:14s} {e['proj']:4s} {e['op']:5s} {e['torch_ms']:8.3f} {e['torch_tflops']:5.0f} "
                   f"{e['best_ms']:8.3f} {c['tflops']:5.0f} {e['best_config']:18s} {e['speedup_vs_torch']:7.2f} "
-                  f"{e['default_speedup_vs_torch']:7.2f} {str(e['err_ok']):>6s} {str(bit):>8s} {str(e['equals_torch_bitwise']):>6s}")
+                  f"{e['auto_config']:18s} {e['auto_speedup_vs_torch']:6.2f} {str(e['err_ok']):>6s} {str(bit):>8s} {str(e['equals_torch_bitwise']):>6s}")
         ex = r["expert"]
         print(f"{r['shape']:14s} SwiGLU expert fwd {ex['torch']['fwd_ms']:.3f} -> {ex['uniep']['fwd_ms']:.3f} ms "
               f"({ex['torch']['fwd_ms'] / ex['uniep']['fwd_ms']:.2f}x), fwd+bwd {ex['torch']['fwdbwd_ms']:.3f} -> "
@@ -208,8 +214,8 @@ def main():
               f"TFLOP/s fwd {ex['torch']['fwd_tflops']:.0f} -> {ex['uniep']['fwd_tflops']:.0f}, fwd+bwd "
               f"{ex['torch']['fwdbwd_tflops']:.0f} -> {ex['uniep']['fwdbwd_tflops']:.0f}; output rel diff "
               f"{ex['output_rel_diff']:.1e}")
-    print("* bitwise: every config equal to the first, each equal to its repeat, and equal with fewer SMs; "
-          "speedup: best config vs torch; default: DEFAULT_CONFIGS vs torch")
+    print("* bitwise: every config (and 'auto') equal to the first, each equal to its repeat, and equal with fewer "
+          "SMs; speedup: best of the first alternation vs torch; auto x: torch / 'auto' in a second alternation")
 
 
 if __name__ == "__main__":

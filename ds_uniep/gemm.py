@@ -11,12 +11,13 @@ device (the host never waits for the routing counts):
 - ``wgrad``: ``dw[g] = dy_g^T @ x_g`` (zero for a group without rows).
 
 bf16 operands, fp32 accumulation, one rounding to bf16. No split-K: every output element is a
-single CTA's k-ordered sum, so results are bitwise the same for every tile configuration and SM
-count (tests check it) and from run to run. :data:`CONFIGS` are the tile configurations built;
-:data:`DEFAULT_CONFIGS` picks one per operation (``bench_grouped_gemm.py`` measures them all).
+single CTA's k-ordered sum, so results are bitwise the same for every tile configuration, tile
+order and SM count (tests check it) and from run to run. :data:`CONFIGS` are the tile
+configurations built; :data:`DEFAULT_CONFIGS` lets the first call of each shape pick the fastest
+(``bench_grouped_gemm.py`` measures them all).
 """
 
-from typing import Mapping, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -28,8 +29,17 @@ CONFIGS = ("coop128x256", "coop256x128", "pingpong128x128")
 persistent scheduler's tile order after a colon: ``"coop128x256:n4"`` walks tiles along N in
 bands of 4 (``m``: along M, the default; band 1, 2, 4 or 8). Neither changes the values."""
 
-DEFAULT_CONFIGS = {"fwd": "coop128x256", "dgrad": "coop128x256", "wgrad": "coop128x256"}
-"""The configuration each operation runs with unless told otherwise."""
+ORDERS = ("", ":n1", ":m4", ":n4")
+"""Scheduler tile orders the automatic choice tries with every tile configuration."""
+
+DEFAULT_CONFIGS = {"fwd": "auto", "dgrad": "auto", "wgrad": "auto"}
+"""The configuration each operation runs with unless told otherwise. ``"auto"``: the first call
+of an (op, G, N, K, rows rounded up to a power of two) on a device times every tile
+configuration with every order of :data:`ORDERS` on that call's operands and keeps the fastest
+for the process. The values cannot change with the choice (see above), so choosing is safe on
+every rank independently."""
+
+_TUNED: Dict[Tuple, str] = {}
 
 
 def available(device) -> Tuple[bool, str]:
@@ -48,7 +58,7 @@ def _ops():
 
 
 def parse_config(config: str) -> Tuple[int, int, int]:
-    """``"tile[:<m|n><band>]"`` -> (tile index, raster along N?, swizzle band)."""
+    """``"tile[:<m|n><band>]"`` -> (tile index, raster along N?, swizzle band). (Not ``"auto"``.)"""
     tile, _, order = str(config).partition(":")
     if tile not in CONFIGS:
         raise ValueError(f"grouped GEMM config {config!r}: tile {tile!r} is not one of {CONFIGS}")
@@ -67,8 +77,45 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, op: str, config: Optional[str
     if op not in OPS:
         raise ValueError(f"grouped GEMM op {op!r} is not one of {tuple(OPS)}")
     config = DEFAULT_CONFIGS[op] if config is None else config
+    if config == "auto":
+        config = _choose(a, b, offs, op, sm_count)
     tile, raster_n, swizzle = parse_config(config)
     return _ops().grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
+
+
+def candidates():
+    """Every explicit configuration: each tile configuration with each order of :data:`ORDERS`."""
+    return [tile + order for tile in CONFIGS for order in ORDERS]
+
+
+def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3) -> str:
+    """The fastest of :func:`candidates` for this call's shape (cached; see :data:`DEFAULT_CONFIGS`)."""
+    n, k = (b.shape[1], b.shape[2]) if op != "wgrad" else (a.shape[1], b.shape[1])
+    rows = max(1, a.shape[0])
+    key = (op, a.device, offs.shape[0], n, k, 1 << (rows - 1).bit_length(), int(sm_count))
+    chosen = _TUNED.get(key)
+    if chosen is not None:
+        return chosen
+    ext = _ops()
+    timings = {}
+    for config in candidates():
+        tile, raster_n, swizzle = parse_config(config)
+        ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)  # warm-up
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+        events[0].record()
+        for i in range(repeats):
+            ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
+            events[i + 1].record()
+        events[-1].synchronize()
+        timings[config] = sorted(events[i].elapsed_time(events[i + 1]) for i in range(repeats))[repeats // 2]
+    chosen = min(timings, key=timings.get)
+    _TUNED[key] = chosen
+    return chosen
+
+
+def chosen_configs() -> Dict[Tuple, str]:
+    """The automatic choices made so far: {(op, device, G, N, K, rows bucket, sm_count): config}."""
+    return dict(_TUNED)
 
 
 class _GroupedLinear(torch.autograd.Function):
@@ -105,5 +152,6 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
     for op, config in merged.items():
         if op not in OPS:
             raise ValueError(f"grouped_linear: configs names unknown op {op!r} (ops: {tuple(OPS)})")
-        parse_config(config)
+        if config != "auto":
+            parse_config(config)
     return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged)

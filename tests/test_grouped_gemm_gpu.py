@@ -1,6 +1,6 @@
 """ds_uniep's grouped GEMM (fwd, dgrad, wgrad) on one Hopper GPU.
 
-Every op and tile configuration against an fp32 reference computed group by group, at most
+Every op, tile configuration and tile order (and the automatic choice) against an fp32 reference computed group by group, at most
 2x the error ``torch._grouped_mm`` itself has; bitwise equal across configurations, SM counts
 and repeats; row counts 1, 19, 4096, empty groups, all rows in one group. Then its autograd
 and the SwiGLU / GeLU experts on it against the ``torch._grouped_mm`` path. Inputs are
@@ -87,7 +87,7 @@ def test_every_config_matches_reference_and_each_other(op, counts_name):
     ref = _reference(op, a, b, counts)
     torch_err = _err(_torch(op, a, b, offs), ref)
     first = None
-    for config in gemm.CONFIGS:
+    for config in gemm.candidates() + ["auto"]:
         out = gemm.grouped_mm(a, b, offs, op, config)
         assert out.shape == ref.shape
         assert torch.isfinite(out).all()
@@ -95,7 +95,7 @@ def test_every_config_matches_reference_and_each_other(op, counts_name):
         assert err <= 2 * torch_err + 1e-6, f"{op} {config}: rel err {err:.2e}, torch's {torch_err:.2e}"
         assert torch.equal(out, gemm.grouped_mm(a, b, offs, op, config)), f"{op} {config}: repeat differs"
         first = out if first is None else first
-        assert torch.equal(out, first), f"{op} {config} differs from {gemm.CONFIGS[0]}"
+        assert torch.equal(out, first), f"{op} {config} differs from {gemm.candidates()[0]}"
     assert torch.equal(gemm.grouped_mm(a, b, offs, op, gemm.CONFIGS[0], sm_count=7), first), \
         "the result depends on the SM count"
     if op == "wgrad":  # groups without rows get zero gradients
