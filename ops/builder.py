@@ -23,6 +23,8 @@ GENCODE = ["-gencode=arch=compute_90a,code=sm_90a"]
 # assert is a function call inside the wgmma pipeline, which ptxas then serialises (C7510).
 KERNEL_NVCC_FLAGS = [
     "-DNDEBUG",
+    # Keep CUTLASS's template symbols private to this extension: torch links its own CUTLASS.
+    "-Xcompiler=-fvisibility=hidden",
     "--expt-relaxed-constexpr",
     "-U__CUDA_NO_HALF_OPERATORS__",
     "-U__CUDA_NO_HALF_CONVERSIONS__",
@@ -49,13 +51,17 @@ def adapter_sources() -> List[str]:
 
 def cutlass_include() -> Optional[str]:
     """``.../cutlass_library/source/include`` of the installed wheel, or None (the grouped GEMM
-    needs it; ``build_requirements`` says so)."""
-    try:
-        import cutlass_library
-    except ImportError:
+    needs it; ``build_requirements`` says so). Found without importing the package, whose
+    import pulls in CUTLASS's whole Python generator."""
+    import importlib.util
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
         return None
-    path = os.path.join(os.path.dirname(os.path.abspath(cutlass_library.__file__)), "source", "include")
-    return path if os.path.isdir(os.path.join(path, "cute")) else None
+    for root in spec.submodule_search_locations:
+        path = os.path.join(root, "source", "include")
+        if os.path.isdir(os.path.join(path, "cute")):
+            return path
+    return None
 
 
 def cxx_standard() -> str:
@@ -103,7 +109,7 @@ class UniEPBuilder(CUDAOpBuilder):
         return ok and super().is_compatible(verbose)
 
     def cxx_args(self):
-        return ["-O3", cxx_standard(), "-Wno-reorder"]
+        return ["-O3", cxx_standard(), "-Wno-reorder", "-fvisibility=hidden"]
 
     def nvcc_args(self):
         # No --use_fast_math: combine's fp32 sums must round exactly like the reference's.
