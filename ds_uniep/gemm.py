@@ -76,11 +76,45 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, op: str, config: Optional[str
     :data:`DEFAULT_CONFIGS`; ``sm_count`` caps the SMs the persistent kernel uses (0: all)."""
     if op not in OPS:
         raise ValueError(f"grouped GEMM op {op!r} is not one of {tuple(OPS)}")
+    _check(a, b, offs, op, sm_count)
     config = DEFAULT_CONFIGS[op] if config is None else config
     if config == "auto":
         config = _choose(a, b, offs, op, sm_count)
     tile, raster_n, swizzle = parse_config(config)
     return _ops().grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
+
+
+def _check(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int) -> None:
+    """Every input rule of the kernels, raised here as Python errors naming the tensor."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Tensor) or t.dtype != torch.bfloat16:
+            raise TypeError(f"grouped GEMM {op}: {name} must be a bf16 tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+        if not t.is_cuda or not t.is_contiguous():
+            raise ValueError(f"grouped GEMM {op}: {name} must be a contiguous CUDA tensor")
+    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1 or offs.device != a.device:
+        raise ValueError(f"grouped GEMM {op}: offs must be a non-empty [G] int32 tensor on {a.device}, got "
+                         f"{offs.dtype} {tuple(offs.shape)} on {offs.device}")
+    if b.device != a.device or a.dim() != 2:
+        raise ValueError(f"grouped GEMM {op}: a must be [R, *] and on b's device")
+    groups = offs.numel()
+    if op == "wgrad":
+        if b.dim() != 2 or b.shape[0] != a.shape[0]:
+            raise ValueError(f"grouped GEMM wgrad: x must be [R, K] with the R of dy ({a.shape[0]}), got "
+                             f"{tuple(b.shape)}")
+        n, k = a.shape[1], b.shape[1]
+    else:
+        if b.dim() != 3 or b.shape[0] != groups:
+            raise ValueError(f"grouped GEMM {op}: w must be [G, N, K] with G = {groups}, got {tuple(b.shape)}")
+        n, k = b.shape[1], b.shape[2]
+        want = k if op == "fwd" else n
+        if a.shape[1] != want:
+            raise ValueError(f"grouped GEMM {op}: a must have {want} columns, got {tuple(a.shape)}")
+    if n % 8 or k % 8:
+        raise ValueError(f"grouped GEMM {op}: N and K must be multiples of 8 (16-byte rows), got N={n} K={k}")
+    if sm_count and (sm_count < 2 or sm_count % 2):
+        raise ValueError(f"grouped GEMM {op}: sm_count must be 0 (all SMs) or an even number (the kernels run "
+                         f"2-CTA clusters), got {sm_count}")
 
 
 def candidates():

@@ -216,6 +216,7 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, siz
   if (cutlass_status) *cutlass_status = 0;
   if (args.groups <= 0 || args.n <= 0 || args.k <= 0 || args.n % detail::kAlign || args.k % detail::kAlign)
     return cudaErrorInvalidValue;
+  if (args.sm_count < 0 || args.sm_count % 2) return cudaErrorInvalidValue;  // 2-CTA clusters
   if (args.raster_n < 0 || args.raster_n > 1 || !(args.swizzle == 1 || args.swizzle == 2 || args.swizzle == 4 ||
                                                   args.swizzle == 8))
     return cudaErrorInvalidValue;
