@@ -8,7 +8,9 @@ are measured in the same run:
 
 - stock: ``deepspeed.moe.layer.MoE`` (dropless, so it pads every expert to the largest count);
 - reference: ``UniEPMoE`` with ``"backend": "reference"`` (sort + ``all_to_all_single`` + grouped GEMM);
-- megakernel: ``UniEPMoE`` with ``"backend": "megakernel"`` where it can run (else the row says why not);
+- megakernel: ``UniEPMoE`` with ``"backend": "megakernel"`` where it can run (else the row says why not),
+  its experts on ds_uniep's grouped GEMM (``"expert_gemm": "auto"``);
+- megakernel-torch-gemm: the same with ``"expert_gemm": "torch"`` (what the GEMM alone changes);
 - practical bound: max(expert GEMMs alone through ``torch._grouped_mm`` on the same rows,
   dispatch+combine bytes at the peer copy bandwidth);
 - physical bound: max(expert FLOPs / dense bf16 GEMM rate, the same bytes / peer copy bandwidth).
@@ -47,8 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=None, help="override E (default: the shape's; dsv3-like: "
                    "32 up to ep 4, 256 from ep 8)")
     p.add_argument("--tokens", type=int, default=None, help="override T tokens per rank")
-    p.add_argument("--backends", nargs="+", default=["stock", "reference", "megakernel"],
-                   choices=["stock", "reference", "megakernel"])
+    p.add_argument("--backends", nargs="+", default=["stock", "reference", "megakernel", "megakernel-torch-gemm"],
+                   choices=["stock", "reference", "megakernel", "megakernel-torch-gemm"])
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
@@ -111,11 +113,13 @@ def build_layers(shape, E, ep, backends, status):
         if name == "stock":
             layer = copy.deepcopy(proto)
         else:
-            if name == "megakernel" and not status[0]:
+            if name.startswith("megakernel") and not status[0]:
                 continue
+            config = {"backend": "megakernel", "expert_gemm": "torch"} if name == "megakernel-torch-gemm" \
+                else {"backend": name}
             layer = UniEPMoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep,
                              k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
-                             top2_2nd_expert_sampling=False, config={"backend": name})
+                             top2_2nd_expert_sampling=False, config=config)
             layer.load_state_dict(proto.state_dict())
         layer = layer.cuda().to(torch.bfloat16)
         layer.deepspeed_moe.gate.wg.float()  # DeepSpeed computes the gate in fp32 either way
@@ -319,15 +323,15 @@ def main(argv=None):
 def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
-    head = ["shape", "mode", "stock", "reference", "megakernel", "gemm alone", "practical", "physical",
-            "best/stock", "best/practical"]
+    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "gemm alone", "practical",
+            "physical", "best/stock", "best/practical"]
     print(" | ".join(head))
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
-        for k in ("stock_ms", "reference_ms", "megakernel_ms", "gemm_alone_ms", "practical_bound_ms",
-                  "physical_bound_ms"):
+        for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "gemm_alone_ms",
+                  "practical_bound_ms", "physical_bound_ms"):
             cells.append(f"{r[k]:.2f}" if k in r else "-")
-        ours = [r[k] for k in ("reference_ms", "megakernel_ms") if k in r]
+        ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms") if k in r]
         best = min(ours) if ours else None
         cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
         cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")

@@ -122,7 +122,7 @@ def candidates():
     return [tile + order for tile in CONFIGS for order in ORDERS]
 
 
-def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3) -> str:
+def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3, rounds: int = 3) -> str:
     """The fastest of :func:`candidates` for this call's shape (cached; see :data:`DEFAULT_CONFIGS`)."""
     n, k = (b.shape[1], b.shape[2]) if op != "wgrad" else (a.shape[1], b.shape[1])
     rows = max(1, a.shape[0])
@@ -131,17 +131,21 @@ def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats:
     if chosen is not None:
         return chosen
     ext = _ops()
-    timings = {}
-    for config in candidates():
-        tile, raster_n, swizzle = parse_config(config)
-        ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)  # warm-up
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
-        events[0].record()
-        for i in range(repeats):
-            ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
-            events[i + 1].record()
-        events[-1].synchronize()
-        timings[config] = sorted(events[i].elapsed_time(events[i + 1]) for i in range(repeats))[repeats // 2]
+    configs = candidates()
+    samples: Dict[str, list] = {c: [] for c in configs}
+    for rnd in range(rounds):  # alternate, so clock drift falls on every candidate alike
+        for config in configs:
+            tile, raster_n, swizzle = parse_config(config)
+            if rnd == 0:
+                ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)  # warm-up
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(repeats + 1)]
+            events[0].record()
+            for i in range(repeats):
+                ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
+                events[i + 1].record()
+            events[-1].synchronize()
+            samples[config] += [events[i].elapsed_time(events[i + 1]) for i in range(repeats)]
+    timings = {c: sorted(v)[len(v) // 2] for c, v in samples.items()}
     chosen = min(timings, key=timings.get)
     _TUNED[key] = chosen
     return chosen
