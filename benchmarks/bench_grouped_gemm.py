@@ -5,8 +5,9 @@
 
 Per shape (at ``--ep`` ranks: G = E / ep local experts, R = T * k received rows per rank, each
 row routed to a uniformly random local expert, so groups are close to but not exactly even):
-the SwiGLU expert's two projections, ``up`` (w1 and w3 as one [2F, M] weight per expert) and
-``down`` (w2, [M, F]), each as ``fwd``, ``dgrad`` and ``wgrad``, on random normal bf16 data:
+the SwiGLU expert's two projection shapes, ``up`` (w1 and w3 stacked as one [2F, M] weight per
+expert) and ``down`` (w2, [M, F]), each as ``fwd``, ``dgrad`` and ``wgrad``, on random normal bf16
+data:
 
 - ``torch._grouped_mm`` in the layouts torch's own autograd uses;
 - ds_uniep's grouped GEMM (:mod:`ds_uniep.gemm`) with every tile configuration, each with the

@@ -78,29 +78,6 @@ def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor) -> bool:
         all(d % 8 == 0 for p in params for d in p.shape)
 
 
-class _SwiGLUHalves(torch.autograd.Function):
-    """``silu(h[:, :F]) * h[:, F:]`` of one ``[R, 2F]`` up-projection output (w1 and w3 as one
-    GEMM). Backward writes both halves of the gradient into one ``[R, 2F]`` tensor with the same
-    kernels torch's autograd of ``silu(a) * b`` runs, so the values are those of the unfused form."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor) -> Tensor:
-        f = h.shape[1] // 2
-        a, b = h[:, :f], h[:, f:]
-        ctx.save_for_backward(h)
-        return F.silu(a) * b
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (h, ) = ctx.saved_tensors
-        f = h.shape[1] // 2
-        a, b = h[:, :f], h[:, f:]
-        dh = torch.empty_like(h)
-        torch.ops.aten.silu_backward.grad_input(grad * b, a, grad_input=dh[:, :f])
-        torch.mul(grad, F.silu(a), out=dh[:, f:])
-        return dh
-
-
 def _stacked(linears: Sequence[nn.Linear]) -> Tensor:
     return torch.stack([lin.weight for lin in linears])  # [L, N, K]
 
@@ -109,11 +86,10 @@ def _run_grouped_uniep(experts: Sequence[nn.Module], recv: Tensor, counts: Tenso
                        configs=None) -> Tensor:
     from .gemm import grouped_linear
     if isinstance(experts[0], SwiGLUExpert):
-        # w1 and w3 of each expert stacked as one [2F, M] weight (one copy, as the stack is anyway).
-        ffn, hidden = experts[0].w1.weight.shape
-        w13 = torch.stack([w for e in experts for w in (e.w1.weight, e.w3.weight)]).view(len(experts), 2 * ffn, hidden)
-        act = _SwiGLUHalves.apply(grouped_linear(recv, w13, offs, configs))
-        return grouped_linear(act, _stacked([e.w2 for e in experts]), offs, configs)
+        # The same three GEMMs and elementwise ops as the torch._grouped_mm path, on ds_uniep's GEMM.
+        h = F.silu(grouped_linear(recv, _stacked([e.w1 for e in experts]), offs, configs)) * \
+            grouped_linear(recv, _stacked([e.w3 for e in experts]), offs, configs)
+        return grouped_linear(h, _stacked([e.w2 for e in experts]), offs, configs)
 
     def linear(x, linears):
         y = grouped_linear(x, _stacked(linears), offs, configs)
