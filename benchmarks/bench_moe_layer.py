@@ -9,8 +9,8 @@ are measured in the same run:
 - stock: ``deepspeed.moe.layer.MoE`` (dropless, so it pads every expert to the largest count);
 - reference: ``UniEPMoE`` with ``"backend": "reference"`` (sort + ``all_to_all_single`` + grouped GEMM);
 - megakernel: ``UniEPMoE`` with ``"backend": "megakernel"`` where it can run (else the row says why not),
-  its experts on ds_uniep's grouped GEMM (``"expert_gemm": "auto"``);
-- megakernel-torch-gemm: the same with ``"expert_gemm": "torch"`` (what the GEMM alone changes);
+  its experts on ds_uniep's grouped GEMM (``"expert_gemm": "uniep"``);
+- megakernel-torch-gemm: the same with ``"expert_gemm": "torch"`` (the default; what the GEMM alone changes);
 - practical bound: max(expert GEMMs alone through ``torch._grouped_mm`` on the same rows,
   dispatch+combine bytes at the peer copy bandwidth);
 - physical bound: max(expert FLOPs / dense bf16 GEMM rate, the same bytes / peer copy bandwidth).
@@ -116,7 +116,7 @@ def build_layers(shape, E, ep, backends, status):
             if name.startswith("megakernel") and not status[0]:
                 continue
             config = {"backend": "megakernel", "expert_gemm": "torch"} if name == "megakernel-torch-gemm" \
-                else {"backend": name}
+                else {"backend": "megakernel", "expert_gemm": "uniep"} if name == "megakernel" else {"backend": name}
             layer = UniEPMoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep,
                              k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
                              top2_2nd_expert_sampling=False, config=config)

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of ds_uniep, on one host with N >= 2 GPUs:
-#   bash benchmarks/gpu_checks.sh OUTDIR [tests] [dispatch] [layer] [commfuse] [hybrid] [gpt]   (default: all)
+#   bash benchmarks/gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [commfuse] [hybrid] [gpt]   (default: all)
 # GPU tests (kernels, megakernel vs reference layer, determinism over NCCL,
 # CommFuse over NCCL), then the benchmarks, then a 20-step GPT-MoE training run
 # per backend. Each step's log goes to OUTDIR; a summary is printed last.
 set -u
-OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [dispatch] [layer] [commfuse] [hybrid] [gpt]}
+OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [commfuse] [hybrid] [gpt]}
 shift
-WANT=" ${*:-tests dispatch layer commfuse hybrid gpt} "
+WANT=" ${*:-tests gemm dispatch layer commfuse hybrid gpt} "
 want() { [[ $WANT == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cuda NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,18 +24,20 @@ step() {  # step NAME CMD...
   tail -n 25 "$OUT/$name.log"
 }
 
-want tests && step tests python3 -m pytest -q -rs tests/test_nvlink_kernels.py tests/test_megakernel_layer.py \
-  tests/test_determinism.py tests/test_commfuse.py tests/test_tuning_gpu.py
+want tests && step tests python3 -m pytest -q -rs tests/test_grouped_gemm_gpu.py tests/test_nvlink_kernels.py \
+  tests/test_megakernel_layer.py tests/test_determinism.py tests/test_commfuse.py tests/test_tuning_gpu.py
+want gemm && step bench_grouped_gemm python3 benchmarks/bench_grouped_gemm.py --out "$OUT/gemm"
 want dispatch && step bench_dispatch torchrun --nproc_per_node "$NGPU" benchmarks/bench_dispatch.py --out "$OUT/dispatch.json"
 want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/bench_moe_layer.py --autotune --out "$OUT"
 want commfuse && step bench_commfuse torchrun --nproc_per_node "$NGPU" benchmarks/bench_commfuse.py --out "$OUT/commfuse"
 want hybrid && [[ $NGPU -eq 4 ]] && step bench_hybrid torchrun --nproc_per_node 4 benchmarks/bench_hybrid.py --out "$OUT/hybrid"
 want gpt && for backend in deepspeed reference megakernel megakernel_again; do
+  gemm_flag=(); [[ $backend == megakernel* ]] && gemm_flag=(--expert-gemm uniep)
   step "gpt_$backend" python3 -m deepspeed.launcher.runner --num_gpus "$NGPU" examples/gpt_moe/train.py \
     --deepspeed_config configs/ds_config_uniep_zero0_bf16.json --num-experts $((2 * NGPU)) \
     --moe-expert-parallel-size "$NGPU" --topk 2 --train-iters 20 --hidden-size 256 --num-attention-heads 4 \
     --seq-length 256 --eval-interval 1000 --log-interval 5 --backend "${backend%_again}" \
-    --loss-log "$OUT/loss_$backend.json"
+    --loss-log "$OUT/loss_$backend.json" "${gemm_flag[@]}"
 done
 
 echo "=== summary (ngpu=$NGPU)"

@@ -167,12 +167,12 @@ class UniEPConfig(_Block):
         True, description="Keep the fixed token order; results are bitwise identical run to run.")
     max_tokens_per_rank: int = Field(
         8192, ge=1, description="Largest token count one rank feeds a layer; sizes the symmetric buffers.")
-    expert_gemm: Literal["auto", "torch", "uniep"] = Field(
-        "auto",
-        description="Grouped GEMM of recognised bf16 MLP experts (SwiGLU, GeLU): torch: torch._grouped_mm; "
-        "uniep: ds_uniep's own (CUTLASS wgmma kernels, Hopper; tile configuration chosen per shape on first use, "
-        "values identical for every choice); auto: uniep on the megakernel backend, torch otherwise. HybridEP and "
-        "expert tensor parallelism run on torch.")
+    expert_gemm: Literal["torch", "uniep"] = Field(
+        "torch",
+        description="Grouped GEMM of recognised bf16 MLP experts (SwiGLU, GeLU): torch: torch._grouped_mm; uniep: "
+        "ds_uniep's own (CUTLASS wgmma kernels, Hopper; tile configuration chosen per shape on first use, values "
+        "identical for every choice). torch stays the default while uniep is not faster inside the layer at every "
+        "shape measured. HybridEP and expert tensor parallelism run on torch.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the current "
                                    "megakernel backend runs dispatch, grouped GEMM and combine in sequence and reads "

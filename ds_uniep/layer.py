@@ -210,7 +210,7 @@ class UniEPMoE(MoE):
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
                                        self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)
         else:
-            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, gemm=self._expert_gemm(dispatcher))
+            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, gemm=self._expert_gemm())
         output = dispatcher.combine(y, gates, handle)
         if tp > 1:
             output = tp_gather(output, sizes, tp_rank, tp_group)
@@ -224,14 +224,10 @@ class UniEPMoE(MoE):
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
         return output, l_aux, exp_counts
 
-    def _expert_gemm(self, dispatcher) -> str:
-        """``"torch"`` or ``"uniep"`` from ``uniep.expert_gemm`` (see the config field)."""
-        choice = self.uniep_config.expert_gemm
-        if choice == "torch":
+    def _expert_gemm(self) -> str:
+        """``"torch"`` or ``"uniep"`` from ``uniep.expert_gemm``; ``"uniep"`` checks it can run here."""
+        if self.uniep_config.expert_gemm == "torch":
             return "torch"
-        from .megakernel import NVLinkDispatcher
-        if choice == "auto":
-            return "uniep" if isinstance(dispatcher, NVLinkDispatcher) else "torch"
         from . import gemm
         device = next(iter(self.deepspeed_moe.experts.parameters())).device
         ok, why = gemm.available(device)

@@ -29,6 +29,12 @@ def test_wrong_hidden_size_names_both_sizes():
         layer(torch.randn(5, 6))
 
 
+def test_uniep_gemm_where_it_cannot_run_is_explained():
+    layer = UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "reference", "expert_gemm": "uniep"})
+    with pytest.raises(RuntimeError, match=r'"expert_gemm": "uniep" cannot run on cpu: device cpu is not a CUDA'):
+        layer(torch.randn(5, 8))
+
+
 def test_missing_group_is_explained():
     layer = UniEPMoE(8, MLP(8, 8), num_experts=2, ep_size=2, config={"backend": "reference"})
     with pytest.raises(RuntimeError, match="deepspeed.initialize or call set_deepspeed_parallelism"):

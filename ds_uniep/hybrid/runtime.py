@@ -292,11 +292,8 @@ class DomainGather:
         self.transfer = pacing.start(group, [nbytes] * S, [nbytes] * S, self.device) if pacing is not None \
             else None
 
-    def wait(self) -> List[Tensor]:
-        for w in self.works:
-            w.wait()
-        if self.pacing is not None:
-            self.pacing.finish(self.transfer, self.device)
+    def stacked(self) -> List[Tensor]:
+        """``[S, ...]`` views of the gathered buffers, one per local tensor; valid after :meth:`wait`."""
         out: List[Optional[Tensor]] = [None] * len(self.local)
         for idx, buf in zip(self.buckets, self.outs):
             off = 0
@@ -305,6 +302,13 @@ class DomainGather:
                 out[i] = buf[:, off:off + n].view(self.S, *self.local[i].shape)
                 off += n
         return out
+
+    def wait(self) -> List[Tensor]:
+        for w in self.works:
+            w.wait()
+        if self.pacing is not None:
+            self.pacing.finish(self.transfer, self.device)
+        return self.stacked()
 
 
 def _buckets(tensors: Sequence[Tensor]) -> List[List[int]]:
@@ -315,34 +319,85 @@ def _buckets(tensors: Sequence[Tensor]) -> List[List[int]]:
     return list(by_dtype.values())
 
 
-class _GatherDomain(torch.autograd.Function):
-    """Forward: the ``[S, ...]`` replicas of each local tensor that a :class:`DomainGather` brought.
-    Backward: the owner's gradient is the sum of the S replica gradients, added in domain-rank order
-    in fp32, after one asynchronous all-to-all per dtype; with pacing, its inter-site bytes are a
-    background transfer that the rank waits for at the end of the backward pass."""
+class _OwnerSum(torch.autograd.Function):
+    """First half of the gather's autograd, applied when the gather is issued (before the router).
+
+    Forward: the in-flight ``[S, ...]`` buffers of each local tensor (not waited for; only
+    :class:`_ReplicaViews` reads them, after :meth:`DomainGather.wait`). Backward: the owner's
+    gradient, the S gradients of its tensor that :class:`_ReplicaViews` exchanged, added in
+    domain-rank order in fp32. Autograd runs a node after every node created later, so this sum
+    runs at the end of the layer's backward (after the dispatch-gradient all-to-all and the router's
+    backward), while the exchange, issued right after the expert backward, has been on the links
+    meanwhile."""
 
     @staticmethod
-    def forward(ctx, gathered: DomainGather, counter: Optional[Dict[str, int]], *local: Tensor):
+    def forward(ctx, gathered: "DomainGather", counter: Optional[Dict[str, int]], *local: Tensor):
         ctx.gathered, ctx.counter = gathered, counter
-        return tuple(gathered.wait())
+        return tuple(gathered.stacked())
+
+    @staticmethod
+    def backward(ctx, *parts: Tensor):
+        gathered = ctx.gathered
+        local = gathered.local
+        result: List[Optional[Tensor]] = [None] * len(local)
+        for idx, part, w in zip(gathered.buckets, gathered.grad_parts, gathered.grad_works):
+            w.wait()
+            # fp32, in domain-rank order: the same sums as 0 + part[0] + part[1] + ... (an fp32 part
+            # is summed in place: the buffer is this rank's and read by nobody else).
+            acc = part[0].float()
+            for j in range(1, part.shape[0]):
+                acc.add_(part[j])
+            off = 0
+            for i in idx:
+                n = local[i].numel()
+                piece = acc[off:off + n].view(local[i].shape)
+                result[i] = piece.to(local[i].dtype) if local[i].dtype != torch.float32 else piece.clone()
+                off += n
+        gathered.grad_parts = gathered.grad_works = None
+        if ctx.counter is not None:
+            ctx.counter["owner_reductions"] = ctx.counter.get("owner_reductions", 0) + 1
+        return (None, None) + tuple(result)
+
+
+class _ReplicaViews(torch.autograd.Function):
+    """Second half, applied when the experts need the replicas: waits for the gather and returns one
+    tensor per replica and local tensor (``[s * n + i]``: domain rank s's copy of tensor i), views of
+    the gathered buffers. Backward: the replica gradients, laid end to end per dtype, go back to
+    their owners in one asynchronous all-to-all per dtype, issued at once (with pacing, its
+    inter-site bytes are a background transfer that the rank waits for at the end of the backward
+    pass); the gradients handed to :class:`_OwnerSum` are the all-to-all's output buffers, which it
+    reads only after waiting for the all-to-all."""
+
+    @staticmethod
+    def forward(ctx, gathered: "DomainGather", *stacked: Tensor):
+        ctx.gathered = gathered
+        gathered.wait()
+        S, n = gathered.S, len(stacked)
+        return tuple(stacked[i][s] for s in range(S) for i in range(n))
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
         gathered, S = ctx.gathered, ctx.gathered.S
         local = gathered.local
-        result: List[Optional[Tensor]] = [None] * len(local)
-        sends, parts, works = [], [], []
+        n = len(local)
+        parts, works, out = [], [], [None] * n
         nbytes = 0
         for idx in gathered.buckets:
-            # send[i]: this rank's gradients of domain rank i's tensors. After the all-to-all,
-            # part[j] = rank j's gradients of this rank's tensors; they are added in rank order.
-            send = torch.cat([(grads[i] if grads[i] is not None else local[i].new_zeros((S, ) + local[i].shape))
-                              .reshape(S, -1) for i in idx], dim=1)
+            # send[s]: this rank's gradients of domain rank s's tensors. After the all-to-all,
+            # part[j] = rank j's gradients of this rank's tensors.
+            send = torch.cat([(grads[s * n + i] if grads[s * n + i] is not None
+                               else local[i].new_zeros(local[i].shape)).reshape(-1)
+                              for s in range(S) for i in idx]).view(S, -1)
             part = torch.empty_like(send)
             works.append(torch_dist.all_to_all_single(part, send, group=gathered.group, async_op=True))
-            sends.append(send)
             parts.append(part)
             nbytes += send[0].numel() * send.element_size()
+            off = 0
+            for i in idx:
+                k = local[i].numel()
+                out[i] = part[:, off:off + k].view(S, *local[i].shape)
+                off += k
+        gathered.grad_parts, gathered.grad_works = parts, works
         pacing = gathered.pacing
         if pacing is not None:
             device = local[0].device
@@ -350,20 +405,7 @@ class _GatherDomain(torch.autograd.Function):
             if transfer is not None:  # the gradients are the owner's once the bytes have crossed
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: pacing.finish(transfer, device))
-        for idx, part, w in zip(gathered.buckets, parts, works):
-            w.wait()
-            acc = torch.zeros(part.shape[1], dtype=torch.float32, device=part.device)
-            for j in range(S):
-                acc = acc + part[j].float()
-            off = 0
-            for i in idx:
-                n = local[i].numel()
-                piece = acc[off:off + n].view(local[i].shape)
-                result[i] = piece.to(local[i].dtype) if local[i].dtype != torch.float32 else piece.clone()
-                off += n
-        if ctx.counter is not None:
-            ctx.counter["owner_reductions"] = ctx.counter.get("owner_reductions", 0) + 1
-        return (None, None) + tuple(result)
+        return (None, ) + tuple(out)
 
 
 def _compressed_replicas(stacked: Sequence[Tensor], num_params: int, offset: int, ratio: float) -> List[Tensor]:
@@ -397,7 +439,7 @@ class HybridExperts:
                                               groups.offset_group, rank=groups.domain)
         self.pacing = None
         self.set_pacing(pacing)
-        self._inflight: Optional[DomainGather] = None
+        self._inflight: Optional[tuple] = None  # (DomainGather, its _OwnerSum outputs)
         #: Backward passes that reduced replica gradients to their owners (tests count them).
         self.counter: Dict[str, int] = {}
 
@@ -408,26 +450,31 @@ class HybridExperts:
 
     def prefetch(self) -> None:
         """Issue the gather of the domain's expert weights now (asynchronous); :meth:`gather` waits
-        for it. The layer calls this first in its forward, before the router."""
+        for it. The layer calls this first in its forward, before the router. The autograd node that
+        sums the returned replica gradients is made here too, so that it runs at the end of the
+        layer's backward (see :class:`_OwnerSum`)."""
         g = self.groups
         if self._inflight is not None:  # issued and never used (a forward that stopped early)
-            self._inflight.wait()
-        self._inflight = DomainGather([p for e in self.experts for p in e.parameters()], g.domain_group,
-                                      g.domain_size, self.pacing)
+            self._inflight[0].wait()
+        gathered = DomainGather([p for e in self.experts for p in e.parameters()], g.domain_group,
+                                g.domain_size, self.pacing)
+        self._inflight = (gathered, _OwnerSum.apply(gathered, self.counter, *gathered.local))
 
     def gather(self) -> List[Dict[str, Tensor]]:
         """``[S * L]`` parameter dicts, domain expert order (owner offset, then local index)."""
         g = self.groups
         if self._inflight is None:
             self.prefetch()
-        gathered, self._inflight = self._inflight, None
-        stacked = _GatherDomain.apply(gathered, self.counter, *gathered.local)
-        P = len(self.names)
+        (gathered, stacked), self._inflight = self._inflight, None
+        replicas = _ReplicaViews.apply(gathered, *stacked)  # [s * n + t]: rank s's copy of local tensor t
+        P, L, S = len(self.names), len(self.experts), g.domain_size
+        n = P * L
         if self.compression_ratio is not None:
-            stacked = _compressed_replicas(stacked, P, g.offset, self.compression_ratio)
-        L = len(self.experts)
-        return [{name: stacked[l * P + i][s] for i, name in enumerate(self.names)}
-                for s in range(g.domain_size) for l in range(L)]
+            joined = [torch.stack([replicas[s * n + t] for s in range(S)]) for t in range(n)]
+            joined = _compressed_replicas(joined, P, g.offset, self.compression_ratio)
+            replicas = [joined[t][s] for s in range(S) for t in range(n)]
+        return [{name: replicas[s * n + l * P + i] for i, name in enumerate(self.names)}
+                for s in range(S) for l in range(L)]
 
     def run(self, recv: Tensor, counts: Tensor) -> Tensor:
         params = self.gather()

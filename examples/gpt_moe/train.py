@@ -67,6 +67,8 @@ def get_args(argv=None):
                    help="separate optimizer groups for expert parameters (needed with ZeRO)")
     g.add_argument("--backend", choices=["reference", "megakernel", "deepspeed"], default="reference",
                    help="deepspeed: stock deepspeed.moe.layer.MoE; reference/megakernel: UniEPMoE's backend")
+    g.add_argument("--expert-gemm", choices=["torch", "uniep"], default=None,
+                   help='sets "uniep": {"expert_gemm": ...} over the ds_config (default: the config\'s)')
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=200)
     g.add_argument("--lr", type=float, default=3e-3)
@@ -96,14 +98,16 @@ def get_args(argv=None):
     return args
 
 
-def moe_class_for(backend: str, ds_config_path: str):
-    """The MoE class the model is built with; the only thing ``--backend`` changes."""
+def moe_class_for(backend: str, ds_config_path: str, expert_gemm=None):
+    """The MoE class the model is built with, from ``--backend`` (and ``--expert-gemm``)."""
     if backend == "deepspeed":
         return MoE
     from ds_uniep import UniEPConfig, UniEPMoE
     with open(ds_config_path) as f:
         block = dict(json.load(f).get("uniep", {}))
     block["backend"] = backend
+    if expert_gemm is not None:
+        block["expert_gemm"] = expert_gemm
     return functools.partial(UniEPMoE, config=UniEPConfig.from_dict(block))
 
 
@@ -139,7 +143,7 @@ def main(argv=None):
               f"(train {len(splits.train):,} / held-out {len(splits.valid):,})", flush=True)
 
     torch.manual_seed(args.seed)
-    moe_class = moe_class_for(args.backend, args.deepspeed_config)
+    moe_class = moe_class_for(args.backend, args.deepspeed_config, args.expert_gemm)
     model = GPTModel(args, VOCAB_SIZE, moe_class=moe_class, ep_rank=rank % args.moe_expert_parallel_size)
 
     params = {"params": [p for p in model.parameters() if p.requires_grad], "name": "params"}
