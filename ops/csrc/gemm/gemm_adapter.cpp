@@ -1,4 +1,4 @@
-// Grouped GEMM family: tensor checks, output and workspace allocation, device guard and stream.
+// Grouped GEMM family: tensor checks, output allocation, device guard and stream.
 #include "../adapters.h"
 #include "../host_utils.h"
 #include "grouped_gemm.cuh"
@@ -63,12 +63,9 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
   args.device = a.get_device();
   args.raster_n = static_cast<int>(raster_n);
   args.swizzle = static_cast<int>(swizzle);
-  const size_t bytes = gemm::grouped_gemm_workspace(static_cast<int>(op), static_cast<int>(config), args.groups,
-                                                    args.sm_count, args.device);
-  torch::Tensor ws = torch::empty({static_cast<int64_t>(bytes)}, a.options().dtype(torch::kUInt8));
   int status = 0;
-  const cudaError_t err = gemm::grouped_gemm(static_cast<int>(op), static_cast<int>(config), args, ws.data_ptr(),
-                                             bytes, c10::cuda::getCurrentCUDAStream(), &status);
+  const cudaError_t err = gemm::grouped_gemm(static_cast<int>(op), static_cast<int>(config), args,
+                                             c10::cuda::getCurrentCUDAStream(), &status);
   TORCH_CHECK(err == cudaSuccess, "grouped_mm (op ", op, ", config ", gemm::config_name(static_cast<int>(config)),
               ", G=", groups, " N=", n, " K=", k, ") failed: ", cudaGetErrorString(err), " (CUTLASS status ",
               status, ")");

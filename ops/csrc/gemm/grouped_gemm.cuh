@@ -45,14 +45,13 @@ struct GroupedGemmArgs {
   int device = 0;
 };
 
-// Bytes of device workspace an (op, config) needs for `groups` groups (argument arrays
-// included); the caller allocates it and passes it to grouped_gemm().
-size_t grouped_gemm_workspace(int op, int config, int groups, int sm_count, int device);
-
 // Launches on `stream`. Returns cudaSuccess or the error (cudaErrorInvalidValue for an
 // unsupported shape or an unknown op/config; CUTLASS's status goes to `cutlass_status`).
-cudaError_t grouped_gemm(int op, int config, const GroupedGemmArgs& args, void* ws, size_t ws_bytes,
-                         cudaStream_t stream, int* cutlass_status);
+// The first call of an (op, config, device, stream, groups, SM count, tile order) allocates
+// that combination's device workspace (kept for the process) and initialises the kernel's
+// parameters; later calls only launch. Calls on one stream are ordered, so they may share it;
+// make the first call outside CUDA graph capture (it allocates).
+cudaError_t grouped_gemm(int op, int config, const GroupedGemmArgs& args, cudaStream_t stream, int* cutlass_status);
 
 const char* config_name(int config);
 
@@ -60,9 +59,7 @@ const char* config_name(int config);
 // translation unit (grouped_gemm_<op>_<config>.cu), so the nine kernels build in parallel.
 template <int Op, int Config>
 struct Instance {
-  static size_t workspace(int groups, int sm_count, int device);
-  static cudaError_t run(const GroupedGemmArgs& args, void* ws, size_t ws_bytes, cudaStream_t stream,
-                         int* cutlass_status);
+  static cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream, int* cutlass_status);
 };
 
 }  // namespace gemm

@@ -5,6 +5,11 @@
 
 #include "grouped_gemm.cuh"
 
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
@@ -91,7 +96,7 @@ struct Kernel {
   using StrideD = typename GemmKernel::InternalStrideD;
 };
 
-// Per-group argument arrays, carved from the caller's workspace after CUTLASS's own part.
+// Per-group argument arrays, carved from a State's workspace after CUTLASS's own part.
 template <class K>
 struct ArgArrays {
   Shape3* shapes;
@@ -198,21 +203,63 @@ typename K::Gemm::Arguments make_arguments(int groups, const ArgArrays<K>& arr, 
   return arguments;
 }
 
+// What one (op, config, device, stream, groups, SM count, tile order) keeps between calls: its
+// device workspace (CUTLASS's part, then the per-group argument arrays) and the initialised
+// kernel parameters. The parameters only point at the arrays, which prepare_groups rewrites in
+// stream order on every call, so a call costs two launches and no host-side setup.
+template <class K>
+struct State {
+  typename K::Gemm gemm;
+  ArgArrays<K> arr{};
+  char* ws = nullptr;
+};
+
+struct StateKey {
+  int device, groups, sm_count, raster_n, swizzle;
+  cudaStream_t stream;
+  bool operator<(const StateKey& o) const {
+    return std::tie(device, groups, sm_count, raster_n, swizzle, stream) <
+           std::tie(o.device, o.groups, o.sm_count, o.raster_n, o.swizzle, o.stream);
+  }
+};
+
+template <class K>
+cudaError_t state_for(const GroupedGemmArgs& args, cudaStream_t stream, State<K>** out, int* cutlass_status) {
+  static std::mutex mutex;
+  static std::map<StateKey, std::unique_ptr<State<K>>> states;  // kept for the process's life
+  const StateKey key{args.device, args.groups, args.sm_count, args.raster_n, args.swizzle, stream};
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = states.find(key);
+  if (it != states.end()) {
+    *out = it->second.get();
+    return cudaSuccess;
+  }
+  auto st = std::make_unique<State<K>>();
+  ArgArrays<K> none{};
+  const size_t cutlass_bytes = ArgArrays<K>::align(
+      K::Gemm::get_workspace_size(make_arguments<K>(args.groups, none, args.sm_count, args.device)));
+  cudaError_t err = cudaMalloc(&st->ws, cutlass_bytes + ArgArrays<K>::bytes(args.groups));
+  if (err != cudaSuccess) return err;
+  st->arr = ArgArrays<K>::carve(st->ws + cutlass_bytes, args.groups);
+  const auto arguments =
+      make_arguments<K>(args.groups, st->arr, args.sm_count, args.device, args.raster_n, args.swizzle);
+  cutlass::Status status = st->gemm.can_implement(arguments);
+  if (status == cutlass::Status::kSuccess) status = st->gemm.initialize(arguments, st->ws, stream);
+  if (status != cutlass::Status::kSuccess) {
+    if (cutlass_status) *cutlass_status = static_cast<int>(status);
+    cudaFree(st->ws);
+    return cudaErrorInvalidValue;
+  }
+  *out = st.get();
+  states.emplace(key, std::move(st));
+  return cudaSuccess;
+}
+
 }  // namespace detail
 
 template <int Op, int Config>
-size_t Instance<Op, Config>::workspace(int groups, int sm_count, int device) {
+cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, cudaStream_t stream, int* cutlass_status) {
   using K = detail::Kernel<Op, Config>;
-  detail::ArgArrays<K> none{};
-  const auto arguments = detail::make_arguments<K>(groups, none, sm_count, device);
-  return detail::ArgArrays<K>::align(K::Gemm::get_workspace_size(arguments)) + detail::ArgArrays<K>::bytes(groups);
-}
-
-template <int Op, int Config>
-cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, size_t ws_bytes,
-                                      cudaStream_t stream, int* cutlass_status) {
-  using K = detail::Kernel<Op, Config>;
-  using Arrays = detail::ArgArrays<K>;
   if (cutlass_status) *cutlass_status = 0;
   if (args.groups <= 0 || args.n <= 0 || args.k <= 0 || args.n % detail::kAlign || args.k % detail::kAlign)
     return cudaErrorInvalidValue;
@@ -220,12 +267,9 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, siz
   if (args.raster_n < 0 || args.raster_n > 1 || !(args.swizzle == 1 || args.swizzle == 2 || args.swizzle == 4 ||
                                                   args.swizzle == 8))
     return cudaErrorInvalidValue;
-  if (ws_bytes < workspace(args.groups, args.sm_count, args.device)) return cudaErrorInvalidValue;
-  detail::ArgArrays<K> none{};
-  const size_t cutlass_bytes =
-      Arrays::align(K::Gemm::get_workspace_size(detail::make_arguments<K>(args.groups, none, args.sm_count, args.device)));
-  char* base = static_cast<char*>(ws);
-  const Arrays arr = Arrays::carve(base + cutlass_bytes, args.groups);
+  detail::State<K>* st = nullptr;
+  cudaError_t err = detail::state_for<K>(args, stream, &st, cutlass_status);
+  if (err != cudaSuccess) return err;
 
   // Packed strides from representative shapes (M and N or K) of this op; see prepare_groups.
   const int n = args.n, k = args.k;
@@ -246,8 +290,9 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, siz
     sd = detail::packed_stride(typename K::StrideD{}, n, k);
   }
   const int threads = 128;
-  detail::prepare_groups<Op, K><<<(args.groups + threads - 1) / threads, threads, 0, stream>>>(args, arr, sa, sb, sd);
-  cudaError_t err = cudaGetLastError();
+  detail::prepare_groups<Op, K><<<(args.groups + threads - 1) / threads, threads, 0, stream>>>(args, st->arr, sa, sb,
+                                                                                             sd);
+  err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   if (Op == kWgrad) {
     const int64_t vec = static_cast<int64_t>(n) * k / 8;
@@ -255,12 +300,7 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, void* ws, siz
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
-  const auto arguments =
-      detail::make_arguments<K>(args.groups, arr, args.sm_count, args.device, args.raster_n, args.swizzle);
-  typename K::Gemm gemm;
-  cutlass::Status status = gemm.can_implement(arguments);
-  if (status == cutlass::Status::kSuccess) status = gemm.initialize(arguments, base, stream);
-  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  const cutlass::Status status = st->gemm.run(stream);
   if (status != cutlass::Status::kSuccess) {
     if (cutlass_status) *cutlass_status = static_cast<int>(status);
     const cudaError_t last = cudaGetLastError();
