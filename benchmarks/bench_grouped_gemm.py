@@ -46,27 +46,6 @@ def offsets(rows: int, groups: int, gen: torch.Generator, device) -> torch.Tenso
     return torch.cumsum(counts, 0).to(torch.int32).to(device)
 
 
-def reference(op, a, b, offs):
-    """fp32 result of ``op`` group by group (the ground truth both GEMMs are measured against)."""
-    ends = offs.tolist()
-    starts = [0] + ends[:-1]
-    a32, b32 = a.float(), b.float()
-    if op == "fwd":
-        return torch.cat([a32[s:e] @ b32[g].t() for g, (s, e) in enumerate(zip(starts, ends))])
-    if op == "dgrad":
-        return torch.cat([a32[s:e] @ b32[g] for g, (s, e) in enumerate(zip(starts, ends))])
-    return torch.stack([a32[s:e].t() @ b32[s:e] for s, e in zip(starts, ends)])
-
-
-def torch_op(op, a, b, offs):
-    """The same GEMM through torch._grouped_mm, as torch's autograd of it calls it."""
-    if op == "fwd":
-        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
-    if op == "dgrad":
-        return torch._grouped_mm(a, b, offs=offs)
-    return torch._grouped_mm(a.t(), b, offs=offs)
-
-
 def rel_err(x, ref):
     return float((x.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -106,12 +85,12 @@ def run_shape(name, args, device, gemm, results):
     for proj, n, kk in (("up", 2 * F, M), ("down", M, F)):
         for op in ("fwd", "dgrad", "wgrad"):
             a, b = operands(op, rows, n, kk, groups, gen, device)
-            ref = reference(op, a, b, offs)
+            ref = gemm.reference(op, a, b, offs)
             flops = 2.0 * rows * n * kk
-            fns = {"torch": lambda: torch_op(op, a, b, offs)}
+            fns = {"torch": lambda: gemm.torch_grouped_mm(op, a, b, offs)}
             fns.update({v: (lambda v=v: gemm.grouped_mm(a, b, offs, op, v)) for v in variants})
             times = interleaved(fns, args)
-            out_torch = torch_op(op, a, b, offs)
+            out_torch = gemm.torch_grouped_mm(op, a, b, offs)
             t_torch = times["torch"]
             entry = {"proj": proj, "op": op, "N": n, "K": kk, "torch_ms": t_torch,
                      "torch_tflops": flops / t_torch / 1e9, "torch_rel_err": rel_err(out_torch, ref), "configs": {}}

@@ -59,12 +59,12 @@ def _ops():
 
 def parse_config(config: str) -> Tuple[int, int, int]:
     """``"tile[:<m|n><band>]"`` -> (tile index, raster along N?, swizzle band). (Not ``"auto"``.)"""
-    tile, _, order = str(config).partition(":")
+    tile, sep, order = str(config).partition(":")
     if tile not in CONFIGS:
         raise ValueError(f"grouped GEMM config {config!r}: tile {tile!r} is not one of {CONFIGS}")
-    if not order:
+    if not sep:
         return CONFIGS.index(tile), 0, 1
-    if order[0] not in "mn" or order[1:] not in ("1", "2", "4", "8"):
+    if len(order) < 2 or order[0] not in "mn" or order[1:] not in ("1", "2", "4", "8"):
         raise ValueError(f"grouped GEMM config {config!r}: the order after ':' must be m or n and a band of "
                          "1, 2, 4 or 8 (e.g. 'n4')")
     return CONFIGS.index(tile), int(order[0] == "n"), int(order[1:])
@@ -154,6 +154,32 @@ def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats:
 def chosen_configs() -> Dict[Tuple, str]:
     """The automatic choices made so far: {(op, device, G, N, K, rows bucket, sm_count): config}."""
     return dict(_TUNED)
+
+
+def reference(op: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """fp32 result of ``op`` computed group by group with plain matmuls (the ground truth the
+    benchmark and the tests measure both grouped GEMMs against)."""
+    ends = offs.tolist()
+    starts = [0] + ends[:-1]
+    a32, b32 = a.float(), b.float()
+    if op == "fwd":
+        return torch.cat([a32[s:e] @ b32[g].t() for g, (s, e) in enumerate(zip(starts, ends))])
+    if op == "dgrad":
+        return torch.cat([a32[s:e] @ b32[g] for g, (s, e) in enumerate(zip(starts, ends))])
+    if op == "wgrad":
+        return torch.stack([a32[s:e].t() @ b32[s:e] for s, e in zip(starts, ends)])
+    raise ValueError(f"grouped GEMM op {op!r} is not one of {tuple(OPS)}")
+
+
+def torch_grouped_mm(op: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+    """The same operation through ``torch._grouped_mm``, in the layouts torch's autograd of it uses."""
+    if op == "fwd":
+        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
+    if op == "dgrad":
+        return torch._grouped_mm(a, b, offs=offs)
+    if op == "wgrad":
+        return torch._grouped_mm(a.t(), b, offs=offs)
+    raise ValueError(f"grouped GEMM op {op!r} is not one of {tuple(OPS)}")
 
 
 class _GroupedLinear(torch.autograd.Function):

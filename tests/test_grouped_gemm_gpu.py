@@ -53,25 +53,6 @@ def _operands(op, counts, n, k, seed=0):
     return randn(rows, n).cuda().bfloat16(), randn(rows, k).cuda().bfloat16()
 
 
-def _reference(op, a, b, counts):
-    ends = torch.cumsum(counts, 0).tolist()
-    starts = [0] + ends[:-1]
-    a, b = a.float(), b.float()
-    if op == "fwd":
-        return torch.cat([a[s:e] @ b[i].t() for i, (s, e) in enumerate(zip(starts, ends))])
-    if op == "dgrad":
-        return torch.cat([a[s:e] @ b[i] for i, (s, e) in enumerate(zip(starts, ends))])
-    return torch.stack([a[s:e].t() @ b[s:e] for s, e in zip(starts, ends)])
-
-
-def _torch(op, a, b, offs):
-    if op == "fwd":
-        return torch._grouped_mm(a, b.transpose(-2, -1), offs=offs)
-    if op == "dgrad":
-        return torch._grouped_mm(a, b, offs=offs)
-    return torch._grouped_mm(a.t(), b, offs=offs)
-
-
 def _err(x, ref):
     return float((x.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -84,8 +65,8 @@ def test_every_config_matches_reference_and_each_other(op, counts_name):
     n, k = 384, 256
     a, b = _operands(op, counts, n, k)
     offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
-    ref = _reference(op, a, b, counts)
-    torch_err = _err(_torch(op, a, b, offs), ref)
+    ref = gemm.reference(op, a, b, offs)
+    torch_err = _err(gemm.torch_grouped_mm(op, a, b, offs), ref)
     first = None
     for config in gemm.candidates() + ["auto"]:
         out = gemm.grouped_mm(a, b, offs, op, config)

@@ -1,0 +1,46 @@
+"""ds_uniep.gemm's host side, on CPU: configuration names, input checks, the fp32 reference."""
+import pytest
+import torch
+
+from ds_uniep import gemm
+
+
+def test_parse_config():
+    assert gemm.parse_config("coop128x256") == (0, 0, 1)
+    assert gemm.parse_config("pingpong128x128:n4") == (2, 1, 4)
+    assert gemm.parse_config("coop256x128:m8") == (1, 0, 8)
+    for bad in ("coop128x256:x3", "coop128x256:n3", "huge", "coop128x256:"):
+        with pytest.raises(ValueError, match="grouped GEMM config"):
+            gemm.parse_config(bad)
+    assert len(gemm.candidates()) == len(gemm.CONFIGS) * len(gemm.ORDERS)
+    assert all(gemm.parse_config(c) for c in gemm.candidates())
+
+
+def test_inputs_are_checked_before_any_kernel():
+    x = torch.zeros(8, 64, dtype=torch.bfloat16)
+    w = torch.zeros(2, 32, 64, dtype=torch.bfloat16)
+    offs = torch.tensor([4, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="bf16"):
+        gemm.grouped_mm(x.float(), w, offs, "fwd")
+    with pytest.raises(ValueError, match="contiguous CUDA tensor"):
+        gemm.grouped_mm(x, w, offs, "fwd")
+    with pytest.raises(ValueError, match="op"):
+        gemm.grouped_mm(x, w, offs, "sideways")
+    with pytest.raises(ValueError, match="configs names unknown op"):
+        gemm.grouped_linear(x, w, offs, {"forward": "coop128x256"})
+    with pytest.raises(ValueError, match=r"w \[G, N, K\]"):
+        gemm.grouped_linear(x, w[0], offs)
+    ok, why = gemm.available("cpu")
+    assert not ok and "not a CUDA device" in why
+
+
+def test_reference_is_per_group():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(7, 16, generator=g), torch.randn(3, 8, 16, generator=g)
+    offs = torch.tensor([2, 2, 7], dtype=torch.int32)
+    y = gemm.reference("fwd", a, b, offs)
+    assert torch.equal(y[:2], a[:2] @ b[0].t()) and torch.equal(y[2:], a[2:] @ b[2].t())
+    dy = torch.randn(7, 8, generator=g)
+    assert torch.equal(gemm.reference("dgrad", dy, b, offs)[2:], dy[2:] @ b[2])
+    dw = gemm.reference("wgrad", dy, a, offs)
+    assert torch.equal(dw[1], torch.zeros(8, 16)) and torch.equal(dw[2], dy[2:].t() @ a[2:])
