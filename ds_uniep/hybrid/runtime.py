@@ -27,7 +27,11 @@ hands each owner the S gradients of its own tensors (the gather's bytes,
 mirrored), added in domain-rank order (fp32), so each owner parameter receives
 exactly one gradient per backward, before DeepSpeed's expert-data-parallel
 reduction. The all-to-all is issued as soon as the expert backward has produced
-the replica gradients and runs beside the rest of the backward.
+the replica gradients; the sum waits for it only at the end of the layer's
+backward (after the dispatch-gradient all-to-all and the router's backward), so
+the return runs beside them, as the cost model's streams assume. Each replica is
+its own tensor in the graph, so its gradient goes into the all-to-all's send
+buffer without an ``[S, ...]`` zero-filled intermediate.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
 :class:`InterSitePacing` (opt-in, off by default) holds a rank for the bytes it
@@ -274,8 +278,8 @@ class DomainGather:
     The parameters are laid end to end, one buffer per dtype, and all-gathered asynchronously over
     the domain group: one collective per dtype instead of one per tensor, and the layer computes
     while it runs. With ``pacing`` its inter-site bytes are a background transfer (one copy of every
-    tensor to and from every peer). :meth:`wait` returns ``[S, ...]`` replicas of each tensor:
-    views of the gathered buffers, no copy."""
+    tensor to and from every peer). After :meth:`wait`, ``outs`` hold the ``[S, n]`` copies per
+    dtype; :class:`_ReplicaViews` hands out views of them, no copy."""
 
     def __init__(self, local: Sequence[Tensor], group, S: int, pacing: Optional[InterSitePacing]):
         self.local, self.group, self.S, self.pacing = list(local), group, S, pacing
@@ -284,31 +288,20 @@ class DomainGather:
         nbytes = 0
         for idx in self.buckets:
             flat = torch.cat([self.local[i].detach().reshape(-1) for i in idx])
-            out = flat.new_empty(S * flat.numel())
-            self.works.append(_all_gather_flat(out, flat, group))
-            self.outs.append(out.view(S, -1))
+            out = flat.new_empty(S, flat.numel())
+            self.works.append(_all_gather_flat(out.view(-1), flat, group))
+            self.outs.append(out)
             nbytes += flat.numel() * flat.element_size()
         self.device = self.local[0].device
         self.transfer = pacing.start(group, [nbytes] * S, [nbytes] * S, self.device) if pacing is not None \
             else None
 
-    def stacked(self) -> List[Tensor]:
-        """``[S, ...]`` views of the gathered buffers, one per local tensor; valid after :meth:`wait`."""
-        out: List[Optional[Tensor]] = [None] * len(self.local)
-        for idx, buf in zip(self.buckets, self.outs):
-            off = 0
-            for i in idx:
-                n = self.local[i].numel()
-                out[i] = buf[:, off:off + n].view(self.S, *self.local[i].shape)
-                off += n
-        return out
-
-    def wait(self) -> List[Tensor]:
+    def wait(self) -> None:
+        """Until the gathered buffers (``outs``, ``[S, n]`` per dtype) hold the domain's copies."""
         for w in self.works:
             w.wait()
         if self.pacing is not None:
             self.pacing.finish(self.transfer, self.device)
-        return self.stacked()
 
 
 def _buckets(tensors: Sequence[Tensor]) -> List[List[int]]:
@@ -322,9 +315,9 @@ def _buckets(tensors: Sequence[Tensor]) -> List[List[int]]:
 class _OwnerSum(torch.autograd.Function):
     """First half of the gather's autograd, applied when the gather is issued (before the router).
 
-    Forward: the in-flight ``[S, ...]`` buffers of each local tensor (not waited for; only
-    :class:`_ReplicaViews` reads them, after :meth:`DomainGather.wait`). Backward: the owner's
-    gradient, the S gradients of its tensor that :class:`_ReplicaViews` exchanged, added in
+    Forward: the in-flight ``[S, n]`` buffers, one per dtype (not waited for; only
+    :class:`_ReplicaViews` reads them, after :meth:`DomainGather.wait`). Backward: each owner
+    tensor's gradient, the S gradients of it that :class:`_ReplicaViews` exchanged, added in
     domain-rank order in fp32. Autograd runs a node after every node created later, so this sum
     runs at the end of the layer's backward (after the dispatch-gradient all-to-all and the router's
     backward), while the exchange, issued right after the expert backward, has been on the links
@@ -333,14 +326,14 @@ class _OwnerSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gathered: "DomainGather", counter: Optional[Dict[str, int]], *local: Tensor):
         ctx.gathered, ctx.counter = gathered, counter
-        return tuple(gathered.stacked())
+        return tuple(out.detach() for out in gathered.outs)  # not views: the collective writes them
 
     @staticmethod
     def backward(ctx, *parts: Tensor):
         gathered = ctx.gathered
         local = gathered.local
         result: List[Optional[Tensor]] = [None] * len(local)
-        for idx, part, w in zip(gathered.buckets, gathered.grad_parts, gathered.grad_works):
+        for idx, part, w in zip(gathered.buckets, parts, gathered.grad_works):
             w.wait()
             # fp32, in domain-rank order: the same sums as 0 + part[0] + part[1] + ... (an fp32 part
             # is summed in place: the buffer is this rank's and read by nobody else).
@@ -353,7 +346,7 @@ class _OwnerSum(torch.autograd.Function):
                 piece = acc[off:off + n].view(local[i].shape)
                 result[i] = piece.to(local[i].dtype) if local[i].dtype != torch.float32 else piece.clone()
                 off += n
-        gathered.grad_parts = gathered.grad_works = None
+        gathered.grad_works = None
         if ctx.counter is not None:
             ctx.counter["owner_reductions"] = ctx.counter.get("owner_reductions", 0) + 1
         return (None, None) + tuple(result)
@@ -369,18 +362,24 @@ class _ReplicaViews(torch.autograd.Function):
     reads only after waiting for the all-to-all."""
 
     @staticmethod
-    def forward(ctx, gathered: "DomainGather", *stacked: Tensor):
+    def forward(ctx, gathered: "DomainGather", *buffers: Tensor):
         ctx.gathered = gathered
         gathered.wait()
-        S, n = gathered.S, len(stacked)
-        return tuple(stacked[i][s] for s in range(S) for i in range(n))
+        local, out = gathered.local, [None] * len(gathered.local)
+        for idx, buf in zip(gathered.buckets, buffers):
+            off = 0
+            for i in idx:
+                n = local[i].numel()
+                out[i] = buf[:, off:off + n].view(gathered.S, *local[i].shape)
+                off += n
+        return tuple(out[i][s] for s in range(gathered.S) for i in range(len(local)))
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
         gathered, S = ctx.gathered, ctx.gathered.S
         local = gathered.local
         n = len(local)
-        parts, works, out = [], [], [None] * n
+        parts, works = [], []
         nbytes = 0
         for idx in gathered.buckets:
             # send[s]: this rank's gradients of domain rank s's tensors. After the all-to-all,
@@ -392,12 +391,7 @@ class _ReplicaViews(torch.autograd.Function):
             works.append(torch_dist.all_to_all_single(part, send, group=gathered.group, async_op=True))
             parts.append(part)
             nbytes += send[0].numel() * send.element_size()
-            off = 0
-            for i in idx:
-                k = local[i].numel()
-                out[i] = part[:, off:off + k].view(S, *local[i].shape)
-                off += k
-        gathered.grad_parts, gathered.grad_works = parts, works
+        gathered.grad_works = works
         pacing = gathered.pacing
         if pacing is not None:
             device = local[0].device
@@ -405,7 +399,7 @@ class _ReplicaViews(torch.autograd.Function):
             if transfer is not None:  # the gradients are the owner's once the bytes have crossed
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: pacing.finish(transfer, device))
-        return (None, ) + tuple(out)
+        return (None, ) + tuple(parts)
 
 
 def _compressed_replicas(stacked: Sequence[Tensor], num_params: int, offset: int, ratio: float) -> List[Tensor]:
@@ -465,8 +459,8 @@ class HybridExperts:
         g = self.groups
         if self._inflight is None:
             self.prefetch()
-        (gathered, stacked), self._inflight = self._inflight, None
-        replicas = _ReplicaViews.apply(gathered, *stacked)  # [s * n + t]: rank s's copy of local tensor t
+        (gathered, buffers), self._inflight = self._inflight, None
+        replicas = _ReplicaViews.apply(gathered, *buffers)  # [s * n + t]: rank s's copy of local tensor t
         P, L, S = len(self.names), len(self.experts), g.domain_size
         n = P * L
         if self.compression_ratio is not None:
