@@ -3,8 +3,8 @@
 Any ``nn.Module`` works as an expert: it is called once per local expert on
 that expert's rows. The two MLP experts here (SwiGLU as in Mixtral/DeepSeek,
 GELU as in GPT/DeepSpeed-MoE examples) are also recognised, so all local
-experts of a rank run as one grouped GEMM per projection (``torch._grouped_mm``)
-instead of a Python loop. Letters: R rows, M hidden, F expert FFN width, L
+experts of a rank run as one grouped GEMM per projection (``torch._grouped_mm``, or
+ds_uniep's own, :mod:`ds_uniep.gemm`) instead of a Python loop. Letters: R rows, M hidden, F expert FFN width, L
 local experts.
 """
 

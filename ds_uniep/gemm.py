@@ -3,8 +3,8 @@
 Letters: R rows, G groups (local experts), N and K the two sides of a group's weight
 ``w[g]: [N, K]`` (an ``nn.Linear`` weight), ``offs: [G]`` int32 row ends on the device.
 
-Three operations, each one kernel launch with the problem shapes read from ``offs`` on the
-device (the host never waits for the routing counts):
+Three operations, each one grouped-GEMM launch after a small prepare kernel that reads the
+problem shapes from ``offs`` on the device (the host never waits for the routing counts):
 
 - ``fwd``: ``y[R, N] = x[R, K] @ w[g]^T`` for the rows of group g;
 - ``dgrad``: ``dx[R, K] = dy[R, N] @ w[g]``;
