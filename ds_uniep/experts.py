@@ -56,11 +56,16 @@ class _AddGroupBias(torch.autograd.Function):
         return grad, torch.stack([p.sum(0) for p in parts]), None
 
 
-def _grouped_linear(x: Tensor, linears: Sequence[nn.Linear], offs: Tensor, counts: Tensor) -> Tensor:
-    """Rows of group ``l`` of ``x [R, K]`` times ``linears[l].weight.T``; ``offs``: ``[L]`` int32 ends."""
-    # [L, N, K] stacked then viewed as [L, K, N]: the column-major B operand grouped_mm takes.
-    w = torch.stack([lin.weight for lin in linears]).transpose(-2, -1)
-    y = torch._grouped_mm(x, w, offs=offs)
+def _grouped_linear(x: Tensor, linears: Sequence[nn.Linear], offs: Tensor, counts: Tensor,
+                    gemm: str = "torch") -> Tensor:
+    """Rows of group ``l`` of ``x [R, K]`` times ``linears[l].weight.T``; ``offs``: ``[L]`` int32 ends.
+    ``gemm``: ``torch._grouped_mm`` or ds_uniep's grouped GEMM (see :data:`GEMMS`)."""
+    w = torch.stack([lin.weight for lin in linears])  # [L, N, K]
+    if gemm == "uniep":
+        from .gemm import grouped_linear
+        y = grouped_linear(x, w, offs)
+    else:  # viewed as [L, K, N]: the column-major B operand grouped_mm takes
+        y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if linears[0].bias is not None:
         y = _AddGroupBias.apply(y, torch.stack([lin.bias for lin in linears]), counts)  # bias [L, N]
     return y
@@ -78,54 +83,29 @@ def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor) -> bool:
         all(d % 8 == 0 for p in params for d in p.shape)
 
 
-def _stacked(linears: Sequence[nn.Linear]) -> Tensor:
-    return torch.stack([lin.weight for lin in linears])  # [L, N, K]
-
-
-def _run_grouped_uniep(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, offs: Tensor,
-                       configs=None) -> Tensor:
-    from .gemm import grouped_linear
-    if isinstance(experts[0], SwiGLUExpert):
-        # The same three GEMMs and elementwise ops as the torch._grouped_mm path, on ds_uniep's GEMM.
-        h = F.silu(grouped_linear(recv, _stacked([e.w1 for e in experts]), offs, configs)) * \
-            grouped_linear(recv, _stacked([e.w3 for e in experts]), offs, configs)
-        return grouped_linear(h, _stacked([e.w2 for e in experts]), offs, configs)
-
-    def linear(x, linears):
-        y = grouped_linear(x, _stacked(linears), offs, configs)
-        if linears[0].bias is not None:
-            y = _AddGroupBias.apply(y, torch.stack([lin.bias for lin in linears]), counts)
-        return y
-    return linear(F.gelu(linear(recv, [e.fc1 for e in experts])), [e.fc2 for e in experts])
-
-
 GEMMS = ("torch", "uniep")
 """Grouped GEMMs the recognised experts run on: ``torch._grouped_mm`` or ds_uniep's own
 (:mod:`ds_uniep.gemm`, Hopper GPUs)."""
 
 
-def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
-                gemm_configs=None) -> Tensor:
-    """All local experts as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [L]`` rows per expert.
-
-    ``gemm``: one of :data:`GEMMS`; ``gemm_configs``: tile configuration per op for ``"uniep"``.
-    """
+def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch") -> Tensor:
+    """All local experts as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [L]`` rows per expert;
+    ``gemm``: one of :data:`GEMMS` (the same GEMMs and elementwise ops on either)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     counts = counts.to(recv.device)
     offs = torch.cumsum(counts, 0).to(torch.int32)
-    if gemm == "uniep":
-        return _run_grouped_uniep(experts, recv, counts, offs, gemm_configs)
+
+    def linear(x, linears):
+        return _grouped_linear(x, linears, offs, counts, gemm)
     if isinstance(experts[0], SwiGLUExpert):
-        h = F.silu(_grouped_linear(recv, [e.w1 for e in experts], offs, counts)) * \
-            _grouped_linear(recv, [e.w3 for e in experts], offs, counts)
-        return _grouped_linear(h, [e.w2 for e in experts], offs, counts)
-    h = F.gelu(_grouped_linear(recv, [e.fc1 for e in experts], offs, counts))
-    return _grouped_linear(h, [e.fc2 for e in experts], offs, counts)
+        h = F.silu(linear(recv, [e.w1 for e in experts])) * linear(recv, [e.w3 for e in experts])
+        return linear(h, [e.w2 for e in experts])
+    return linear(F.gelu(linear(recv, [e.fc1 for e in experts])), [e.fc2 for e in experts])
 
 
 def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,
-                grouped: bool = True, gemm: str = "torch", gemm_configs=None) -> Tensor:
+                grouped: bool = True, gemm: str = "torch") -> Tensor:
     """Run local expert ``l`` over its rows of ``recv [R, M]``; returns ``[R, M]`` in the same order.
 
     Recognised bf16 MLP experts run as grouped GEMMs (when ``grouped``) on ``gemm`` (see
@@ -135,7 +115,7 @@ def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts:
     ``(out, bias)`` tuple keeps ``out``, as DeepSpeed's Experts does.
     """
     if grouped and _grouped_ok(experts, recv):
-        return run_grouped(experts, recv, local_expert_counts, gemm, gemm_configs)
+        return run_grouped(experts, recv, local_expert_counts, gemm)
     outs: List[Tensor] = []
     for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
         out = expert(rows)

@@ -77,6 +77,7 @@ class UniEPMoE(MoE):
         self._backend_by_device = {}
         self._hybrid = None
         self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
+        self._uniep_gemm_ok = set()  # devices where expert_gemm "uniep" was found usable
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
         self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -210,7 +211,7 @@ class UniEPMoE(MoE):
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
                                        self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)
         else:
-            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, gemm=self._expert_gemm())
+            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, gemm=self._expert_gemm(recv.device))
         output = dispatcher.combine(y, gates, handle)
         if tp > 1:
             output = tp_gather(output, sizes, tp_rank, tp_group)
@@ -224,15 +225,16 @@ class UniEPMoE(MoE):
             output = output * coef[..., 0:1] + output_mlp * coef[..., 1:]
         return output, l_aux, exp_counts
 
-    def _expert_gemm(self) -> str:
-        """``"torch"`` or ``"uniep"`` from ``uniep.expert_gemm``; ``"uniep"`` checks it can run here."""
+    def _expert_gemm(self, device: torch.device) -> str:
+        """``"torch"`` or ``"uniep"`` from ``uniep.expert_gemm``; ``"uniep"`` is checked once per device."""
         if self.uniep_config.expert_gemm == "torch":
             return "torch"
-        from . import gemm
-        device = next(iter(self.deepspeed_moe.experts.parameters())).device
-        ok, why = gemm.available(device)
-        if not ok:
-            raise RuntimeError(f'{self.layer_name}: "expert_gemm": "uniep" cannot run on {device}: {why}')
+        if device not in self._uniep_gemm_ok:
+            from . import gemm
+            ok, why = gemm.available(device)
+            if not ok:
+                raise RuntimeError(f'{self.layer_name}: "expert_gemm": "uniep" cannot run on {device}: {why}')
+            self._uniep_gemm_ok.add(device)
         return "uniep"
 
     def _dispatcher(self, x: Tensor):
