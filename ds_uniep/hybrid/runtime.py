@@ -50,6 +50,7 @@ import torch.distributed as torch_dist
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ..commfuse.ops import side_stream
 from ..reference import ReferenceDispatcher
 
 
@@ -117,7 +118,6 @@ class InterSitePacing:
         self.paced_transfers = 0
         self._cycles_per_s: Dict[int, float] = {}
         self._background: List[PacedTransfer] = []  # host-clock transfers started and not finished
-        self._side_streams: Dict[int, "torch.cuda.Stream"] = {}
 
     def site_of(self, global_rank: int) -> int:
         return global_rank // self.site_size
@@ -161,7 +161,7 @@ class InterSitePacing:
             return None
         transfer = PacedTransfer(seconds)
         if device.type == "cuda" and self.hold_mode == "stream":
-            side = self._side_stream(device)
+            side = side_stream(device, torch.cuda.current_stream(device))
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 torch.cuda._sleep(max(1, int(seconds * self.cycles_per_s(device))))
@@ -203,12 +203,6 @@ class InterSitePacing:
             if t.deadline > now:
                 t.deadline += seconds
         time.sleep(seconds)
-
-    def _side_stream(self, device: torch.device):
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._side_streams:
-            self._side_streams[idx] = torch.cuda.Stream(device=idx)
-        return self._side_streams[idx]
 
     def cycles_per_s(self, device: torch.device) -> float:
         """Clock cycles of ``torch.cuda._sleep`` per second on ``device``, timed once with CUDA events."""
