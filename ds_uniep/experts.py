@@ -9,7 +9,7 @@ local experts.
 """
 
 import warnings
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -56,31 +56,38 @@ class _AddGroupBias(torch.autograd.Function):
         return grad, torch.stack([p.sum(0) for p in parts]), None
 
 
-def _grouped_linear(x: Tensor, linears: Sequence[nn.Linear], offs: Tensor, counts: Tensor,
-                    gemm: str = "torch") -> Tensor:
-    """Rows of group ``l`` of ``x [R, K]`` times ``linears[l].weight.T``; ``offs``: ``[L]`` int32 ends.
-    ``gemm``: ``torch._grouped_mm`` or ds_uniep's grouped GEMM (see :data:`GEMMS`)."""
-    w = torch.stack([lin.weight for lin in linears])  # [L, N, K]
+def _grouped_linear(x: Tensor, weights: Sequence[Tensor], biases: Optional[Sequence[Tensor]], offs: Tensor,
+                    counts: Tensor, gemm: str = "torch") -> Tensor:
+    """Rows of group ``l`` of ``x [R, K]`` times ``weights[l].T`` (``[N, K]``, nn.Linear's layout), plus
+    ``biases[l]``; ``offs``: ``[L]`` int32 ends. ``gemm``: ``torch._grouped_mm`` or ds_uniep's grouped
+    GEMM (see :data:`GEMMS`)."""
+    w = torch.stack(list(weights))  # [L, N, K]
     if gemm == "uniep":
         from .gemm import grouped_linear
         y = grouped_linear(x, w, offs)
     else:  # viewed as [L, K, N]: the column-major B operand grouped_mm takes
         y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    if linears[0].bias is not None:
-        y = _AddGroupBias.apply(y, torch.stack([lin.bias for lin in linears]), counts)  # bias [L, N]
+    if biases is not None:
+        y = _AddGroupBias.apply(y, torch.stack(list(biases)), counts)  # bias [L, N]
     return y
 
 
-def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor) -> bool:
+def _expert_params(experts: Sequence[nn.Module]) -> List[Dict[str, Tensor]]:
+    return [dict(e.named_parameters()) for e in experts]
+
+
+def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor, params: Optional[Sequence[Dict[str, Tensor]]] = None
+                ) -> bool:
+    """Whether ``experts`` (with their own parameters, or ``params``, one dict per group) run as grouped GEMMs."""
     if not hasattr(torch, "_grouped_mm") or not experts or recv.dtype != torch.bfloat16:
         return False
     kind = type(experts[0])
     if kind not in (SwiGLUExpert, GeLUExpert) or any(type(e) is not kind for e in experts):
         return False
-    params = [p for e in experts for p in e.parameters()]
+    tensors = [t for p in (params if params is not None else _expert_params(experts)) for t in p.values()]
     # grouped_mm wants 16-byte aligned rows: dims multiple of 8 in bf16.
-    return all(p.dtype == torch.bfloat16 and p.device == recv.device for p in params) and \
-        all(d % 8 == 0 for p in params for d in p.shape)
+    return all(t.dtype == torch.bfloat16 and t.device == recv.device for t in tensors) and \
+        all(d % 8 == 0 for t in tensors for d in t.shape)
 
 
 GEMMS = ("torch", "uniep")
@@ -88,20 +95,27 @@ GEMMS = ("torch", "uniep")
 (:mod:`ds_uniep.gemm`, Hopper GPUs)."""
 
 
-def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch") -> Tensor:
-    """All local experts as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [L]`` rows per expert;
-    ``gemm``: one of :data:`GEMMS` (the same GEMMs and elementwise ops on either)."""
+def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
+                params: Optional[Sequence[Dict[str, Tensor]]] = None) -> Tensor:
+    """All groups as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [G]`` rows per group; group ``g``
+    runs expert ``experts[g]`` with its own parameters, or, given ``params`` (``G`` dicts of
+    ``named_parameters`` form, e.g. gathered replicas), the module of ``experts[0]``'s kind with
+    ``params[g]``. ``gemm``: one of :data:`GEMMS` (the same GEMMs and elementwise ops on either)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
+    params = _expert_params(experts) if params is None else params
+    if len(params) != counts.numel():
+        raise ValueError(f"{counts.numel()} row counts for {len(params)} expert groups")
     counts = counts.to(recv.device)
     offs = torch.cumsum(counts, 0).to(torch.int32)
 
-    def linear(x, linears):
-        return _grouped_linear(x, linears, offs, counts, gemm)
+    def linear(x, name):
+        bias = [p[f"{name}.bias"] for p in params] if f"{name}.bias" in params[0] else None
+        return _grouped_linear(x, [p[f"{name}.weight"] for p in params], bias, offs, counts, gemm)
     if isinstance(experts[0], SwiGLUExpert):
-        h = F.silu(linear(recv, [e.w1 for e in experts])) * linear(recv, [e.w3 for e in experts])
-        return linear(h, [e.w2 for e in experts])
-    return linear(F.gelu(linear(recv, [e.fc1 for e in experts])), [e.fc2 for e in experts])
+        h = F.silu(linear(recv, "w1")) * linear(recv, "w3")
+        return linear(h, "w2")
+    return linear(F.gelu(linear(recv, "fc1")), "fc2")
 
 
 def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,

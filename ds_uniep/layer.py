@@ -206,7 +206,7 @@ class UniEPMoE(MoE):
         else:
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx)
         if self._hybrid is not None:
-            y = self._hybrid.run(recv, local_counts)
+            y = self._hybrid.run(recv, local_counts, gemm=self._expert_gemm(recv.device))
         elif tp > 1 and self.enable_expert_tensor_parallelism:
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
                                        self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)

@@ -13,16 +13,17 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _layer_pair(world_size, k, drop, dtype, domain_size, rank):
+def _layer_pair(world_size, k, drop, dtype, domain_size, rank, expert=None):
     from ds_uniep import UniEPMoE
     from moe_models import MLP, distinct_experts
+    expert = expert if expert is not None else MLP(16, 24)
     layers = []
     for S in (None, domain_size):
         torch.manual_seed(5)
         cfg = {"backend": "reference"}
         if S is not None:
             cfg["hybrid"] = {"enabled": True, "domain_size": S}
-        layer = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=k, min_capacity=4,
+        layer = UniEPMoE(16, expert, num_experts=2 * world_size, ep_size=world_size, k=k, min_capacity=4,
                          drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
         distinct_experts(layer, rank)
         layer = layer.to(dtype)
@@ -59,6 +60,36 @@ def _layer_exactness(rank, world_size):
 @pytest.mark.parametrize("world_size", [4])
 def test_hybrid_layer_matches_plain_ep(world_size):
     run_distributed(_layer_exactness, world_size)
+
+
+def _grouped_replicas(rank, world_size):
+    """bf16 SwiGLU / GELU experts: the replicas run as grouped GEMMs (never one by one) and match plain EP."""
+    from ds_uniep.experts import GeLUExpert, SwiGLUExpert
+    from ds_uniep.hybrid import runtime
+
+    def one_by_one(*args, **kwargs):
+        raise AssertionError("replicas of recognised bf16 experts ran one by one")
+    runtime.functional_call = one_by_one
+    for make in (lambda: SwiGLUExpert(16, 24), lambda: GeLUExpert(16, 24)):
+        for k, drop in ((1, False), (2, True), (4, False)):
+            plain, hybrid = _layer_pair(world_size, k, drop, torch.bfloat16, 2, rank, expert=make())
+            g = torch.Generator().manual_seed(rank)
+            x = torch.randn(24, 16, generator=g).to(torch.bfloat16)
+            gy = torch.randn(24, 16, generator=g).to(torch.bfloat16)
+            res = []
+            for layer in (plain, hybrid):
+                xi = x.clone().requires_grad_(True)
+                out, l_aux, _ = layer(xi)
+                ((out.float() * gy.float()).sum() + l_aux).backward()
+                res.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+            where = f"rank {rank} {type(plain.deepspeed_moe.experts.deepspeed_experts[0]).__name__} k={k} drop={drop}"
+            for a, b in zip(*res):
+                assert _rel(b, a) <= 1e-2, f"{where}: relative error {_rel(b, a)}"
+            assert hybrid._hybrid.counter["owner_reductions"] == 1, where
+
+
+def test_hybrid_grouped_replicas_match_plain_ep():
+    run_distributed(_grouped_replicas, 4)
 
 
 class _Net(torch.nn.Module):

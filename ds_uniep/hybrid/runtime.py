@@ -17,8 +17,10 @@ One layer on rank r:
    offset, which holds a replica of e. A token whose expert lives in r's own
    domain stays on r. This is the reference dispatcher with D "ranks" of S * L
    experts each, so the deterministic layout carries over unchanged.
-3. Each replica runs over its rows (``torch.func.functional_call`` on the
-   expert module with the gathered weights).
+3. The replicas run over their rows: recognised bf16 MLP experts as one grouped
+   GEMM per projection over all ``S * L`` replicas (as plain EP's local experts),
+   other experts one by one (``torch.func.functional_call`` with the gathered
+   weights).
 4. Combine over the offset group, in slot order in fp32.
 
 Backward: the gradient of a replica comes back to its owner through the
@@ -51,6 +53,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..commfuse.ops import side_stream
+from ..experts import _grouped_ok, run_grouped
 from ..reference import ReferenceDispatcher
 
 
@@ -464,8 +467,13 @@ class HybridExperts:
         return [{name: replicas[s * n + l * P + i] for i, name in enumerate(self.names)}
                 for s in range(S) for l in range(L)]
 
-    def run(self, recv: Tensor, counts: Tensor) -> Tensor:
+    def run(self, recv: Tensor, counts: Tensor, gemm: str = "torch") -> Tensor:
+        """The domain's ``S * L`` experts over their rows of ``recv`` (``counts [S * L]``). Recognised
+        bf16 MLP experts run as one grouped GEMM per projection over all replicas (on ``gemm``, as
+        the plain EP path); other experts are called one by one with the replica weights."""
         params = self.gather()
+        if _grouped_ok(self.experts, recv, params):
+            return run_grouped(self.experts, recv, counts, gemm, params=params)
         L = len(self.experts)
         outs = []
         for j, rows in enumerate(recv.split(counts.tolist())):
