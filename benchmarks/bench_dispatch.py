@@ -10,7 +10,9 @@ bytes counted are those leaving each rank (pairs routed to other ranks; for NCCL
 median of CUDA-event timings after warm-up, each iteration started behind a barrier.
 Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
 order first); the megakernel dispatch receiving in place (its direct region) and
-through staging plus copy-out; the NVLink stores alone; FP8; combine.
+through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
+default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS, each
+checked bitwise against the default).
 """
 import argparse
 import json
@@ -19,6 +21,11 @@ import statistics
 
 import torch
 import torch.distributed as dist
+
+
+# Combine variants timed beside the default (combine_chunks, combine_reduce_blocks); every one must
+# give the default's bits. (0, None): push, then reduce, as two kernels.
+COMBINE_VARIANTS = [(0, None), (8, None), (32, None), (64, None), (16, 66)]
 
 
 def timed(fn, iters, warmup, device):
@@ -136,6 +143,16 @@ def main():
         if name == "bf16":
             y = state["recv"]
             results["combine_ms"] = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
+            default = (disp.combine_chunks, disp.combine_reduce_blocks)
+            first = disp.combine(y, gates, h)
+            results["combine_variants"] = {}
+            for chunks, reducers in COMBINE_VARIANTS:
+                disp.combine_chunks, disp.combine_reduce_blocks = chunks, reducers
+                ms = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
+                same = bool(torch.equal(disp.combine(y, gates, h), first))
+                results["combine_variants"][f"{chunks}/{reducers}"] = {"chunks": chunks, "reduce_blocks": reducers,
+                                                                      "ms": ms, "bitwise_equal": same}
+            disp.combine_chunks, disp.combine_reduce_blocks = default
         disp.check(synchronize=True)
         del disp, state
         torch.cuda.empty_cache()
@@ -151,7 +168,10 @@ def main():
             ("dispatch bf16 stores only", results["bf16_dispatch_stores_ms"], off_rank),
             ("dispatch fp8 (layout+stores+copy-out)", results["fp8_dispatch_ms"], off_rank),
             ("dispatch fp8 stores only", results["fp8_dispatch_stores_ms"], off_rank),
-            ("combine bf16 (push+reduce)", results["combine_ms"], off_rank)]
+            ("combine bf16 (chunked push+reduce)", results["combine_ms"], off_rank)]
+    rows += [(f"combine bf16 ({v['chunks']} chunks, {v['reduce_blocks'] or 'default'} reduce blocks)"
+              if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], off_rank)
+             for v in results["combine_variants"].values()]
     table = []
     for label, ms, nbytes in rows:
         bw = gbps(ms, nbytes)
@@ -164,6 +184,8 @@ def main():
         print(f"\nG={G} T={T} M={M} k={k} E={E} payload/rank={payload / 2**20:.0f} MiB, leaving the rank {off_rank / 2**20:.0f} MiB "
               f"(NCCL {nccl_off_rank / 2**20:.0f} MiB; bf16-equivalent bytes); "
               f"peer copy {results['peer_copy_GBps']:.0f} GB/s")
+        print("combine variants bitwise equal to the default:",
+              all(v["bitwise_equal"] for v in results["combine_variants"].values()))
         print("forward dispatches received in place / copied out:",
               {n: results[f"{n}_direct_stats"] for n in ("bf16", "bf16_staging", "fp8")})
         print(f"{'op':42s} {'ms':>8s} {'GB/s':>8s} {'%peer':>6s} {'xNCCL a2a':>9s} {'xNCCL disp':>10s}")

@@ -63,6 +63,7 @@ MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 FP8_GROUP = 128
 NUM_PHASES = 4
+MAX_COMBINE_CHUNKS = 64
 ERROR_RECORD_WORDS = 8
 PHASE_NAMES = ("counts", "dispatch", "combine", "barrier")
 _ALIGN = 256
@@ -113,7 +114,8 @@ class _SymBuffers:
         self.comb_row_bytes = M * elsize
         sizes = [
             ("counts", 2 * MAX_RANKS * E * 4 + 2 * MAX_RANKS * 4),  # + direct-receive flags
-            ("signals", NUM_PHASES * MAX_RANKS * 4),
+            # phase signals, then the chunked combine's flags [chunk][rank] and local counters [chunk]
+            ("signals", (NUM_PHASES * MAX_RANKS + MAX_COMBINE_CHUNKS * (MAX_RANKS + 1)) * 4),
             ("status", 16 * 4),
             ("meta", self.recv_rows * 4),
             ("scales", self.recv_rows * (M // FP8_GROUP) * 4 if fp8 else 0),
@@ -212,11 +214,19 @@ class NVLinkDispatcher:
         num_blocks: blocks of the copy kernels (default: the SM count).
         direct_receive: allocate the direct receive region (a second ``[R_max, M]``
             buffer) so forward dispatches need no copy-out (ignored with FP8 dispatch).
+        combine_chunks: combine (and the backward of dispatch) as one kernel pipelined over
+            this many chunks of source tokens (``max_tokens_per_rank`` split evenly): a source
+            sums a chunk's rows while later chunks are still being pushed. 0: push, then reduce,
+            as two kernels. The output bits are the same either way.
+        combine_reduce_blocks: blocks of the chunked combine that reduce, beside its
+            ``num_blocks`` pushing blocks; default ``num_blocks`` (two blocks fit on an SM, so
+            with one per SM each role has every SM).
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
-                 num_blocks: Optional[int] = None, direct_receive: bool = True):
+                 num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
+                 combine_reduce_blocks: Optional[int] = None):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
@@ -238,6 +248,10 @@ class NVLinkDispatcher:
                              f"{ep_size} ranks")
         if not 1 <= k <= MAX_TOP_K:
             raise ValueError(f"{where}: k = {k} outside 1..{MAX_TOP_K}")
+        if not 0 <= combine_chunks <= MAX_COMBINE_CHUNKS:
+            raise ValueError(f"{where}: combine_chunks = {combine_chunks} outside 0..{MAX_COMBINE_CHUNKS}")
+        if combine_reduce_blocks is not None and combine_reduce_blocks < 1:
+            raise ValueError(f"{where}: combine_reduce_blocks = {combine_reduce_blocks} must be at least 1")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{where}: activation dtype {dtype} is not bf16, fp16 or fp32")
         elsize = torch.empty(0, dtype=dtype).element_size()
@@ -253,6 +267,8 @@ class NVLinkDispatcher:
         self.bufs = _SymBuffers(num_experts, ep_size, self.rank, self.max_tokens, k, hidden_size, dtype, self.fp8,
                                 group, self.device)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.combine_chunks = combine_chunks
+        self.combine_reduce_blocks = combine_reduce_blocks
         self.direct = None
         if direct_receive and not self.fp8:
             self.direct = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
@@ -324,10 +340,19 @@ class NVLinkDispatcher:
     def _push_and_reduce(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
                          num_recv: Tensor, T: int) -> Tensor:
         e = self._next_epoch(2)
-        self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, self.num_blocks)
         out = rows.new_empty(T, self.hidden_size)
+        nb = self.num_blocks
+        if self.combine_chunks:
+            reduce_blocks = self.combine_reduce_blocks or nb
+            chunk_tokens = -(-self.max_tokens // self.combine_chunks)
+            num_chunks = -(-self.max_tokens // chunk_tokens)  # the same on every rank
+            self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
+                                     self.bufs.descriptor, e, *self._wait_args(), nb, reduce_blocks, chunk_tokens,
+                                     num_chunks)
+            return out
+        self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,
-                                *self._wait_args(), self.num_blocks)
+                                *self._wait_args(), nb)
         return out
 
     def _barrier(self) -> None:

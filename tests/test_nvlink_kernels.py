@@ -62,6 +62,11 @@ def _body(rank, G, dtype_name):
     case = 0
     for k in (1, 2, 6, 8):
         disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
+        # The same layer with combine as push-then-reduce kernels, and chunked over 7 chunks with
+        # one reducing block: the chunking changes when rows are summed, never the bits.
+        variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
+                    NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
+                                     combine_reduce_blocks=1)]
         modes = [("random", 1), ("random", 19), ("random", T_MAX), ("one_expert", 19), ("empty_experts", 19),
                  ("one_expert", T_MAX)]
         for mode, T in modes:
@@ -74,20 +79,21 @@ def _body(rank, G, dtype_name):
             lays = [build_layout(r[0], counts_all, s) for s, r in enumerate(routs)]
             idx, gates = routs[rank][0].to(dev), routs[rank][1].to(dev)
             outs = []
-            for _ in range(2):  # two runs, bitwise identical
+            for d in [disp, disp] + variants:  # two runs and the combine variants, bitwise identical
                 x = xs[rank].to(dev).requires_grad_(True)
                 g = gates.clone().requires_grad_(True)
-                recv, counts, handle = disp.dispatch(x, idx)
+                recv, counts, handle = d.dispatch(x, idx)
                 R = int(counts.sum())
                 experts = torch.repeat_interleave(torch.arange(L, device=dev) + rank * L, counts)
                 y = _expert_fn(recv, experts)
-                out = disp.combine(y, g, handle)
+                out = d.combine(y, g, handle)
                 w = torch.randn(out.shape, generator=torch.Generator().manual_seed(case)).to(dev)
                 (out.float() * w).sum().backward()
                 outs.append((recv.detach().clone(), out.detach().clone(), x.grad.clone(), g.grad.clone()))
             recv, out, gx, gg = outs[0]
-            for a, b, name in zip(outs[0], outs[1], ("recv", "out", "grad_x", "grad_gates")):
-                assert torch.equal(a, b), f"{name} differs between two runs (k={k}, T={T}, {mode})"
+            for other, what in zip(outs[1:], ("a second run", "push-then-reduce combine", "7-chunk combine")):
+                for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):
+                    assert torch.equal(a, b), f"{name} differs in {what} (k={k}, T={T}, {mode})"
             # Layout: counts and rows are exactly ds_uniep.layout's.
             lay = lays[rank]
             assert torch.equal(handle.counts_all.cpu(), counts_all), f"counts_all (k={k}, T={T}, {mode})"

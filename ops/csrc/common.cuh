@@ -98,11 +98,11 @@ __device__ __forceinline__ void raise_signal(const SymView& s, int dst, int phas
   st_release_sys(signal_word(s, dst, phase, s.rank), epoch);
 }
 
-// Wait until `src` raised `phase` to at least `epoch` (epochs only grow, so a
+// Wait until `word` (raised by `src`) reaches at least `epoch` (epochs only grow, so a
 // signal of an older epoch never satisfies a newer wait and no reset is needed).
-// Returns false on timeout, after recording who waited for what.
-__device__ inline bool wait_signal(const SymView& s, const WaitPolicy& w, int src, int phase, uint32_t epoch) {
-  const uint32_t* word = signal_word(s, s.rank, phase, src);
+// Returns false on timeout, after recording who waited for what (`phase` names it).
+__device__ inline bool wait_word(const SymView& s, const WaitPolicy& w, const uint32_t* word, int src, int phase,
+                                 uint32_t epoch) {
   uint32_t seen = ld_acquire_sys(word);
   if (static_cast<int32_t>(seen - epoch) >= 0) return true;
   const uint64_t start = global_timer_ns();
@@ -127,6 +127,24 @@ __device__ inline bool wait_signal(const SymView& s, const WaitPolicy& w, int sr
     __threadfence_system();
   }
   return false;
+}
+
+// Wait until `src` raised `phase` to at least `epoch`.
+__device__ __forceinline__ bool wait_signal(const SymView& s, const WaitPolicy& w, int src, int phase,
+                                            uint32_t epoch) {
+  return wait_word(s, w, signal_word(s, s.rank, phase, src), src, phase, epoch);
+}
+
+// Combine chunk flags in `owner`'s buffer: word [chunk][writer], after the phase signals.
+__device__ __forceinline__ uint32_t* chunk_flag(const SymView& s, int owner, int chunk, int writer) {
+  return reinterpret_cast<uint32_t*>(s.ptrs[owner] + s.signals_off) + kNumPhases * kMaxRanks +
+         chunk * kMaxRanks + writer;
+}
+
+// Local arrival counters of the chunked combine, one per chunk, left at 0.
+__device__ __forceinline__ uint32_t* chunk_counter(const SymView& s, int chunk) {
+  return reinterpret_cast<uint32_t*>(s.ptrs[s.rank] + s.signals_off) + kNumPhases * kMaxRanks +
+         kMaxCombineChunks * kMaxRanks + chunk;
 }
 
 // Block-wide: threads 0..num_ranks-1 wait on one source each. Returns false (in
@@ -175,6 +193,15 @@ __device__ __forceinline__ int* direct_flags(const SymView& s, int owner, int nu
 __device__ __forceinline__ char* recv_region(const SymView& s, const DirectView& dv, int d, int num_experts) {
   if (dv.use && __ldcg(direct_flags(s, s.rank, num_experts, dv.counts_epoch) + d)) return dv.ptrs[d];
   return s.ptrs[d] + s.recv_off;
+}
+
+// Named barriers (ids 1..15; 0 is __syncthreads): `count` threads, a multiple of 32. arrive
+// does not wait; sync waits for `count` arrivals in all. Both order memory as a barrier does.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 
 // 16-byte vector of one row: kVec elements of T.

@@ -33,12 +33,20 @@ enum SignalPhase : int {
   kNumPhases = 4,
 };
 
+// Chunked combine: a source's tokens fall into at most this many chunks; every rank raises one
+// flag per (chunk, source) once it has pushed all its rows of that chunk, so the source sums a
+// chunk while later chunks are still on the wire. The flags ([kMaxCombineChunks][kMaxRanks]
+// uint32) and the local arrival counters ([kMaxCombineChunks] uint32) follow the phase signals.
+constexpr int kMaxCombineChunks = 64;
+// A chunk's rows are moved and summed in segments of this many 16-byte vectors per row.
+constexpr int kCombineSegVecs = 128;
+
 // Threads of the copy kernels; one warp moves one row (or one token's k rows).
 constexpr int kCopyThreads = 512;
 constexpr int kWarpsPerCopyBlock = kCopyThreads / 32;
 // Threads of the layout kernels.
 constexpr int kLayoutThreads = 1024;
-constexpr int kRowsThreads = 256;
+constexpr int kRowsThreads = 1024;
 
 // Words of the error record a timed-out wait fills (host-mapped pinned memory):
 // [0] 1 once set, [1] phase, [2] source rank waited on, [3] epoch expected,

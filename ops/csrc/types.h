@@ -14,7 +14,8 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 // One layer's symmetric buffer as seen from one rank. Every rank's buffer has the
 // same byte layout, so one set of offsets serves all peers:
 //   counts   [2][kMaxRanks][E] int32   routing counts, double-buffered by epoch parity
-//   signals  [kNumPhases][kMaxRanks] uint32
+//   signals  [kNumPhases][kMaxRanks] uint32, then the chunked combine's flags
+//            [kMaxCombineChunks][kMaxRanks] uint32 and local counters [kMaxCombineChunks] uint32
 //   status   [16] uint32               local only: [0] poisoned flag, [1..] done counters
 //   meta     [R_max] int32             source pair of each received row: src * pairs_per_rank + t * k + j
 //   scales   [R_max][M / 128] fp32     FP8 dispatch only

@@ -36,64 +36,203 @@ __global__ void __launch_bounds__(kCopyThreads) combine_push_kernel(const T* __r
   signal_when_grid_done(s, status_words(s) + 2, kPhaseCombine, epoch);
 }
 
-// One warp per token, a lane per 16-byte vector: the k slots are added in slot
-// order, product then sum rounded separately (no contraction), so the result does
-// not depend on the schedule that moved the rows. kSlots >= k is a compile-time
-// bound, so a token's row pointers and gates stay in registers and a lane issues
-// the loads of all k slots before adding any of them.
+// Token t's output over the vectors [c_begin, c_end) of its row, one warp, a lane per
+// 16-byte vector: the k slots are added in slot order, product then sum rounded separately
+// (no contraction), so the result does not depend on the schedule that moved the rows.
+// kSlots >= k is a compile-time bound, so a token's rows and gates stay in registers and a
+// lane issues the loads of up to 4 slots before adding them.
+template <typename T, bool kWeighted, int kSlots>
+__device__ __forceinline__ void reduce_token(const SymView& s, const char* comb, const int* __restrict__ expert_idx,
+                                             const float* __restrict__ weights, int t, int k, int hidden,
+                                             int num_experts, int c_begin, int c_end, int lane,
+                                             T* __restrict__ out) {
+  constexpr int kElems = Vec<T>::kElems;
+  // Each slot's comb row as a pair index (-1: dropped), not a pointer: fewer registers.
+  int pair_of[kSlots];
+  float g[kSlots];
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    pair_of[j] = -1;
+    g[j] = 1.0f;
+    if (j < k) {
+      const int pair = t * k + j;
+      const int e = __ldg(expert_idx + pair);
+      if (e >= 0 && e < num_experts) {  // a dropped pair sent no row
+        pair_of[j] = pair;
+        if (kWeighted) g[j] = __ldg(weights + pair);
+      }
+    }
+  }
+  const int64_t row_vecs = s.comb_row_bytes / 16;
+  const int4* comb_vecs = reinterpret_cast<const int4*>(comb);
+  int4* row_out = reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden);
+  for (int c = c_begin + lane; c < c_end; c += 32) {
+    float acc[kElems];
+#pragma unroll
+    for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
+    // Slots in groups of up to 4 (all loads of a group issued, then added in slot order): the
+    // registers of a lane fit two blocks per SM.
+    constexpr int kGroup = kSlots < 4 ? kSlots : 4;
+#pragma unroll
+    for (int j0 = 0; j0 < kSlots; j0 += kGroup) {
+      int4 v[kGroup];
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j)
+        if (pair_of[j0 + j] >= 0) v[j] = __ldcg(comb_vecs + pair_of[j0 + j] * row_vecs + c);
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        if (pair_of[j0 + j] < 0) continue;
+        float f[kElems];
+        unpack<T>(v[j], f);
+        if (kWeighted) {
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(g[j0 + j], f[i]));
+        } else {
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
+        }
+      }
+    }
+    row_out[c] = pack<T>(acc);
+  }
+}
+
+// One warp per token, after every rank's whole push.
 template <typename T, bool kWeighted, int kSlots>
 __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s, uint32_t epoch, WaitPolicy w,
                                                                       const int* __restrict__ expert_idx,
                                                                       const float* __restrict__ weights,
                                                                       int num_tokens, int k, int hidden,
                                                                       int num_experts, T* __restrict__ out) {
-  constexpr int kElems = Vec<T>::kElems;
   if (!block_wait_all(s, w, kPhaseCombine, epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
-  const int num_vecs = hidden / kElems;
   const char* comb = s.ptrs[s.rank] + s.comb_off;
-  for (int t = warp; t < num_tokens; t += num_warps) {
-    const int4* rows[kSlots];
-    float g[kSlots];
+  for (int t = warp; t < num_tokens; t += num_warps)
+    reduce_token<T, kWeighted, kSlots>(s, comb, expert_idx, weights, t, k, hidden, num_experts, 0,
+                                       hidden / Vec<T>::kElems, lane, out);
+}
+
+// Push and reduce in one kernel, by chunks of source tokens. Blocks [0, P) push: for chunk
+// c = 0, 1, ... each block gathers the rows of its slice of y whose source token lies in chunk
+// c (of whichever source) into a shared list and its warps store them, segment by segment,
+// into the sources' combine buffers; the last block to finish chunk c fences and raises the
+// chunk's flag on every rank. Blocks [P, gridDim.x) reduce: for each of this rank's chunks in
+// order they wait for the flags of all ranks, then sum the chunk's tokens (segments of rows
+// spread over all reducing warps) as combine_reduce_kernel does, so the bits are the same.
+// Pushing blocks wait for nothing, and have the lower block indices, so they always run. Two
+// blocks fit on an SM (launch bounds), so with one pushing and one reducing block per SM both
+// roles use every SM.
+template <typename T, bool kWeighted, int kSlots>
+__global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
+    const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
+    SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
+    int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
+    T* __restrict__ out) {
+  constexpr int kElems = Vec<T>::kElems;
+  __shared__ int list[kCopyThreads];
+  __shared__ int list_len;
+  __shared__ int flag_shared;
+  if (poisoned(s)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int num_vecs = hidden / kElems;
+  const int segs = (num_vecs + kCombineSegVecs - 1) / kCombineSegVecs;
+  const int P = gridDim.x - reduce_blocks;
+  if (blockIdx.x < P) {
+    // Warps 0..14 push, gathering a chunk's rows of their slices of y into a shared list; warp
+    // 15 signals. After a chunk the pushing warps arrive at a named
+    // barrier and go straight on to the next chunk; the signalling warp waits there, fences
+    // (the barrier makes the pushed rows part of that fence) and, in the block that finishes
+    // the chunk last, raises its flag on every rank. So no pushing warp stalls on a fence.
+    // Barriers: 1 the pushing warps' list; 2 + c % 2 chunk c pushed (pushers arrive, the
+    // signaller waits); 4 + c % 2 chunk c signalled (the signaller arrives, pushers wait before
+    // arriving for chunk c + 2, so a barrier is never reused early).
+    constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
+    constexpr int kPushThreads = kPushWarps * 32;
+    if (warp < kPushWarps) {
+      const int R = min(*num_recv, y_rows);
+      for (int c = 0; c < num_chunks; ++c) {
+        for (int64_t base = static_cast<int64_t>(blockIdx.x) * kPushThreads; base < R;
+             base += static_cast<int64_t>(P) * kPushThreads) {
+          if (threadIdx.x == 0) list_len = 0;
+          named_barrier_sync(1, kPushThreads);
+          const int64_t r = base + threadIdx.x;
+          if (r < R) {
+            const int64_t slot = __ldg(recv_pair + r) % s.pairs_per_rank;
+            if (slot / k / chunk_tokens == c) list[atomicAdd(&list_len, 1)] = static_cast<int>(r);  // any order
+          }
+          named_barrier_sync(1, kPushThreads);
+          const int items = list_len * segs;
+          for (int item = warp; item < items; item += kPushWarps) {
+            const int row = list[item / segs];
+            const int seg = item % segs;
+            const int pair = __ldg(recv_pair + row);
+            const int src = static_cast<int>(pair / s.pairs_per_rank);
+            const int64_t slot = pair % s.pairs_per_rank;
+            int4* dst = reinterpret_cast<int4*>(s.ptrs[src] + s.comb_off + slot * s.comb_row_bytes);
+            const int4* in = reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * hidden);
+            const int c_end = min(num_vecs, (seg + 1) * kCombineSegVecs);
+            constexpr int kUnrollSeg = kCombineSegVecs / 32;
+            int4 v[kUnrollSeg];
 #pragma unroll
-    for (int j = 0; j < kSlots; ++j) {
-      rows[j] = nullptr;
-      g[j] = 1.0f;
-      if (j < k) {
-        const int64_t pair = static_cast<int64_t>(t) * k + j;
-        const int e = __ldg(expert_idx + pair);
-        if (e >= 0 && e < num_experts) {  // a dropped pair sent no row
-          rows[j] = reinterpret_cast<const int4*>(comb + pair * s.comb_row_bytes);
-          if (kWeighted) g[j] = __ldg(weights + pair);
+            for (int u = 0; u < kUnrollSeg; ++u) {
+              const int cv = seg * kCombineSegVecs + lane + 32 * u;
+              if (cv < c_end) v[u] = __ldg(in + cv);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnrollSeg; ++u) {
+              const int cv = seg * kCombineSegVecs + lane + 32 * u;
+              if (cv < c_end) dst[cv] = v[u];
+            }
+          }
+          named_barrier_sync(1, kPushThreads);  // the list is refilled next
         }
+        if (c >= 2) named_barrier_sync(4 + c % 2, kCopyThreads);
+        named_barrier_arrive(2 + c % 2, kCopyThreads);
+      }
+      for (int c = max(0, num_chunks - 2); c < num_chunks; ++c) named_barrier_sync(4 + c % 2, kCopyThreads);
+    } else {
+      for (int c = 0; c < num_chunks; ++c) {
+        named_barrier_sync(2 + c % 2, kCopyThreads);
+        bool last = false;
+        if (lane == 0) {
+          __threadfence_system();
+          uint32_t* counter = chunk_counter(s, c);
+          last = atomicAdd(counter, 1u) == static_cast<uint32_t>(P - 1);
+          if (last) {
+            *counter = 0;
+            __threadfence_system();  // every block's rows (seen through the counter) before the flags
+          }
+        }
+        last = __shfl_sync(0xffffffffu, last, 0);
+        if (last && lane < s.num_ranks) st_release_sys(chunk_flag(s, lane, c, s.rank), epoch);
+        named_barrier_arrive(4 + c % 2, kCopyThreads);
       }
     }
-    int4* row_out = reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden);
-    for (int c = lane; c < num_vecs; c += 32) {
-      int4 v[kSlots];
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j)
-        if (rows[j] != nullptr) v[j] = __ldcg(rows[j] + c);
-      float acc[kElems];
-#pragma unroll
-      for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
-#pragma unroll
-      for (int j = 0; j < kSlots; ++j) {
-        if (rows[j] == nullptr) continue;
-        float f[kElems];
-        unpack<T>(v[j], f);
-        if (kWeighted) {
-#pragma unroll
-          for (int i = 0; i < kElems; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(g[j], f[i]));
-        } else {
-#pragma unroll
-          for (int i = 0; i < kElems; ++i) acc[i] = __fadd_rn(acc[i], f[i]);
-        }
-      }
-      row_out[c] = pack<T>(acc);
+    return;
+  }
+  const int q = blockIdx.x - P;
+  const char* comb = s.ptrs[s.rank] + s.comb_off;
+  const int my_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+  for (int c = 0; c < my_chunks; ++c) {
+    if (threadIdx.x == 0) flag_shared = 1;
+    __syncthreads();
+    if (threadIdx.x < s.num_ranks &&
+        !wait_word(s, w, chunk_flag(s, s.rank, c, threadIdx.x), threadIdx.x, kPhaseCombine, epoch))
+      atomicAnd(&flag_shared, 0);
+    __syncthreads();
+    if (!flag_shared) return;
+    const int t0 = c * chunk_tokens;
+    const int items = min(chunk_tokens, num_tokens - t0) * segs;
+    for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += reduce_blocks * kWarpsPerCopyBlock) {
+      const int seg = item % segs;
+      reduce_token<T, kWeighted, kSlots>(s, comb, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
+                                         seg * kCombineSegVecs, min(num_vecs, (seg + 1) * kCombineSegVecs), lane,
+                                         out);
     }
+    __syncthreads();  // flag_shared is rewritten by the next chunk
   }
 }
 
@@ -156,6 +295,27 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
       UNIEP_SWITCH_SLOTS(k, kSlots, {
         combine_reduce_kernel<T, kWeighted, kSlots><<<num_blocks, kCopyThreads, 0, stream>>>(
             sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts, static_cast<T*>(out));
+      });
+    });
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
+                                   int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                   const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
+                                   int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
+                                   int num_chunks, cudaStream_t stream) {
+  if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 ||
+      num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens)
+    return cudaErrorInvalidValue;
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
+      UNIEP_SWITCH_SLOTS(k, kSlots, {
+        combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, 0, stream>>>(
+            static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
+            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, static_cast<T*>(out));
       });
     });
   });

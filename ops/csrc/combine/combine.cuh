@@ -23,6 +23,18 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
                                   const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                   int num_experts, void* out, int num_blocks, cudaStream_t stream);
 
+// launch_combine_push and launch_combine_reduce in one kernel, pipelined by chunks of source
+// tokens (chunk c: tokens [c * chunk_tokens, (c + 1) * chunk_tokens)): num_blocks blocks push
+// chunk after chunk and raise each chunk's flag on every rank when it is stored; reduce_blocks
+// more blocks sum a chunk once every rank's flag for it is up. The same output bits as
+// push then reduce. num_chunks (<= kMaxCombineChunks) must be the same on every rank (it covers
+// the largest token count of any rank); this rank's num_tokens <= chunk_tokens * num_chunks.
+cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
+                                   int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                   const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
+                                   int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
+                                   int num_chunks, cudaStream_t stream);
+
 // Waits for kPhaseCombine of every rank, then grad_gates [T, k] fp32:
 // sum over m of float(grad_out[t, m]) * float(comb[t * k + j, m]), 0 for a dropped pair.
 // The sum is a fixed tree (lane-strided partials, then a butterfly), the same every run.

@@ -47,6 +47,39 @@ void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::
                                            static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
 }
 
+void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                     const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
+                     int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
+                     int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
+                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks) {
+  UNIEP_CHECK_INPUT(y);
+  UNIEP_CHECK_INPUT(recv_pair);
+  UNIEP_CHECK_INPUT(num_recv);
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
+  UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) <= s.recv_rows, "y must be [R, M] with R <= R_max");
+  UNIEP_CHECK_SHAPE(recv_pair, y.size(0));
+  TORCH_CHECK(expert_idx.dim() == 2 && out.dim() == 2 && out.size(0) == expert_idx.size(0),
+              "expert_idx must be [T, k] and out [T, M]");
+  TORCH_CHECK(y.scalar_type() == out.scalar_type(), "y and out must have one dtype");
+  TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes &&
+                  out.size(1) == y.size(1),
+              "y and out rows must match the combine buffer's row bytes");
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  const float* wp = optional_weights(weights, expert_idx);
+  const c10::cuda::CUDAGuard guard(out.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_chunked(
+      dtype_of(out), y.data_ptr(), recv_pair.data_ptr<int>(), num_recv.data_ptr<int>(), static_cast<int>(y.size(0)),
+      s, static_cast<uint32_t>(epoch), w, expert_idx.data_ptr<int>(), wp, static_cast<int>(out.size(0)),
+      static_cast<int>(expert_idx.size(1)), static_cast<int>(out.size(1)), static_cast<int>(num_experts),
+      out.data_ptr(), static_cast<int>(num_blocks), static_cast<int>(reduce_blocks), static_cast<int>(chunk_tokens),
+      static_cast<int>(num_chunks), c10::cuda::getCurrentCUDAStream()));
+}
+
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
