@@ -11,11 +11,15 @@ are measured in the same run:
 - megakernel: ``UniEPMoE`` with ``"backend": "megakernel"`` where it can run (else the row says why not),
   its experts on ds_uniep's grouped GEMM (``"expert_gemm": "uniep"``);
 - megakernel-torch-gemm: the same with ``"expert_gemm": "torch"`` (the default; what the GEMM alone changes);
+- autoep: DeepSpeed's own AutoEP layer (``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer``: router,
+  sort, NCCL ``all_to_all_single`` both ways, ``torch._grouped_mm`` experts) built from the same gate and
+  experts (see ``build_autoep``; where it cannot be built or run, the row says why);
 - practical bound: max(expert GEMMs alone through ``torch._grouped_mm`` on the same rows,
   dispatch+combine bytes at the peer copy bandwidth);
 - physical bound: max(expert FLOPs / dense bf16 GEMM rate, the same bytes / peer copy bandwidth).
 
-All layers use the same DeepSpeed gate weights and SwiGLU experts, bf16, fp32 gate.
+All layers use the same DeepSpeed gate weights and SwiGLU experts, bf16, fp32 gate (AutoEP too: its
+router's gate is kept fp32 and fed fp32 input; see ``AUTOEP_NOTE`` for how its routing compares).
 A short table is printed last; everything goes to ``--out/bench_moe_layer.json``.
 
 ``--autotune`` adds, per shape, the megakernel layer tuned by its own autotune
@@ -42,6 +46,20 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import bench, rotating  # noqa: E402
 
+BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "autoep"]
+
+AUTOEP_NOTE = (
+    "AutoEPMoELayer (DeepSpeed's AutoEP) built standalone from a Mixtral-style block (gate + ModuleList of "
+    "w1/w2/w3 experts, spec from AutoEP's 'mixtral' preset: softmax scores, weights applied after the experts) "
+    "with the stock layer's gate weight and this rank's experts; AutoEPConfig defaults otherwise "
+    "(comm_backend 'comm': NCCL all_to_all_single for dispatch and combine, split sizes from one count "
+    "all-to-all and a host sync; use_grouped_mm: torch._grouped_mm, or DeepSpeed's Triton grouped GEMM where "
+    "its accelerator prefers it (below sm90); async_split_plan off; load_balance_coeff None). Routing as "
+    "stock: fp32 gate logits (its router's gate is kept fp32 and fed fp32 input; in a bf16 model AutoEP "
+    "would compute them in bf16), fp32 softmax, top-k, weights renormalised over the k (route_norm on for "
+    "k > 1, off for k = 1, as stock's top-1 gate does not renormalise; AutoEP adds 1e-20 to the sum where "
+    "stock clamps it at eps). Differences: no auxiliary loss (the row's backward has no l_aux term; stock's "
+    "and ds_uniep's add one), expert-output weighting and top-k sum in fp32 then one rounding to bf16.")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,8 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=None, help="override E (default: the shape's; dsv3-like: "
                    "32 up to ep 4, 256 from ep 8)")
     p.add_argument("--tokens", type=int, default=None, help="override T tokens per rank")
-    p.add_argument("--backends", nargs="+", default=["stock", "reference", "megakernel", "megakernel-torch-gemm"],
-                   choices=["stock", "reference", "megakernel", "megakernel-torch-gemm"])
+    p.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
@@ -95,7 +112,103 @@ def slowest(ms, dist):
     return float(t.item())
 
 
-def build_layers(shape, E, ep, backends, status):
+class _MixtralStyleBlock(torch.nn.Module):
+    """What AutoEP's spec below reads: ``gate`` (nn.Linear [E, M]) and ``experts`` (one module per global expert
+    with ``w1``/``w3`` [F, M] and ``w2`` [M, F] nn.Linear, as legacy Hugging Face Mixtral)."""
+
+    def __init__(self, gate, experts):
+        super().__init__()
+        self.gate = gate
+        self.experts = experts
+
+
+def _meta_swiglu(M, F):
+    """A SwiGLU expert's ``w1``/``w3``/``w2`` with no storage (shapes only)."""
+    expert = torch.nn.Module()
+    with torch.device("meta"):
+        expert.w1 = torch.nn.Linear(M, F, bias=False)
+        expert.w3 = torch.nn.Linear(M, F, bias=False)
+        expert.w2 = torch.nn.Linear(F, M, bias=False)
+    return expert
+
+
+class AutoEPRow(torch.nn.Module):
+    """AutoEP's layer behind the benchmark's calling convention: ``[T, M] -> (out [T, M], None, None)``
+    (AutoEP takes ``[B, S, M]`` and has no auxiliary loss)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.autoep = layer
+
+    def forward(self, x):
+        return self.autoep(x.unsqueeze(0)).squeeze(0), None, None
+
+
+def build_autoep(proto, ep, device, dtype, use_grouped_mm=True):
+    """DeepSpeed's ``AutoEPMoELayer`` with ``proto``'s gate weight and experts (``proto``: a stock
+    ``deepspeed.moe.layer.MoE`` with SwiGLU experts ``w1``/``w3``/``w2``, this rank's experts local).
+
+    The experts are ``dtype`` on ``device``, the gate stays fp32 and sees fp32 input (as DeepSpeed's TopKGate
+    computes it). Every rank must call this (it binds DeepSpeed's ``ep_size_{ep}`` group, the one the stock
+    layer uses). Raises if this DeepSpeed has no AutoEP or the layer cannot be built here."""
+    from deepspeed.module_inject.auto_ep_config import AutoEPConfig, MoELayerSpec
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    moe = proto.deepspeed_moe
+    wg = moe.gate.wg.weight  # [E, M]
+    E, M = wg.shape
+    k = moe.gate.k
+    local = list(moe.experts.deepspeed_experts)
+    L = len(local)
+    if E != L * ep:
+        raise ValueError(f"build_autoep: {E} experts is not {L} local experts x ep {ep}")
+    if not all(isinstance(getattr(x, w, None), torch.nn.Linear) and getattr(x, w).bias is None
+               for x in local for w in ("w1", "w2", "w3")):
+        raise TypeError("build_autoep: the experts must be SwiGLU experts with bias-free nn.Linear w1, w3 [F, M], "
+                        "w2 [M, F]")
+    F = local[0].w1.weight.shape[0]
+    # DeepSpeed's expert groups are runs of ep consecutive ranks; AutoEP owns experts [r*L, (r+1)*L) on ep
+    # rank r, as stock DeepSpeed does.
+    ep_rank = torch.distributed.get_rank() % ep
+    preset = PRESET_MODELS["mixtral"]
+    spec = MoELayerSpec(
+        moe_module_name="bench_moe_layer", model_family="mixtral", router_name=preset.router_pattern,
+        experts_name=preset.experts_pattern, expert_storage="module_list", expert_w1_name="w1", expert_w2_name="w2",
+        expert_w3_name="w3", num_experts=E, top_k=k, hidden_size=M, ffn_hidden_size=F, score_func=preset.score_func,
+        score_apply=preset.score_apply, route_norm=preset.route_norm, gate_bias=False, return_router_logits=False,
+        router_logits_capture_target="none", router_logits_capture_index=None, router_logits_capture_layer_name=None,
+        has_shared_experts=False, shared_experts_name="", expert_activation="swiglu")
+    if spec.score_func != "softmax" or spec.score_apply != "post":
+        raise RuntimeError(f"AutoEP's mixtral preset changed (score_func {spec.score_func!r}, score_apply "
+                           f"{spec.score_apply!r}): its routing would no longer match stock DeepSpeed's")
+    config = AutoEPConfig(enabled=True, autoep_size=ep, preset_model="mixtral", use_grouped_mm=use_grouped_mm,
+                          route_norm=k > 1, load_balance_coeff=None, comm_backend="comm")
+    gate = torch.nn.Linear(M, E, bias=False, device=device, dtype=torch.float32)
+    experts = torch.nn.ModuleList()
+    with torch.no_grad():
+        gate.weight.copy_(wg)
+        for e in range(E):
+            r, j = divmod(e, L)
+            if r == ep_rank:
+                experts.append(copy.deepcopy(local[j]).to(device=device, dtype=dtype))
+            else:  # another rank's expert: AutoEP reads only this rank's, so it takes no memory
+                experts.append(_meta_swiglu(M, F))
+    layer = AutoEPMoELayer(spec, _MixtralStyleBlock(gate, experts), ep_size=ep, ep_rank=ep_rank, config=config)
+    layer.set_deepspeed_parallelism()
+    got = torch.distributed.get_rank(group=layer.ep_group)
+    if got != ep_rank:
+        raise RuntimeError(f"AutoEP's ep group puts this rank at {got}, not {ep_rank}: its experts would differ")
+    if layer.router.gate.weight.dtype != torch.float32:
+        raise RuntimeError(f"AutoEP's router gate came out {layer.router.gate.weight.dtype}, not fp32")
+    if dtype != torch.float32:
+        layer.router.gate.register_forward_pre_hook(lambda _, args: (args[0].float(), ))
+    return AutoEPRow(layer)
+
+
+def build_layers(shape, E, ep, backends, status, why_not=None):
+    """The layers named in ``backends``; a layer that cannot be built is left out with its reason in
+    ``why_not`` (megakernel rows that cannot run are left out silently: ``status`` says why)."""
     from deepspeed.moe.layer import MoE
 
     from ds_uniep import SwiGLUExpert, UniEPMoE
@@ -110,6 +223,14 @@ def build_layers(shape, E, ep, backends, status):
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
     layers = {}
     for name in backends:
+        if name == "autoep":
+            try:
+                layers[name] = build_autoep(proto, ep, torch.device("cuda", torch.cuda.current_device()),
+                                            torch.bfloat16)
+            except Exception as e:  # noqa: BLE001 - the row reports it
+                if why_not is not None:
+                    why_not[name] = f"{type(e).__name__}: {e}"
+            continue
         if name == "stock":
             layer = copy.deepcopy(proto)
         else:
@@ -132,7 +253,10 @@ def time_layer(layer, inputs, mode, args, dist):
     def fwd(x, g):
         out, l_aux, _ = layer(x)
         if mode == "fwdbwd":
-            torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
+            if l_aux is None:  # AutoEP: no auxiliary loss
+                out.backward(g)
+            else:
+                torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
     ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
     with ctx:
         r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=inputs, sync=dist.barrier)
@@ -276,21 +400,35 @@ def main(argv=None):
     dist.broadcast_object_list(obj, src=0)
     peer, tflops = obj[0]
     results = {"ep": ep, "peer_copy_GBps": peer, "dense_bf16_TFLOPs": tflops, "megakernel": list(status), "rows": []}
+    if "autoep" in args.backends:
+        results["autoep_note"] = AUTOEP_NOTE
 
     for name in args.shapes:
         shape = PRESETS[name]
         T = args.tokens or shape.tokens_per_rank
         E = experts_for(shape, ep, args.experts)
-        layers = build_layers(shape, E, ep, args.backends, status)
+        why_not = {}
+        layers = build_layers(shape, E, ep, args.backends, status, why_not)
         inputs = rotating(lambda i: (torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda",
                                                  generator=torch.Generator("cuda").manual_seed(100 * rank + i)),
                                      torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda")), 3)
         for mode in args.modes:
             passes = 1 if mode == "fwd" else 2
             row = {"shape": name, "mode": mode, "T": T, "M": shape.hidden, "F": shape.ffn, "E": E, "k": shape.top_k}
+            for bname, reason in why_not.items():
+                row[bname + "_why_not"] = reason
             for bname, layer in layers.items():
-                row[bname + "_ms"] = time_layer(layer, inputs, mode, args, dist)
-            any_uni = layers.get("reference") or next(iter(layers.values()))
+                if bname + "_why_not" in row:  # it failed in an earlier mode
+                    continue
+                try:
+                    row[bname + "_ms"] = time_layer(layer, inputs, mode, args, dist)
+                except Exception as e:  # noqa: BLE001 - the row reports it; only AutoEP's is not ours
+                    if bname != "autoep":
+                        raise
+                    row[bname + "_why_not"] = why_not[bname] = f"{type(e).__name__} while running: {e}"
+            ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
+            any_uni = layers.get("reference") or (ds_style[0] if ds_style else
+                                                  build_layers(shape, E, ep, ["stock"], status)["stock"])
             gemm_ms, rows = gemm_alone(any_uni, inputs(0)[0], mode, args, dist)
             flops = 2 * 3 * shape.hidden * shape.ffn * rows * (3 if mode == "fwdbwd" else 1)
             # Bytes leaving a rank: dispatch + combine, each pass; (ep-1)/ep of the rows are remote.
@@ -323,19 +461,27 @@ def main(argv=None):
 def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
-    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "gemm alone", "practical",
-            "physical", "best/stock", "best/practical"]
+    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "autoep", "gemm alone",
+            "practical", "physical", "best/stock", "best/autoep", "best/practical"]
     print(" | ".join(head))
+    notes = {}
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
-        for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "gemm_alone_ms",
-                  "practical_bound_ms", "physical_bound_ms"):
-            cells.append(f"{r[k]:.2f}" if k in r else "-")
+        for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "autoep_ms",
+                  "gemm_alone_ms", "practical_bound_ms", "physical_bound_ms"):
+            cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
+        if "autoep_why_not" in r:
+            notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
         ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms") if k in r]
         best = min(ours) if ours else None
         cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
+        cells.append(f"{r['autoep_ms'] / best:.2f}x" if best and "autoep_ms" in r else "-")
         cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
         print(" | ".join(cells))
+    for reason, where in notes.items():
+        print(f"* autoep could not run ({', '.join(where)}): {reason}")
+    if "autoep_note" in results:
+        print(f"autoep: {results['autoep_note']}")
 
 
 if __name__ == "__main__":
