@@ -426,6 +426,9 @@ def main(argv=None):
                     if bname != "autoep":
                         raise
                     row[bname + "_why_not"] = why_not[bname] = f"{type(e).__name__} while running: {e}"
+                if rank == 0:  # progress, one line per timed layer
+                    print(f"[{name} {mode}] {bname}: "
+                          + (f"{row[bname + '_ms']:.2f} ms" if bname + "_ms" in row else "n/a"), flush=True)
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
             any_uni = layers.get("reference") or (ds_style[0] if ds_style else
                                                   build_layers(shape, E, ep, ["stock"], status)["stock"])

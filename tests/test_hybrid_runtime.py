@@ -32,21 +32,27 @@ def _layer_pair(world_size, k, drop, dtype, domain_size, rank, expert=None):
     return layers
 
 
+def _fwd_bwd_pair(layers, rank, dtype):
+    """Each layer's output, input gradient and parameter gradients on the same rank-seeded input."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(24, 16, generator=g).to(dtype)
+    gy = torch.randn(24, 16, generator=g).to(dtype)
+    res = []
+    for layer in layers:
+        xi = x.clone().requires_grad_(True)
+        out, l_aux, _ = layer(xi)
+        ((out.float() * gy.float()).sum() + l_aux).backward()
+        res.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+    return res
+
+
 def _layer_exactness(rank, world_size):
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
         for k, drop in CASES:
             for S in (1, 2):
                 plain, hybrid = _layer_pair(world_size, k, drop, dtype, S, rank)
                 assert (hybrid._hybrid is None) == (S == 1)
-                g = torch.Generator().manual_seed(rank)
-                x = torch.randn(24, 16, generator=g).to(dtype)
-                gy = torch.randn(24, 16, generator=g).to(dtype)
-                res = []
-                for layer in (plain, hybrid):
-                    xi = x.clone().requires_grad_(True)
-                    out, l_aux, counts = layer(xi)
-                    ((out.float() * gy.float()).sum() + l_aux).backward()
-                    res.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+                res = _fwd_bwd_pair((plain, hybrid), rank, dtype)
                 where = f"rank {rank} {dtype} k={k} drop={drop} S={S}"
                 for a, b in zip(*res):
                     if S == 1:
@@ -73,15 +79,7 @@ def _grouped_replicas(rank, world_size):
     for make in (lambda: SwiGLUExpert(16, 24), lambda: GeLUExpert(16, 24)):
         for k, drop in ((1, False), (2, True), (4, False)):
             plain, hybrid = _layer_pair(world_size, k, drop, torch.bfloat16, 2, rank, expert=make())
-            g = torch.Generator().manual_seed(rank)
-            x = torch.randn(24, 16, generator=g).to(torch.bfloat16)
-            gy = torch.randn(24, 16, generator=g).to(torch.bfloat16)
-            res = []
-            for layer in (plain, hybrid):
-                xi = x.clone().requires_grad_(True)
-                out, l_aux, _ = layer(xi)
-                ((out.float() * gy.float()).sum() + l_aux).backward()
-                res.append([out, xi.grad] + [p.grad for p in layer.parameters()])
+            res = _fwd_bwd_pair((plain, hybrid), rank, torch.bfloat16)
             where = f"rank {rank} {type(plain.deepspeed_moe.experts.deepspeed_experts[0]).__name__} k={k} drop={drop}"
             for a, b in zip(*res):
                 assert _rel(b, a) <= 1e-2, f"{where}: relative error {_rel(b, a)}"
