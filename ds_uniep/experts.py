@@ -72,10 +72,6 @@ def _grouped_linear(x: Tensor, weights: Sequence[Tensor], biases: Optional[Seque
     return y
 
 
-def _expert_params(experts: Sequence[nn.Module]) -> List[Dict[str, Tensor]]:
-    return [dict(e.named_parameters()) for e in experts]
-
-
 def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor, params: Optional[Sequence[Dict[str, Tensor]]] = None
                 ) -> bool:
     """Whether ``experts`` (with their own parameters, or ``params``, one dict per group) run as grouped GEMMs."""
@@ -84,7 +80,8 @@ def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor, params: Optional[Seq
     kind = type(experts[0])
     if kind not in (SwiGLUExpert, GeLUExpert) or any(type(e) is not kind for e in experts):
         return False
-    tensors = [t for p in (params if params is not None else _expert_params(experts)) for t in p.values()]
+    tensors = [t for p in params for t in p.values()] if params is not None else \
+        [t for e in experts for t in e.parameters()]
     # grouped_mm wants 16-byte aligned rows: dims multiple of 8 in bf16.
     return all(t.dtype == torch.bfloat16 and t.device == recv.device for t in tensors) and \
         all(d % 8 == 0 for t in tensors for d in t.shape)
@@ -103,7 +100,7 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     ``params[g]``. ``gemm``: one of :data:`GEMMS` (the same GEMMs and elementwise ops on either)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
-    params = _expert_params(experts) if params is None else params
+    params = [dict(e.named_parameters()) for e in experts] if params is None else params
     if len(params) != counts.numel():
         raise ValueError(f"{counts.numel()} row counts for {len(params)} expert groups")
     counts = counts.to(recv.device)
