@@ -11,8 +11,8 @@ median of CUDA-event timings after warm-up, each iteration started behind a barr
 Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
 order first); the megakernel dispatch receiving in place (its direct region) and
 through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
-default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS, each
-checked bitwise against the default).
+default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS and the
+pulling combine from source regions, each checked bitwise against the default).
 """
 import argparse
 import json
@@ -121,7 +121,7 @@ def main():
                                     ("fp8", "fp8_e4m3", True)):
         cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T, "compression": {"dispatch_dtype": dtype_cfg}})
         disp = NVLinkDispatcher(f"bench.{name}", E, G, M, k, torch.bfloat16, cfg, padded_recv=True,
-                                direct_receive=direct)
+                                direct_receive=direct, pull_combine=name == "bf16")
         state = {}
 
         def do_dispatch():
@@ -153,6 +153,18 @@ def main():
                 results["combine_variants"][f"{chunks}/{reducers}"] = {"chunks": chunks, "reduce_blocks": reducers,
                                                                       "ms": ms, "bitwise_equal": same}
             disp.combine_chunks, disp.combine_reduce_blocks = default
+            # Pulling: the expert outputs sit in every rank's source region, each source reads its rows.
+            src = disp.combine_source(y.shape[0])
+            src.copy_(y)
+            results["combine_pull_ms"] = timed(lambda: disp.combine(src, gates, h), a.iters, a.warmup, dev)
+            results["combine_pull_bitwise_equal"] = bool(torch.equal(disp.combine(src, gates, h), first))
+            default_pull = disp.pull_blocks
+            disp.pull_blocks = disp.num_blocks  # one block per SM
+            results["combine_pull_1x_ms"] = timed(lambda: disp.combine(src, gates, h), a.iters, a.warmup, dev)
+            results["combine_pull_bitwise_equal"] &= bool(torch.equal(disp.combine(src, gates, h), first))
+            disp.pull_blocks = default_pull
+            results["combine_stats"] = dict(disp.combine_stats)
+            del src
         disp.check(synchronize=True)
         del disp, state
         torch.cuda.empty_cache()
@@ -172,6 +184,8 @@ def main():
     rows += [(f"combine bf16 ({v['chunks']} chunks, {v['reduce_blocks'] or 'default'} reduce blocks)"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], off_rank)
              for v in results["combine_variants"].values()]
+    rows.append(("combine bf16 (pull from source regions)", results["combine_pull_ms"], off_rank))
+    rows.append(("combine bf16 (pull, one block per SM)", results["combine_pull_1x_ms"], off_rank))
     table = []
     for label, ms, nbytes in rows:
         bw = gbps(ms, nbytes)
@@ -185,7 +199,8 @@ def main():
               f"(NCCL {nccl_off_rank / 2**20:.0f} MiB; bf16-equivalent bytes); "
               f"peer copy {results['peer_copy_GBps']:.0f} GB/s")
         print("combine variants bitwise equal to the default:",
-              all(v["bitwise_equal"] for v in results["combine_variants"].values()))
+              all(v["bitwise_equal"] for v in results["combine_variants"].values()),
+              "; pulling combine:", results["combine_pull_bitwise_equal"], results["combine_stats"])
         print("forward dispatches received in place / copied out:",
               {n: results[f"{n}_direct_stats"] for n in ("bf16", "bf16_staging", "fp8")})
         print(f"{'op':42s} {'ms':>8s} {'GB/s':>8s} {'%peer':>6s} {'xNCCL a2a':>9s} {'xNCCL disp':>10s}")

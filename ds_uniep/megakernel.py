@@ -62,10 +62,10 @@ MAX_RANKS = 8
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 FP8_GROUP = 128
-NUM_PHASES = 4
+NUM_PHASES = 5
 MAX_COMBINE_CHUNKS = 64
 ERROR_RECORD_WORDS = 8
-PHASE_NAMES = ("counts", "dispatch", "combine", "barrier")
+PHASE_NAMES = ("counts", "dispatch", "combine", "barrier", "pull")
 _ALIGN = 256
 
 
@@ -151,8 +151,8 @@ def _storage_users(t: Tensor) -> int:
 
 
 class _DirectRegion:
-    """The direct receive region of one layer: ``[R_max, M]`` rows in a symmetric allocation of
-    its own, so that the users of its storage (views handed out) can be counted."""
+    """``[R_max, M]`` rows in a symmetric allocation of their own, so that the users of its storage
+    (views handed out) can be counted: a layer's direct receive region, and its source region."""
 
     def __init__(self, rows: int, M: int, dtype: torch.dtype, group, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
@@ -161,8 +161,14 @@ class _DirectRegion:
         self.handle = rendezvous(self.buffer, group)
         ptrs = list(self.handle.buffer_ptrs)
         self.ptrs = ptrs + [0] * (MAX_RANKS - len(ptrs))
-        self.rows = self.buffer.view(dtype).view(rows, M)
+        self.dtype, self.M = dtype, M
+        self.rows = self.fresh_view()
         self.idle_users = _storage_users(self.rows)
+
+    def fresh_view(self) -> Tensor:
+        """``[R_max, M]`` rows with no autograd history: an in-place write that autograd records
+        (``copy_`` of a tensor that requires grad) marks only this view, not the region."""
+        return self.buffer.view(self.dtype).view(-1, self.M)
 
     def free(self) -> bool:
         """True when no view of the region's rows is alive outside the dispatcher."""
@@ -221,12 +227,19 @@ class NVLinkDispatcher:
         combine_reduce_blocks: blocks of the chunked combine that reduce, beside its
             ``num_blocks`` pushing blocks; default ``num_blocks`` (two blocks fit on an SM, so
             with one per SM each role has every SM).
+        pull_blocks: blocks of the pulling combine (default twice ``num_blocks``: two fit on an SM).
+        pull_combine: allocate a source region (a third ``[R_max, M]`` symmetric buffer). Expert
+            outputs written into :meth:`combine_source` are combined by pulling: each rank reads
+            its tokens' rows from the ranks that computed them and sums them in slot order, with
+            no combine buffer and no per-chunk signals (the same bits as pushing). Every rank
+            must combine from its source region in the same call, or the call times out.
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
                  num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
-                 combine_reduce_blocks: Optional[int] = None):
+                 combine_reduce_blocks: Optional[int] = None, pull_combine: bool = False,
+                 pull_blocks: Optional[int] = None):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
@@ -272,8 +285,17 @@ class NVLinkDispatcher:
         self.direct = None
         if direct_receive and not self.fp8:
             self.direct = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
+        self.pull_blocks = pull_blocks or 2 * self.num_blocks
+        self.source = None
+        if pull_combine:
+            self.source = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
+        # A pulling combine leaves peers reading this rank's source region; the next counts
+        # exchange or barrier ends that, and combine_source() puts a barrier in before then.
+        self._peers_may_read_source = False
         #: forward dispatches whose rows were received in place / copied out of staging
         self.direct_stats = {"in_place": 0, "copied": 0}
+        #: forward combines that pulled from the source regions / pushed rows back
+        self.combine_stats = {"pulled": 0, "pushed": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self.layer_id = next(_IDS)
         self._epochs = [0] * NUM_PHASES
@@ -318,6 +340,7 @@ class NVLinkDispatcher:
     def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor):
         self.check()
         e_counts = self._next_epoch(0)
+        self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
         in_place = self.direct is not None and self.direct.free()
         local_counts, num_recv, counts_all, dest_row = self.ext.layout(expert_idx, self.num_experts,
                                                                        self.bufs.descriptor, e_counts,
@@ -359,10 +382,39 @@ class NVLinkDispatcher:
         # Backward ops store into peers' buffers without a counts exchange first: the barrier
         # makes sure every peer has finished reading what the previous op left there.
         self.ext.barrier(self.bufs.descriptor, self._next_epoch(3), *self._wait_args(), self.device.index)
+        self._peers_may_read_source = False
 
-    def _combine_fwd(self, y, gates, expert_idx, recv_pair, num_recv):
+    def _pulls_from(self, y: Tensor) -> bool:
+        # Storage pointers: an empty view (a rank that received no rows) has no data_ptr.
+        return (self.source is not None and y.storage_offset() == 0 and
+                y.untyped_storage().data_ptr() == self.source.buffer.untyped_storage().data_ptr())
+
+    def _combine_fwd(self, y, gates, expert_idx, dest_row, recv_pair, num_recv):
         self.check()
-        return self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
+        if not self._pulls_from(y):
+            self.combine_stats["pushed"] += 1
+            return self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
+        out = y.new_empty(expert_idx.shape[0], self.hidden_size)
+        self.ext.combine_pull(expert_idx, dest_row, gates, self.num_experts, out, self.source.ptrs,
+                              self.bufs.descriptor, self._next_epoch(4), *self._wait_args(), self.pull_blocks)
+        self._peers_may_read_source = True
+        self.combine_stats["pulled"] += 1
+        return out
+
+    def combine_source(self, rows: int) -> Tensor:
+        """Where to write the expert outputs ``[rows, M]`` (rows in recv's order) so that
+        :meth:`combine` pulls them: a view of this layer's source region when it was allocated
+        (``pull_combine``) and nothing else holds a view of it, else a new tensor (combine then
+        pushes). Ask again before each write: this waits, on the device, until no peer still
+        reads the region from the previous combine."""
+        if rows > self.bufs.recv_rows:
+            raise UniEPCapacityError(f"{self.layer_name}: rank {self.rank} asked for {rows} source rows, the "
+                                     f"region holds {self.bufs.recv_rows}")
+        if self.source is None or not self.source.free():
+            return torch.empty(rows, self.hidden_size, dtype=self.dtype, device=self.device)
+        if self._peers_may_read_source:
+            self._barrier()
+        return self.source.fresh_view()[:rows]
 
     def _dispatch_bwd(self, grad_recv, expert_idx, recv_pair, num_recv):
         # Gradient of dispatch: each token's k row gradients summed in slot order (fp32, cast once).
@@ -441,14 +493,14 @@ def _(x, expert_idx, ctx_id):
 
 
 @torch.library.custom_op("ds_uniep::nvl_combine", mutates_args=())
-def nvl_combine(y: Tensor, gates: Tensor, expert_idx: Tensor, recv_pair: Tensor, num_recv: Tensor,
-                ctx_id: int) -> Tensor:
+def nvl_combine(y: Tensor, gates: Tensor, expert_idx: Tensor, dest_row: Tensor, recv_pair: Tensor,
+                num_recv: Tensor, ctx_id: int) -> Tensor:
     """-> out [T, M] = cast(sum_j gates[t, j] * float(y[row of (t, j)])), slot order, fp32."""
-    return _get(ctx_id)._combine_fwd(y, gates, expert_idx, recv_pair, num_recv)
+    return _get(ctx_id)._combine_fwd(y, gates, expert_idx, dest_row, recv_pair, num_recv)
 
 
 @nvl_combine.register_fake
-def _(y, gates, expert_idx, recv_pair, num_recv, ctx_id):
+def _(y, gates, expert_idx, dest_row, recv_pair, num_recv, ctx_id):
     return y.new_empty(expert_idx.shape[0], y.shape[1])
 
 
@@ -503,7 +555,7 @@ class _CombineFn(torch.autograd.Function):
     def forward(ctx, y, gates, expert_idx, dest_row, recv_pair, num_recv, ctx_id):
         ctx.ctx_id = ctx_id
         ctx.save_for_backward(y, gates, expert_idx, dest_row, recv_pair, num_recv)
-        return nvl_combine(y, gates, expert_idx, recv_pair, num_recv, ctx_id)
+        return nvl_combine(y, gates, expert_idx, dest_row, recv_pair, num_recv, ctx_id)
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -62,11 +62,13 @@ def _body(rank, G, dtype_name):
     case = 0
     for k in (1, 2, 6, 8):
         disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
-        # The same layer with combine as push-then-reduce kernels, and chunked over 7 chunks with
-        # one reducing block: the chunking changes when rows are summed, never the bits.
+        # The same layer with combine as push-then-reduce kernels, chunked over 7 chunks with
+        # one reducing block, and pulling from source regions: when and where rows are summed
+        # changes, never the bits.
+        pull = NVLinkDispatcher(f"test.k{k}.pull", E, G, M, k, dtype, cfg, pull_combine=True)
         variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
                     NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
-                                     combine_reduce_blocks=1)]
+                                     combine_reduce_blocks=1), pull]
         modes = [("random", 1), ("random", 19), ("random", T_MAX), ("one_expert", 19), ("empty_experts", 19),
                  ("one_expert", T_MAX)]
         for mode, T in modes:
@@ -86,12 +88,22 @@ def _body(rank, G, dtype_name):
                 R = int(counts.sum())
                 experts = torch.repeat_interleave(torch.arange(L, device=dev) + rank * L, counts)
                 y = _expert_fn(recv, experts)
+                src = None
+                if d is pull:
+                    src = d.combine_source(y.shape[0])
+                    src.copy_(y)
+                    y = src
+                pulled = d.combine_stats["pulled"]
                 out = d.combine(y, g, handle)
+                assert d.combine_stats["pulled"] == pulled + (d is pull), \
+                    f"the pulling combine was not taken (k={k}, T={T}, {mode}, R={R})"
+                y = src = None  # the source region is free again once the backward has run
                 w = torch.randn(out.shape, generator=torch.Generator().manual_seed(case)).to(dev)
                 (out.float() * w).sum().backward()
                 outs.append((recv.detach().clone(), out.detach().clone(), x.grad.clone(), g.grad.clone()))
             recv, out, gx, gg = outs[0]
-            for other, what in zip(outs[1:], ("a second run", "push-then-reduce combine", "7-chunk combine")):
+            for other, what in zip(outs[1:], ("a second run", "push-then-reduce combine", "7-chunk combine",
+                                              "pulling combine")):
                 for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):
                     assert torch.equal(a, b), f"{name} differs in {what} (k={k}, T={T}, {mode})"
             # Layout: counts and rows are exactly ds_uniep.layout's.

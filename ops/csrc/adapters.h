@@ -41,6 +41,11 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
                      int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks);
+// Pulling combine: out [T, M] from every rank's source region (source: kMaxRanks region bases).
+void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
+                  const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
+                  const std::vector<int64_t>& source, const std::vector<int64_t>& sym, int64_t epoch,
+                  int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);

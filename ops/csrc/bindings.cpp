@@ -12,6 +12,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_reduce", &uniep::combine_reduce, "wait, then sum each token's k rows in slot order in fp32");
   m.def("combine_chunked", &uniep::combine_chunked,
         "push and reduce in one kernel, by chunks of source tokens (same bits as push then reduce)");
+  m.def("combine_pull", &uniep::combine_pull,
+        "raise and wait for every rank's pull signal, then sum each token's rows read from the ranks' source regions");
   m.def("gate_grad", &uniep::gate_grad, "wait, then grad_gates[t, j] = <grad_out[t], row of (t, j)>");
   // gemm: grouped GEMM of the experts (fwd, dgrad, wgrad), deterministic tiles
   m.def("grouped_mm", &uniep::grouped_mm, "grouped GEMM: op 0 fwd, 1 dgrad, 2 wgrad over groups of rows");

@@ -30,7 +30,8 @@ enum SignalPhase : int {
   kPhaseDispatch = 1,  // all rows of a dispatch stored
   kPhaseCombine = 2,   // all rows of a combine push stored
   kPhaseBarrier = 3,   // entry barrier of backward ops
-  kNumPhases = 4,
+  kPhasePull = 4,      // every rank's expert outputs are in its source region (pulling combine)
+  kNumPhases = 5,
 };
 
 // Chunked combine: a source's tokens fall into at most this many chunks; every rank raises one

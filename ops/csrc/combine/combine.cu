@@ -36,35 +36,65 @@ __global__ void __launch_bounds__(kCopyThreads) combine_push_kernel(const T* __r
   signal_when_grid_done(s, status_words(s) + 2, kPhaseCombine, epoch);
 }
 
+// Where reduce_token finds the row of slot (t, j). slot() turns a kept pair into one int, not
+// a pointer (fewer registers; -1 is taken by dropped pairs), load() reads a vector of it.
+// CombRows: this rank's combine buffer, row t * k + j (rows pushed back by the experts' ranks).
+struct CombRows {
+  const int4* base;
+  int64_t row_vecs;
+  __device__ __forceinline__ int slot(int pair, int /*expert*/) const { return pair; }
+  __device__ __forceinline__ int4 load(int code, int c) const { return __ldcg(base + code * row_vecs + c); }
+};
+
+// PeerRows: the expert outputs where they were computed, read over NVLink: rank d's source
+// region, row dest_row[t, j] (the row the pair was dispatched to); code = row * kMaxRanks + d.
+// ptrs points at a shared-memory copy of the region bases (indexing a kernel parameter array
+// by a computed rank would go through local memory).
+struct PeerRows {
+  const char* const* ptrs;
+  const int* dest_row;
+  int64_t row_vecs;
+  int experts_per_rank;
+  __device__ __forceinline__ int slot(int pair, int expert) const {
+    return __ldg(dest_row + pair) * kMaxRanks + expert / experts_per_rank;
+  }
+  __device__ __forceinline__ int4 load(int code, int c) const {
+    const int4* row = reinterpret_cast<const int4*>(ptrs[code % kMaxRanks]) + (code / kMaxRanks) * row_vecs;
+    return __ldcg(row + c);
+  }
+};
+
+// The region bases of every rank, passed by value to the pulling kernel.
+struct SourceRegions {
+  const char* ptrs[kMaxRanks];
+};
+
 // Token t's output over the vectors [c_begin, c_end) of its row, one warp, a lane per
 // 16-byte vector: the k slots are added in slot order, product then sum rounded separately
-// (no contraction), so the result does not depend on the schedule that moved the rows.
-// kSlots >= k is a compile-time bound, so a token's rows and gates stay in registers and a
-// lane issues the loads of up to 4 slots before adding them.
-template <typename T, bool kWeighted, int kSlots>
-__device__ __forceinline__ void reduce_token(const SymView& s, const char* comb, const int* __restrict__ expert_idx,
+// (no contraction), so the result depends neither on the schedule that moved the rows nor on
+// where they are read from. kSlots >= k is a compile-time bound, so a token's rows and gates
+// stay in registers and a lane issues the loads of up to 4 slots before adding them.
+template <typename T, bool kWeighted, int kSlots, typename Rows>
+__device__ __forceinline__ void reduce_token(const Rows& rows, const int* __restrict__ expert_idx,
                                              const float* __restrict__ weights, int t, int k, int hidden,
                                              int num_experts, int c_begin, int c_end, int lane,
                                              T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
-  // Each slot's comb row as a pair index (-1: dropped), not a pointer: fewer registers.
-  int pair_of[kSlots];
+  int code[kSlots];
   float g[kSlots];
 #pragma unroll
   for (int j = 0; j < kSlots; ++j) {
-    pair_of[j] = -1;
+    code[j] = -1;
     g[j] = 1.0f;
     if (j < k) {
       const int pair = t * k + j;
       const int e = __ldg(expert_idx + pair);
       if (e >= 0 && e < num_experts) {  // a dropped pair sent no row
-        pair_of[j] = pair;
+        code[j] = rows.slot(pair, e);
         if (kWeighted) g[j] = __ldg(weights + pair);
       }
     }
   }
-  const int64_t row_vecs = s.comb_row_bytes / 16;
-  const int4* comb_vecs = reinterpret_cast<const int4*>(comb);
   int4* row_out = reinterpret_cast<int4*>(out + static_cast<int64_t>(t) * hidden);
   for (int c = c_begin + lane; c < c_end; c += 32) {
     float acc[kElems];
@@ -78,10 +108,10 @@ __device__ __forceinline__ void reduce_token(const SymView& s, const char* comb,
       int4 v[kGroup];
 #pragma unroll
       for (int j = 0; j < kGroup; ++j)
-        if (pair_of[j0 + j] >= 0) v[j] = __ldcg(comb_vecs + pair_of[j0 + j] * row_vecs + c);
+        if (code[j0 + j] >= 0) v[j] = rows.load(code[j0 + j], c);
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-        if (pair_of[j0 + j] < 0) continue;
+        if (code[j0 + j] < 0) continue;
         float f[kElems];
         unpack<T>(v[j], f);
         if (kWeighted) {
@@ -97,6 +127,10 @@ __device__ __forceinline__ void reduce_token(const SymView& s, const char* comb,
   }
 }
 
+__device__ __forceinline__ CombRows comb_rows(const SymView& s) {
+  return CombRows{reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.comb_off), s.comb_row_bytes / 16};
+}
+
 // One warp per token, after every rank's whole push.
 template <typename T, bool kWeighted, int kSlots>
 __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s, uint32_t epoch, WaitPolicy w,
@@ -108,9 +142,39 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s,
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
-  const char* comb = s.ptrs[s.rank] + s.comb_off;
+  const CombRows rows = comb_rows(s);
   for (int t = warp; t < num_tokens; t += num_warps)
-    reduce_token<T, kWeighted, kSlots>(s, comb, expert_idx, weights, t, k, hidden, num_experts, 0,
+    reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t, k, hidden, num_experts, 0,
+                                       hidden / Vec<T>::kElems, lane, out);
+}
+
+// Combine by pulling: every rank's expert outputs stay in its source region (a symmetric
+// allocation, the same row layout as the receive rows), and each source reads its tokens'
+// rows from there over NVLink, summing them in slot order as combine_reduce_kernel does (the
+// same bits, with no combine buffer and no per-chunk signals). Every block first raises
+// kPhasePull on every rank (its outputs are in place: the kernels that wrote them have
+// finished) and waits for every rank's. Nothing here marks the end of the reads: a rank
+// rewrites its source region only after the next counts exchange, or after a barrier. Two
+// blocks fit on an SM, so more rows are in flight over NVLink.
+template <typename T, bool kWeighted, int kSlots>
+__global__ void __launch_bounds__(kCopyThreads, 2) combine_pull_kernel(SymView s, uint32_t epoch, WaitPolicy w,
+                                                                    SourceRegions regions,
+                                                                    const int* __restrict__ dest_row,
+                                                                    const int* __restrict__ expert_idx,
+                                                                    const float* __restrict__ weights,
+                                                                    int num_tokens, int k, int hidden,
+                                                                    int num_experts, T* __restrict__ out) {
+  __shared__ const char* bases[kMaxRanks];
+  if (poisoned(s)) return;
+  if (threadIdx.x < kMaxRanks) bases[threadIdx.x] = regions.ptrs[threadIdx.x];  // before the wait's barriers
+  const PeerRows rows{bases, dest_row, hidden / Vec<T>::kElems, num_experts / s.num_ranks};
+  if (blockIdx.x == 0 && threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, kPhasePull, epoch);
+  if (!block_wait_all(s, w, kPhasePull, epoch)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * blockDim.x / 32;
+  for (int t = warp; t < num_tokens; t += num_warps)
+    reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t, k, hidden, num_experts, 0,
                                        hidden / Vec<T>::kElems, lane, out);
 }
 
@@ -214,7 +278,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     return;
   }
   const int q = blockIdx.x - P;
-  const char* comb = s.ptrs[s.rank] + s.comb_off;
+  const CombRows rows = comb_rows(s);
   const int my_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
   for (int c = 0; c < my_chunks; ++c) {
     if (threadIdx.x == 0) flag_shared = 1;
@@ -228,7 +292,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const int items = min(chunk_tokens, num_tokens - t0) * segs;
     for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += reduce_blocks * kWarpsPerCopyBlock) {
       const int seg = item % segs;
-      reduce_token<T, kWeighted, kSlots>(s, comb, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
+      reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
                                          seg * kCombineSegVecs, min(num_vecs, (seg + 1) * kCombineSegVecs), lane,
                                          out);
     }
@@ -316,6 +380,26 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
         combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
             num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, static_cast<T*>(out));
+      });
+    });
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_pull(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                const char* const* source_ptrs, const int* dest_row, const int* expert_idx,
+                                const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
+                                int num_blocks, cudaStream_t stream) {
+  if (num_blocks <= 0 || k <= 0 || num_experts % sym.num_ranks != 0) return cudaErrorInvalidValue;
+  SourceRegions regions;
+  for (int i = 0; i < kMaxRanks; ++i) regions.ptrs[i] = source_ptrs[i];
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
+      UNIEP_SWITCH_SLOTS(k, kSlots, {
+        combine_pull_kernel<T, kWeighted, kSlots><<<num_blocks, kCopyThreads, 0, stream>>>(
+            sym, epoch, wait, regions, dest_row, expert_idx, weights, num_tokens, k, hidden, num_experts,
+            static_cast<T*>(out));
       });
     });
   });

@@ -35,6 +35,15 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
                                    int num_chunks, cudaStream_t stream);
 
+// Raises kPhasePull on every rank and waits for every rank's, then out as launch_combine_reduce,
+// reading the row of (t, j) from rank d = expert_idx[t, j] / L's source region at row
+// dest_row[t, j]: source_ptrs[d] (kMaxRanks entries) is the base of rank d's region, rows of
+// M elements of dtype in that rank's layout order. No combine buffer is used.
+cudaError_t launch_combine_pull(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                const char* const* source_ptrs, const int* dest_row, const int* expert_idx,
+                                const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
+                                int num_blocks, cudaStream_t stream);
+
 // Waits for kPhaseCombine of every rank, then grad_gates [T, k] fp32:
 // sum over m of float(grad_out[t, m]) * float(comb[t * k + j, m]), 0 for a dropped pair.
 // The sum is a fixed tree (lane-strided partials, then a butterfly), the same every run.

@@ -80,6 +80,36 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
       static_cast<int>(num_chunks), c10::cuda::getCurrentCUDAStream()));
 }
 
+void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
+                  const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
+                  const std::vector<int64_t>& source, const std::vector<int64_t>& sym, int64_t epoch,
+                  int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(dest_row);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
+  TORCH_CHECK(expert_idx.dim() == 2 && out.dim() == 2 && out.size(0) == expert_idx.size(0),
+              "expert_idx must be [T, k] and out [T, M]");
+  TORCH_CHECK(dest_row.sizes() == expert_idx.sizes(), "dest_row must have expert_idx's shape");
+  const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(static_cast<int>(source.size()) == kMaxRanks, "source must list kMaxRanks region bases");
+  const char* ptrs[kMaxRanks];
+  for (int i = 0; i < kMaxRanks; ++i) {
+    ptrs[i] = reinterpret_cast<const char*>(source[i]);
+    TORCH_CHECK(i >= s.num_ranks || ptrs[i] != nullptr, "source region base of a rank is null");
+  }
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  const float* wp = optional_weights(weights, expert_idx);
+  const c10::cuda::CUDAGuard guard(out.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_pull(dtype_of(out), s, static_cast<uint32_t>(epoch), w, ptrs,
+                                         dest_row.data_ptr<int>(), expert_idx.data_ptr<int>(), wp,
+                                         static_cast<int>(out.size(0)), static_cast<int>(expert_idx.size(1)),
+                                         static_cast<int>(out.size(1)), static_cast<int>(num_experts),
+                                         out.data_ptr(), static_cast<int>(num_blocks),
+                                         c10::cuda::getCurrentCUDAStream()));
+}
+
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
