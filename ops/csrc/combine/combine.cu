@@ -151,9 +151,9 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s,
 // Combine by pulling: every rank's expert outputs stay in its source region (a symmetric
 // allocation, the same row layout as the receive rows), and each source reads its tokens'
 // rows from there over NVLink, summing them in slot order as combine_reduce_kernel does (the
-// same bits, with no combine buffer and no per-chunk signals). Every block first raises
-// kPhasePull on every rank (its outputs are in place: the kernels that wrote them have
-// finished) and waits for every rank's. Nothing here marks the end of the reads: a rank
+// same bits, with no combine buffer and no per-chunk signals). Block 0 raises kPhasePull on
+// every rank (this rank's outputs are in place: the kernels that wrote them have finished),
+// then every block waits for every rank's. Nothing here marks the end of the reads: a rank
 // rewrites its source region only after the next counts exchange, or after a barrier. Two
 // blocks fit on an SM, so more rows are in flight over NVLink.
 template <typename T, bool kWeighted, int kSlots>

@@ -4,6 +4,18 @@
 #include "combine.cuh"
 
 namespace uniep {
+namespace {
+
+// expert_idx [T, k] int32 and out [T, M], on the device: what every summing launcher reads and writes.
+void check_routing_and_out(const torch::Tensor& expert_idx, const torch::Tensor& out) {
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  TORCH_CHECK(expert_idx.dim() == 2 && out.dim() == 2 && out.size(0) == expert_idx.size(0),
+              "expert_idx must be [T, k] and out [T, M]");
+}
+
+}  // namespace
 
 void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks) {
@@ -29,11 +41,7 @@ void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const 
 void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                     int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                     int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
-  UNIEP_CHECK_INPUT(expert_idx);
-  UNIEP_CHECK_INPUT(out);
-  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
-  TORCH_CHECK(expert_idx.dim() == 2 && out.dim() == 2 && out.size(0) == expert_idx.size(0),
-              "expert_idx must be [T, k] and out [T, M]");
+  check_routing_and_out(expert_idx, out);
   const SymView s = sym_from_descriptor(sym);
   const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
   TORCH_CHECK(out.size(1) * static_cast<int64_t>(out.element_size()) == s.comb_row_bytes, "out rows are ",
@@ -55,16 +63,12 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(recv_pair);
   UNIEP_CHECK_INPUT(num_recv);
-  UNIEP_CHECK_INPUT(expert_idx);
-  UNIEP_CHECK_INPUT(out);
   UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
   UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
-  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  check_routing_and_out(expert_idx, out);
   const SymView s = sym_from_descriptor(sym);
   TORCH_CHECK(y.dim() == 2 && y.size(0) <= s.recv_rows, "y must be [R, M] with R <= R_max");
   UNIEP_CHECK_SHAPE(recv_pair, y.size(0));
-  TORCH_CHECK(expert_idx.dim() == 2 && out.dim() == 2 && out.size(0) == expert_idx.size(0),
-              "expert_idx must be [T, k] and out [T, M]");
   TORCH_CHECK(y.scalar_type() == out.scalar_type(), "y and out must have one dtype");
   TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes &&
                   out.size(1) == y.size(1),
@@ -84,13 +88,9 @@ void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row
                   const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
                   const std::vector<int64_t>& source, const std::vector<int64_t>& sym, int64_t epoch,
                   int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
-  UNIEP_CHECK_INPUT(expert_idx);
+  check_routing_and_out(expert_idx, out);
   UNIEP_CHECK_INPUT(dest_row);
-  UNIEP_CHECK_INPUT(out);
-  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
   UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
-  TORCH_CHECK(expert_idx.dim() == 2 && out.dim() == 2 && out.size(0) == expert_idx.size(0),
-              "expert_idx must be [T, k] and out [T, M]");
   TORCH_CHECK(dest_row.sizes() == expert_idx.sizes(), "dest_row must have expert_idx's shape");
   const SymView s = sym_from_descriptor(sym);
   TORCH_CHECK(static_cast<int>(source.size()) == kMaxRanks, "source must list kMaxRanks region bases");
