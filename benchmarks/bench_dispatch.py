@@ -7,17 +7,24 @@ each token's k experts distinct. Payload = T * k * M * 2 bytes per rank (every p
 the NCCL baseline exchanges the same buffer with equal splits). GB/s = bytes / time; the
 bytes counted are those leaving each rank (pairs routed to other ranks; for NCCL
 (G-1)/G of its buffer); the ceiling is one large GPU0 -> GPU1 tensor copy measured in the same run. Times are the
-median of CUDA-event timings after warm-up, each iteration started behind a barrier.
+median of CUDA-event timings after warm-up, each iteration started behind a barrier, the slowest
+rank's, taken two ways: "launched" (the GPU starts on the first kernel while the host still
+launches the rest, so host launch time between kernels counts) and "queued" (every launch is
+queued behind a GPU spin and a GPU-side barrier first, so the GPU work alone is timed from a
+common start, as in a training step whose launches run ahead of the GPU; each run checks that
+the spin outlasted the launches).
 Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
 order first); the megakernel dispatch receiving in place (its direct region) and
 through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
 default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS and the
-pulling combine from source regions, each checked bitwise against the default).
+pulling combine from source regions with one and two blocks per SM, each checked bitwise
+against the default).
 """
 import argparse
 import json
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,25 +33,88 @@ import torch.distributed as dist
 # Combine variants timed beside the default (combine_chunks, combine_reduce_blocks); every one must
 # give the default's bits. (0, None): push, then reduce, as two kernels.
 COMBINE_VARIANTS = [(0, None), (8, None), (32, None), (64, None), (16, 66)]
+# Pulling combine variants: (result key, blocks per SM). The first is the dispatcher's default.
+PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
 
-def timed(fn, iters, warmup, device):
-    """Median milliseconds of fn() over iters runs (CUDA events), after warmup runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+_SLEEP_CYCLES_PER_MS = []
+
+
+def _sleep_cycles_per_ms(device):
+    """Calibrates torch.cuda._sleep: spin cycles per millisecond on this GPU."""
+    if not _SLEEP_CYCLES_PER_MS:
+        cycles = 2_000_000
+        torch.cuda._sleep(cycles)  # warm-up
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(cycles)
+        e.record()
+        e.synchronize()
+        _SLEEP_CYCLES_PER_MS.append(cycles / s.elapsed_time(e))
+    return _SLEEP_CYCLES_PER_MS[0]
+
+
+def _median_over_ranks(times, device):
     t = torch.tensor(times, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank bounds a collective step
     return statistics.median(t.tolist())
+
+
+_DEVICE_BARRIER = []
+
+
+def _device_barrier(device):
+    """A barrier between the GPUs themselves (torch symmetric memory's, on the current stream):
+    every GPU leaves it within a signal's latency of the others."""
+    if not _DEVICE_BARRIER:
+        from torch.distributed import _symmetric_memory as symm_mem
+        from ds_uniep.symm import rendezvous
+        buf = symm_mem.empty(64, dtype=torch.uint8, device=device)
+        _DEVICE_BARRIER.append((buf, rendezvous(buf, dist.group.WORLD)))
+    _DEVICE_BARRIER[0][1].barrier(0)
+
+
+def timed(fn, iters, warmup, device):
+    """``(launched, queued, host)``: median milliseconds of fn() over iters runs (CUDA events),
+    after warmup runs, each run started behind a barrier; per run the slowest rank's time.
+    ``launched``: host barrier, then the GPU starts on fn's first kernel while the host still
+    launches the rest, so host launch time between kernels counts, and so does the skew with
+    which ranks leave the host barrier. ``queued``: the stream first spins (torch.cuda._sleep,
+    the same length on every rank, longer than fn takes to launch) and then passes a GPU-side
+    barrier, so fn starts at the same moment on every GPU with all its launches queued: the GPU
+    work alone, as in a training step whose launches run ahead of the GPU. Every queued run
+    checks that the spin outlasted the launches. ``host``: this rank's median host time to
+    launch fn (warm-up runs)."""
+    host = []
+    for _ in range(warmup):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+    sleep = torch.tensor([3 * statistics.median(host) * 1e3 + 0.2], device=device)
+    dist.all_reduce(sleep, op=dist.ReduceOp.MAX)
+    sleep_ms = float(sleep)
+    launched, queued = [], []
+    for mode, times in (("launched", launched), ("queued", queued)):
+        while len(times) < iters:
+            dist.barrier()
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if mode == "queued":
+                torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms(device)))
+                _device_barrier(device)
+            start.record()
+            fn()
+            end.record()
+            # Whether the GPU reached the start before the last launch: then this run timed launches too.
+            late = torch.tensor([float(mode == "queued" and start.query())], device=device)
+            end.synchronize()
+            dist.all_reduce(late, op=dist.ReduceOp.MAX)
+            if late.item():
+                sleep_ms *= 2  # every rank drops the run and spins longer
+                continue
+            times.append(start.elapsed_time(end))
+    return _median_over_ranks(launched, device), _median_over_ranks(queued, device), statistics.median(host) * 1e3
 
 
 def peer_copy_gbps(nbytes, iters, device):
@@ -104,9 +174,13 @@ def main():
 
     results["peer_copy_GBps"] = peer_copy_gbps(1 << 30, 10, dev)
 
+    def put(key, fn):
+        results[f"{key}_ms"], results[f"{key}_queued_ms"], results[f"{key}_host_ms"] = timed(fn, a.iters, a.warmup,
+                                                                                             dev)
+
     send = torch.randn(T * k, M, device=dev).to(torch.bfloat16)
     recv_nccl = torch.empty_like(send)
-    results["nccl_a2a_ms"] = timed(lambda: dist.all_to_all_single(recv_nccl, send), a.iters, a.warmup, dev)
+    put("nccl_a2a", lambda: dist.all_to_all_single(recv_nccl, send))
     # What a dispatch over NCCL does as a whole: rows permuted into destination order, then exchanged.
     order = torch.argsort(idx.reshape(-1).long(), stable=True) // k
 
@@ -114,7 +188,7 @@ def main():
         torch.index_select(x, 0, order, out=send)
         dist.all_to_all_single(recv_nccl, send)
 
-    results["nccl_dispatch_ms"] = timed(nccl_dispatch, a.iters, a.warmup, dev)
+    put("nccl_dispatch", nccl_dispatch)
     del send, recv_nccl
 
     for name, dtype_cfg, direct in (("bf16", "activation", True), ("bf16_staging", "activation", False),
@@ -128,7 +202,7 @@ def main():
             state.pop("recv", None)  # as in training: the previous rows are no longer held
             state["recv"], state["counts"], state["handle"] = disp.dispatch(x, idx)
 
-        results[f"{name}_dispatch_ms"] = timed(do_dispatch, a.iters, a.warmup, dev)
+        put(f"{name}_dispatch", do_dispatch)
         h = state["handle"]
 
         def stores_only():
@@ -137,31 +211,32 @@ def main():
                                    disp.direct_descriptor(True, disp._epochs[0]), disp._next_epoch(1),
                                    disp.num_blocks)
 
-        results[f"{name}_dispatch_stores_ms"] = timed(stores_only, a.iters, a.warmup, dev)
+        put(f"{name}_dispatch_stores", stores_only)
         do_dispatch()  # leave buffers and epochs in step on every rank
         results[f"{name}_direct_stats"] = dict(disp.direct_stats)
         if name == "bf16":
             y = state["recv"]
-            results["combine_ms"] = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
+            put("combine", lambda: disp.combine(y, gates, h))
             default = (disp.combine_chunks, disp.combine_reduce_blocks)
             first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
             for chunks, reducers in COMBINE_VARIANTS:
                 disp.combine_chunks, disp.combine_reduce_blocks = chunks, reducers
-                ms = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
+                ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
                 results["combine_variants"][f"{chunks}/{reducers}"] = {"chunks": chunks, "reduce_blocks": reducers,
-                                                                      "ms": ms, "bitwise_equal": same}
+                                                                      "ms": ms, "queued_ms": queued_ms,
+                                                                      "bitwise_equal": same}
             disp.combine_chunks, disp.combine_reduce_blocks = default
             # Pulling: the expert outputs sit in every rank's source region, each source reads its rows.
             src = disp.combine_source(y.shape[0])
             src.copy_(y)
-            results["combine_pull_ms"] = timed(lambda: disp.combine(src, gates, h), a.iters, a.warmup, dev)
-            results["combine_pull_bitwise_equal"] = bool(torch.equal(disp.combine(src, gates, h), first))
+            results["combine_pull_bitwise_equal"] = True
             default_pull = disp.pull_blocks
-            disp.pull_blocks = disp.num_blocks  # one block per SM
-            results["combine_pull_1x_ms"] = timed(lambda: disp.combine(src, gates, h), a.iters, a.warmup, dev)
-            results["combine_pull_bitwise_equal"] &= bool(torch.equal(disp.combine(src, gates, h), first))
+            for key, blocks in PULL_VARIANTS:
+                disp.pull_blocks = blocks * disp.num_blocks
+                put(key, lambda: disp.combine(src, gates, h))
+                results["combine_pull_bitwise_equal"] &= bool(torch.equal(disp.combine(src, gates, h), first))
             disp.pull_blocks = default_pull
             results["combine_stats"] = dict(disp.combine_stats)
             del src
@@ -173,24 +248,31 @@ def main():
         return nbytes / (ms * 1e-3) / 1e9
 
     # fp8 rows are counted at their bf16 size: the rate at which activations leave the rank.
-    rows = [("NCCL all_to_all_single", results["nccl_a2a_ms"], nccl_off_rank),
-            ("NCCL dispatch (permute+all_to_all)", results["nccl_dispatch_ms"], nccl_off_rank),
-            ("dispatch bf16 (layout+stores, in place)", results["bf16_dispatch_ms"], off_rank),
-            ("dispatch bf16 (layout+stores+copy-out)", results["bf16_staging_dispatch_ms"], off_rank),
-            ("dispatch bf16 stores only", results["bf16_dispatch_stores_ms"], off_rank),
-            ("dispatch fp8 (layout+stores+copy-out)", results["fp8_dispatch_ms"], off_rank),
-            ("dispatch fp8 stores only", results["fp8_dispatch_stores_ms"], off_rank),
-            ("combine bf16 (chunked push+reduce)", results["combine_ms"], off_rank)]
+    rows = [("NCCL all_to_all_single", "nccl_a2a", nccl_off_rank),
+            ("NCCL dispatch (permute+all_to_all)", "nccl_dispatch", nccl_off_rank),
+            ("dispatch bf16 (layout+stores, in place)", "bf16_dispatch", off_rank),
+            ("dispatch bf16 (layout+stores+copy-out)", "bf16_staging_dispatch", off_rank),
+            ("dispatch bf16 stores only", "bf16_dispatch_stores", off_rank),
+            ("dispatch fp8 (layout+stores+copy-out)", "fp8_dispatch", off_rank),
+            ("dispatch fp8 stores only", "fp8_dispatch_stores", off_rank),
+            ("combine bf16 (chunked push+reduce)", "combine", off_rank)]
+    rows = [(label, results[f"{key}_ms"], results[f"{key}_queued_ms"], nbytes) for label, key, nbytes in rows]
+    print(f"rank {rank}: host ms to launch: dispatch bf16 {results['bf16_dispatch_host_ms']:.3f}, combine "
+          f"{results['combine_host_ms']:.3f}, pulling combine {results['combine_pull_host_ms']:.3f}, NCCL "
+          f"{results['nccl_a2a_host_ms']:.3f}")
     rows += [(f"combine bf16 ({v['chunks']} chunks, {v['reduce_blocks'] or 'default'} reduce blocks)"
-              if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], off_rank)
+              if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)
              for v in results["combine_variants"].values()]
-    rows.append(("combine bf16 (pull from source regions)", results["combine_pull_ms"], off_rank))
-    rows.append(("combine bf16 (pull, one block per SM)", results["combine_pull_1x_ms"], off_rank))
+    rows += [(f"combine bf16 (pull, {blocks} block{'s' if blocks > 1 else ''} per SM)", results[f"{key}_ms"],
+              results[f"{key}_queued_ms"], off_rank) for key, blocks in PULL_VARIANTS]
     table = []
-    for label, ms, nbytes in rows:
-        bw = gbps(ms, nbytes)
+    nccl, nccl_q = results["nccl_a2a_ms"], results["nccl_a2a_queued_ms"]
+    for label, ms, queued_ms, nbytes in rows:
+        bw, bw_q = gbps(ms, nbytes), gbps(queued_ms, nbytes)
         table.append({"op": label, "ms": ms, "GBps": bw, "of_peer_copy": bw / results["peer_copy_GBps"],
-                      "vs_nccl": results["nccl_a2a_ms"] / ms, "vs_nccl_dispatch": results["nccl_dispatch_ms"] / ms})
+                      "vs_nccl": nccl / ms, "vs_nccl_dispatch": results["nccl_dispatch_ms"] / ms,
+                      "queued_ms": queued_ms, "queued_GBps": bw_q,
+                      "queued_of_peer_copy": bw_q / results["peer_copy_GBps"], "queued_vs_nccl": nccl_q / queued_ms})
     results["table"] = table
     if rank == 0:
         with open(a.out, "w") as f:
@@ -203,10 +285,13 @@ def main():
               "; pulling combine:", results["combine_pull_bitwise_equal"], results["combine_stats"])
         print("forward dispatches received in place / copied out:",
               {n: results[f"{n}_direct_stats"] for n in ("bf16", "bf16_staging", "fp8")})
-        print(f"{'op':42s} {'ms':>8s} {'GB/s':>8s} {'%peer':>6s} {'xNCCL a2a':>9s} {'xNCCL disp':>10s}")
+        print("launched: timing starts with the first launch (host launch time included); queued: the "
+              "launches were queued behind a GPU spin, so the GPU work alone is timed")
+        print(f"{'op':48s} {'launched ms':>11s} {'%peer':>6s} {'xNCCL':>6s} {'queued ms':>10s} {'%peer':>6s} "
+              f"{'xNCCL':>6s}")
         for r in table:
-            print(f"{r['op']:42s} {r['ms']:8.3f} {r['GBps']:8.1f} {100 * r['of_peer_copy']:5.0f}% {r['vs_nccl']:9.2f} "
-                  f"{r['vs_nccl_dispatch']:10.2f}")
+            print(f"{r['op']:48s} {r['ms']:11.3f} {100 * r['of_peer_copy']:5.0f}% {r['vs_nccl']:6.2f} "
+                  f"{r['queued_ms']:10.3f} {100 * r['queued_of_peer_copy']:5.0f}% {r['queued_vs_nccl']:6.2f}")
     dist.barrier()
     dist.destroy_process_group()
 
