@@ -24,9 +24,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from . import backend as backend_mod
+from . import gating
 from .config import UniEPConfig
 from .env import logger
-from .experts import run_experts
+from .experts import run_experts, stack_experts
 from .reference import ReferenceDispatcher
 from .tensor_parallel import even_sizes, run_tp_sharded_experts, tp_context, tp_gather, tp_slice
 
@@ -186,8 +187,9 @@ class UniEPMoE(MoE):
         x = hidden_states.reshape(-1, self.hidden_size)
         if self._hybrid is not None:  # HybridEP: the domain's replicas travel while the gate and dispatch run
             self._hybrid.prefetch()
-        # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts.
-        l_aux, capacity, _, route_idx, _, route_gates, exp_counts = moe.gate(x, used_token, True)
+        # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts (the
+        # dropless top-k path skips the locations and capacity it does not use: ds_uniep.gating).
+        l_aux, capacity, route_idx, route_gates, exp_counts = gating.route(moe.gate, x, used_token)
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         expert_idx, gates = route_idx.t(), route_gates.t()
         tp_group, tp, tp_rank = tp_context()
@@ -199,6 +201,10 @@ class UniEPMoE(MoE):
             expert_idx = expert_idx[off:off + sizes[tp_rank]]
         # 2-4. Dispatch, local experts, combine.
         dispatcher = self._hybrid.dispatcher if self._hybrid is not None else self._dispatcher(x)
+        stacked = None
+        if self._hybrid is None and not (tp > 1 and self.enable_expert_tensor_parallelism):
+            # Stacked now, so that this host work is done by the time the dispatch's row count arrives.
+            stacked = stack_experts(moe.experts.deepspeed_experts, x.dtype, x.device)
         if isinstance(dispatcher, ReferenceDispatcher):
             # With drop_tokens the reference exchanges capacity-padded buffers, as DeepSpeed does.
             cap = int(capacity) if moe.gate.drop_tokens else None
@@ -211,7 +217,8 @@ class UniEPMoE(MoE):
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
                                        self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)
         else:
-            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, gemm=self._expert_gemm(recv.device))
+            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, gemm=self._expert_gemm(recv.device),
+                            stacked=stacked)
         output = dispatcher.combine(y, gates, handle)
         if tp > 1:
             output = tp_gather(output, sizes, tp_rank, tp_group)
