@@ -1,8 +1,9 @@
 """ds_uniep.gating.route against DeepSpeed's TopKGate itself: the same bits.
 
-On the dropless top-k path (k >= 3, no token dropping) route() skips the locations cumsum
-and the capacity all-reduce, so its routes, gates, auxiliary loss, counts and every gradient
-must still be exactly the gate's; any other gate is called as it is.
+On the dropless top-2 and top-k paths (k >= 2, no token dropping) route() skips the
+locations cumsum and the capacity all-reduce, so its routes, gates, auxiliary loss, counts
+and every gradient must still be exactly the gate's (random draws included: input jitter and
+top-2's second-expert sampling, with the generator reseeded); any other gate is called as it is.
 """
 import itertools
 
@@ -28,19 +29,19 @@ def _gate_vs_route(rank, world_size):
 
     M = 16
     case = 0
-    for k, E_per_rank, T, training, policy, ties in itertools.product(
-            (3, 6, 8), (4, 8), (1, 19, 64), (True, False), (None, "Jitter"), (False, True)):
+    for k, E_per_rank, T, training, policy, ties, sampling in itertools.product(
+            (2, 3, 6, 8), (4, 8), (1, 19, 64), (True, False), (None, "Jitter"), (False, True), (False, True)):
         E = E_per_rank * world_size
-        if k > E:
+        if k > E or (sampling and k != 2):
             continue
         case += 1
         torch.manual_seed(7)
         moe = MoE(M, MLP(M, 8), num_experts=E, ep_size=world_size, k=k, min_capacity=0, drop_tokens=False,
-                  use_rts=False, noisy_gate_policy=policy)
+                  use_rts=False, noisy_gate_policy=policy, top2_2nd_expert_sampling=sampling)
         moe.set_deepspeed_parallelism()
         gate = moe.deepspeed_moe.gate
         gate.train(training)
-        assert gating._is_plain_topk_gate(gate)
+        assert gating._dropless_kind(gate) == ("top2" if k == 2 else "topk")
         x0 = _inputs(T, M, case, ties)
         w = torch.randn(k, T, generator=torch.Generator().manual_seed(case))
         results = []
@@ -55,7 +56,7 @@ def _gate_vs_route(rank, world_size):
                 l_aux, _, _, idx, _, gates, counts = gate(x, None, True)
             (l_aux * 0.37 + (gates * w).sum()).backward()
             results.append((l_aux.detach(), idx, gates.detach(), counts, x.grad, gate.wg.weight.grad.clone()))
-        where = f"rank {rank} k={k} E={E} T={T} training={training} policy={policy} ties={ties}"
+        where = f"rank {rank} k={k} E={E} T={T} training={training} policy={policy} ties={ties} sampling={sampling}"
         for a, b, name in zip(*results, ("l_aux", "route_idx", "route_gates", "exp_counts", "grad_x", "grad_wg")):
             assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {where}"
             assert torch.equal(a, b), f"{name} differs: {where}"
@@ -63,12 +64,12 @@ def _gate_vs_route(rank, world_size):
         assert results[1][4].abs().sum() > 0, where
 
     # Anything else goes through the gate as it is.
-    for k, drop in ((1, False), (2, False), (4, True)):
+    for k, drop in ((1, False), (1, True), (2, True), (4, True)):
         moe = MoE(M, MLP(M, 8), num_experts=4 * world_size, ep_size=world_size, k=k, min_capacity=4,
                   drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False)
         moe.set_deepspeed_parallelism()
         gate = moe.deepspeed_moe.gate
-        assert not gating._is_plain_topk_gate(gate)
+        assert gating._dropless_kind(gate) is None
         x = _inputs(19, M, 0, False)
         l_aux, capacity, idx, gates, counts = gating.route(gate, x)
         ref = gate(x, None, True)
