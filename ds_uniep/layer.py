@@ -188,7 +188,7 @@ class UniEPMoE(MoE):
         if self._hybrid is not None:  # HybridEP: the domain's replicas travel while the gate and dispatch run
             self._hybrid.prefetch()
         # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts (the
-        # dropless top-k path skips the locations and capacity it does not use: ds_uniep.gating).
+        # dropless top-2/top-k paths skip the locations and capacity they do not use: ds_uniep.gating).
         l_aux, capacity, route_idx, route_gates, exp_counts = gating.route(moe.gate, x, used_token)
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         expert_idx, gates = route_idx.t(), route_gates.t()
