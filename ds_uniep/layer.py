@@ -217,8 +217,8 @@ class UniEPMoE(MoE):
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
                                        self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)
         else:
-            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, gemm=self._expert_gemm(recv.device),
-                            stacked=stacked)
+            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, grouped=stacked is not None,
+                            gemm=self._expert_gemm(recv.device), stacked=stacked)
         output = dispatcher.combine(y, gates, handle)
         if tp > 1:
             output = tp_gather(output, sizes, tp_rank, tp_group)

@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..commfuse.ops import side_stream
-from ..experts import _grouped_ok, run_grouped
+from ..experts import run_grouped, stack_experts
 from ..reference import ReferenceDispatcher
 
 
@@ -472,8 +472,9 @@ class HybridExperts:
         bf16 MLP experts run as one grouped GEMM per projection over all replicas (on ``gemm``, as
         the plain EP path); other experts are called one by one with the replica weights."""
         params = self.gather()
-        if _grouped_ok(self.experts, recv, params):
-            return run_grouped(self.experts, recv, counts, gemm, params=params)
+        stacked = stack_experts(self.experts, recv.dtype, recv.device, params)
+        if stacked is not None:
+            return run_grouped(self.experts, recv, counts, gemm, stacked=stacked)
         L = len(self.experts)
         outs = []
         for j, rows in enumerate(recv.split(counts.tolist())):
