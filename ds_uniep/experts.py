@@ -71,17 +71,76 @@ def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, 
     return y
 
 
-# The projections of each recognised expert, in the order the forward uses them.
-_PROJECTIONS = {SwiGLUExpert: ("w1", "w3", "w2"), GeLUExpert: ("fc1", "fc2")}
+class _SwiGLU(torch.autograd.Function):
+    """``silu(a) * b`` for ``h = [a | b]`` (``[R, 2F]``, the output of the fused ``w1``/``w3`` GEMM): the
+    ops autograd runs for ``silu(w1 x) * (w3 x)``, with both halves of the gradient written into one
+    ``[R, 2F]`` tensor, the input of the fused dgrad GEMM (no concatenation)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor) -> Tensor:
+        a, b = h.chunk(2, dim=-1)
+        ctx.save_for_backward(h)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        h, = ctx.saved_tensors
+        a, b = h.chunk(2, dim=-1)
+        dh = torch.empty_like(h)
+        da, db = dh.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * b, a, grad_input=da)
+        torch.mul(grad, F.silu(a), out=db)
+        return dh
 
 
 class StackedExperts:
-    """A rank's recognised experts as grouped-GEMM operands: per projection the weights stacked
-    ``[L, N, K]`` and the biases ``[L, N]`` (or None). Built by :func:`stack_experts`; stacking is
-    differentiable, so the experts' own parameters get their gradients."""
+    """A rank's recognised experts as grouped-GEMM operands: per GEMM the weights stacked
+    ``[L, N, K]`` and the biases ``[L, N]`` (or None). SwiGLU's ``w1`` and ``w3`` form one GEMM,
+    ``"w13"`` (``[L, 2F, M]``: ``w1[l]`` over ``w3[l]``), then ``"w2"``; GeLU runs ``"fc1"``, ``"fc2"``.
+    Built by :func:`stack_experts`, differentiable, so the experts' own parameters get their gradients."""
 
     def __init__(self, kind: type, weights: Dict[str, Tensor], biases: Dict[str, Optional[Tensor]]):
         self.kind, self.weights, self.biases = kind, weights, biases
+
+
+# The grouped GEMMs of each recognised expert, in the order the forward runs them, and the
+# projections (nn.Linear children) stacked along N in each.
+_GEMMS = {SwiGLUExpert: (("w13", ("w1", "w3")), ("w2", ("w2", ))), GeLUExpert: (("fc1", ("fc1", )), ("fc2", ("fc2", )))}
+
+
+class _StackedView(torch.autograd.Function):
+    """Parameters that already lie in one storage at one stride, seen as one ``[L, N, ...]`` tensor
+    without a copy. ``parts[i] = (l, n0, n)``: parameter ``i`` is rows ``n0:n0 + n`` of group ``l``;
+    the backward hands it that slice of the stacked gradient (a view, not a copy)."""
+
+    @staticmethod
+    def forward(ctx, size, stride, offset, parts, *params):
+        ctx.parts = parts
+        return params[0].detach().as_strided(size, stride, offset)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (None, None, None, None) + tuple(grad[l, n0:n0 + n] for l, n0, n in ctx.parts)
+
+
+def _stacked(groups: Sequence[Sequence[Tensor]]) -> Tensor:
+    """``groups[l]`` (tensors of one shape, concatenated along dim 0 within a group) stacked
+    ``[L, sum of dim 0, ...]``: a view when they already lie that way in one storage (as
+    :func:`pack_experts` and DeepSpeed's flat parameter buffers leave them), else a copy."""
+    flat = [t for g in groups for t in g]
+    t0, per = flat[0], len(groups[0])
+    size = (len(groups), per * t0.shape[0]) + tuple(t0.shape[1:])
+    numel = t0.numel()
+    step = flat[per].storage_offset() - t0.storage_offset() if len(groups) > 1 else per * numel
+    storage = t0.untyped_storage().data_ptr()
+    if step >= per * numel and all(
+            t.shape == t0.shape and t.dtype == t0.dtype and t.device == t0.device and t.is_contiguous()
+            and t.untyped_storage().data_ptr() == storage
+            and t.storage_offset() == t0.storage_offset() + l * step + j * numel
+            for l, g in enumerate(groups) for j, t in enumerate(g)):
+        parts = tuple((l, j * t0.shape[0], t0.shape[0]) for l in range(len(groups)) for j in range(per))
+        return _StackedView.apply(size, (step, ) + t0.stride(), t0.storage_offset(), parts, *flat)
+    return torch.stack(flat).view(size)
 
 
 def _expert_tensors(experts: Sequence[nn.Module], params: Optional[Sequence[Dict[str, Tensor]]], kind: type
@@ -90,13 +149,14 @@ def _expert_tensors(experts: Sequence[nn.Module], params: Optional[Sequence[Dict
     parameter dicts directly: once per group and projection on every forward, where
     ``named_parameters()`` would cost tens of microseconds of host time per expert."""
     out: Dict[str, List[Optional[Tensor]]] = {}
-    for proj in _PROJECTIONS[kind]:
-        for what in ("weight", "bias"):
-            name = f"{proj}.{what}"
-            if params is not None:
-                out[name] = [p.get(name) for p in params]
-            else:
-                out[name] = [e._modules[proj]._parameters.get(what) for e in experts]
+    for _, projs in _GEMMS[kind]:
+        for proj in projs:
+            for what in ("weight", "bias"):
+                name = f"{proj}.{what}"
+                if params is not None:
+                    out[name] = [p.get(name) for p in params]
+                else:
+                    out[name] = [e._modules[proj]._parameters.get(what) for e in experts]
     return out
 
 
@@ -108,15 +168,18 @@ def _grouped_operands(experts: Sequence[nn.Module], dtype: torch.dtype, device: 
     if not hasattr(torch, "_grouped_mm") or not experts or dtype != torch.bfloat16:
         return None
     kind = type(experts[0])
-    if kind not in _PROJECTIONS or any(type(e) is not kind for e in experts):
+    if kind not in _GEMMS or any(type(e) is not kind for e in experts):
         return None
     tensors = _expert_tensors(experts, params, kind)
-    for proj in _PROJECTIONS[kind]:
-        ws, bs = tensors[f"{proj}.weight"], tensors[f"{proj}.bias"]
-        if any(b is None for b in bs) and any(b is not None for b in bs):
-            return None
-        for t in ws + [b for b in bs if b is not None]:
-            if t is None or t.dtype != torch.bfloat16 or t.device != device or any(d % 8 for d in t.shape):
+    for _, projs in _GEMMS[kind]:
+        for proj in projs:
+            ws, bs = tensors[f"{proj}.weight"], tensors[f"{proj}.bias"]
+            if any(b is None for b in bs) and any(b is not None for b in bs):
+                return None
+            for t in ws + [b for b in bs if b is not None]:
+                if t is None or t.dtype != torch.bfloat16 or t.device != device or any(d % 8 for d in t.shape):
+                    return None
+            if any(w.shape != ws[0].shape for w in ws):
                 return None
     return kind, tensors
 
@@ -125,15 +188,57 @@ def stack_experts(experts: Sequence[nn.Module], dtype: torch.dtype, device: torc
                   params: Optional[Sequence[Dict[str, Tensor]]] = None) -> Optional[StackedExperts]:
     """``experts`` (with their own parameters, or ``params``, one ``named_parameters``-style dict per
     group) stacked for grouped GEMMs on rows of ``dtype`` on ``device``, or None where they cannot
-    run as grouped GEMMs (see :func:`_grouped_operands`)."""
+    run as grouped GEMMs (see :func:`_grouped_operands`). Parameters packed by
+    :func:`pack_experts` (or flattened by DeepSpeed's optimizers, expert by expert) are viewed, not
+    copied."""
     found = _grouped_operands(experts, dtype, device, params)
     if found is None:
         return None
     kind, tensors = found
-    weights = {proj: torch.stack(tensors[f"{proj}.weight"]) for proj in _PROJECTIONS[kind]}
-    biases = {proj: torch.stack(tensors[f"{proj}.bias"]) if tensors[f"{proj}.bias"][0] is not None else None
-              for proj in _PROJECTIONS[kind]}
+    weights, biases = {}, {}
+    groups = range(len(params) if params is not None else len(experts))
+    for gemm, projs in _GEMMS[kind]:
+        weights[gemm] = _stacked([[tensors[f"{p}.weight"][g] for p in projs] for g in groups])
+        bs = [[tensors[f"{p}.bias"][g] for p in projs] for g in groups]
+        biases[gemm] = _stacked(bs) if bs[0][0] is not None else None
     return StackedExperts(kind, weights, biases)
+
+
+def pack_experts(experts: Sequence[nn.Module]) -> bool:
+    """Lay the parameters of recognised experts (all of one kind, shape, dtype and device) out as
+    the grouped GEMMs read them: one buffer per GEMM, ``[L, N, K]``, with every parameter a view of
+    its rows (SwiGLU's ``w1[l]`` directly over ``w3[l]``), so :func:`stack_experts` needs no copy.
+    Values, parameter objects and names do not change. Returns whether it packed. Call it before
+    an optimizer flattens the parameters (``UniEPMoE`` does, on construction and after ``.to()``)."""
+    if not experts or type(experts[0]) not in _GEMMS or any(type(e) is not type(experts[0]) for e in experts):
+        return False
+    kind = type(experts[0])
+    for _, projs in _GEMMS[kind]:
+        for proj in projs:
+            for what in ("weight", "bias"):
+                ts = [e._modules[proj]._parameters.get(what) for e in experts]
+                t0 = ts[0]
+                if t0 is None and all(t is None for t in ts):
+                    continue
+                if any(t is None or t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device for t in ts):
+                    return False
+        t0s = [experts[0]._modules[p]._parameters["weight"] for p in projs]
+        if any(t.shape[1:] != t0s[0].shape[1:] or t.dtype != t0s[0].dtype or t.device != t0s[0].device for t in t0s):
+            return False
+    with torch.no_grad():
+        for _, projs in _GEMMS[kind]:
+            for what in ("weight", "bias"):
+                ps = [[e._modules[p]._parameters.get(what) for p in projs] for e in experts]
+                if ps[0][0] is None:
+                    continue
+                rows = [t.shape[0] for t in ps[0]]
+                buf = torch.empty((len(experts), sum(rows)) + tuple(ps[0][0].shape[1:]), dtype=ps[0][0].dtype,
+                                  device=ps[0][0].device)
+                for l, group in enumerate(ps):
+                    for t, part in zip(group, buf[l].split(rows)):
+                        part.copy_(t)
+                        t.data = part
+    return True
 
 
 def _grouped_ok(experts: Sequence[nn.Module], recv: Tensor, params: Optional[Sequence[Dict[str, Tensor]]] = None
@@ -170,8 +275,7 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     def linear(x, proj):
         return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm)
     if stacked.kind is SwiGLUExpert:
-        h = F.silu(linear(recv, "w1")) * linear(recv, "w3")
-        return linear(h, "w2")
+        return linear(_SwiGLU.apply(linear(recv, "w13")), "w2")
     return linear(F.gelu(linear(recv, "fc1")), "fc2")
 
 

@@ -27,7 +27,7 @@ from . import backend as backend_mod
 from . import gating
 from .config import UniEPConfig
 from .env import logger
-from .experts import run_experts, stack_experts
+from .experts import pack_experts, run_experts, stack_experts
 from .reference import ReferenceDispatcher
 from .tensor_parallel import even_sizes, run_tp_sharded_experts, tp_context, tp_gather, tp_slice
 
@@ -86,6 +86,14 @@ class UniEPMoE(MoE):
         self._applied_plan = None
         if use_tutel:
             logger.info(f"{self.layer_name}: use_tutel is accepted; ds_uniep's dispatch replaces Tutel's")
+        pack_experts(self.deepspeed_moe.experts.deepspeed_experts)
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to(), .cuda(), .bfloat16() give every parameter new storage: pack the experts again, so
+        # their grouped GEMMs read the weights in place (see ds_uniep.experts.pack_experts).
+        out = super()._apply(fn, *args, **kwargs)
+        pack_experts(self.deepspeed_moe.experts.deepspeed_experts)
+        return out
 
     # ------------------------------------------------------------------ groups
     def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:

@@ -135,3 +135,32 @@ class TPMLP(nn.Module):
         group = groups.mpu.get_tensor_model_parallel_group()
         h = torch.nn.functional.gelu(self.fc1(_CopyToTP.apply(x, group)))
         return _ReduceFromTP.apply(self.fc2(h), group)
+
+
+def expert_layouts(kind, M, F, L, device="cpu"):
+    """The same experts with their parameters laid out three ways: packed by pack_experts, flattened
+    expert by expert in module order into one buffer (as DeepSpeed's optimizers flatten a parameter
+    group), and each in its own storage."""
+    from ds_uniep.experts import pack_experts
+    torch.manual_seed(1)
+    base = [kind(M, F).to(device, torch.bfloat16) for _ in range(L)]
+    with torch.no_grad():
+        for e in base:  # self-identifying values: expert l's weights sit around l
+            for p in e.parameters():
+                p.mul_(0.5).add_(0.01 * (list(base).index(e) + 1))
+    out = {}
+    for layout in ("packed", "flat", "separate"):
+        experts = [kind(M, F).to(device, torch.bfloat16) for _ in range(L)]
+        for e, b in zip(experts, base):
+            e.load_state_dict(b.state_dict())
+        if layout == "packed":
+            assert pack_experts(experts)
+        elif layout == "flat":
+            params = [p for e in experts for p in e.parameters()]
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            off = 0
+            for p in params:
+                p.data = flat[off:off + p.numel()].view(p.shape)
+                off += p.numel()
+        out[layout] = experts
+    return out

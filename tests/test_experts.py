@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from ds_uniep.experts import GeLUExpert, SwiGLUExpert, _grouped_ok, run_experts
+from moe_models import expert_layouts
 
 
 @pytest.mark.parametrize("kind", [SwiGLUExpert, GeLUExpert])
@@ -38,3 +39,58 @@ def test_a_dropped_expert_bias_is_announced():
     with pytest.warns(UserWarning, match=r"returned \(out, bias\): the bias is not added"):
         y = run_experts(experts, torch.randn(3, 8), torch.tensor([3]))
     assert y.shape == (3, 8)
+
+
+@pytest.mark.parametrize("kind", [SwiGLUExpert, GeLUExpert])
+def test_stacked_weights_are_views_of_packed_or_flattened_parameters(kind):
+    from ds_uniep.experts import stack_experts
+    M, F, L = 16, 24, 3
+    layouts = expert_layouts(kind, M, F, L)
+    for layout, experts in layouts.items():
+        st = stack_experts(experts, torch.bfloat16, torch.device("cpu"))
+        first = {n: p for n, p in experts[0].named_parameters()}
+        for gemm, w in st.weights.items():
+            proj = {"w13": "w1"}.get(gemm, gemm)
+            shares = w.untyped_storage().data_ptr() == first[f"{proj}.weight"].untyped_storage().data_ptr()
+            assert shares == (layout != "separate"), f"{layout} {gemm}: view {shares}"
+            # group l of the stacked weight is expert l's projection(s), rows in order
+            for l, e in enumerate(experts):
+                want = torch.cat([e.w1.weight, e.w3.weight]) if gemm == "w13" else getattr(e, gemm).weight
+                assert torch.equal(w[l], want), f"{layout} {gemm} group {l}"
+
+
+@pytest.mark.parametrize("kind", [SwiGLUExpert, GeLUExpert])
+def test_grouped_experts_give_the_same_bits_in_every_parameter_layout(kind):
+    M, F, L = 16, 24, 3
+    counts = torch.tensor([4, 0, 9])
+    x = torch.randn(int(counts.sum()), M, dtype=torch.bfloat16)
+    g = torch.randn(int(counts.sum()), M, dtype=torch.bfloat16)
+    results = {}
+    for layout, experts in expert_layouts(kind, M, F, L).items():
+        for step in range(2):  # the second step accumulates into the first step's gradients
+            xi = x.clone().requires_grad_(True)
+            y = run_experts(experts, xi, counts)
+            y.backward(g)
+        results[layout] = [y, xi.grad] + [p.grad for e in experts for p in e.parameters()]
+        assert all(t is not None for t in results[layout])
+    for layout in ("flat", "separate"):
+        for i, (a, b) in enumerate(zip(results["packed"], results[layout])):
+            assert torch.equal(a, b), f"{layout}: tensor {i} differs from the packed layout"
+    # and the loop over the modules agrees to bf16 tolerance
+    experts = expert_layouts(kind, M, F, L)["separate"]
+    xi = x.clone().requires_grad_(True)
+    y = run_experts(experts, xi, counts, grouped=False)
+    torch.testing.assert_close(y.float(), results["packed"][0].float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_layer_packs_its_experts_after_to():
+    from ds_uniep import UniEPMoE
+    from ds_uniep.experts import stack_experts
+    layer = UniEPMoE(16, SwiGLUExpert(16, 24), num_experts=4, ep_size=1, k=2, config={"backend": "reference"})
+    layer = layer.to(torch.bfloat16)
+    experts = layer.deepspeed_moe.experts.deepspeed_experts
+    st = stack_experts(experts, torch.bfloat16, torch.device("cpu"))
+    assert st.weights["w13"].untyped_storage().data_ptr() == experts[0].w1.weight.untyped_storage().data_ptr()
+    assert st.weights["w13"].is_contiguous() and st.weights["w2"].is_contiguous()
+    names = [n for n, _ in layer.named_parameters()]
+    assert len(names) == len(set(names)) and any("deepspeed_experts.3.w2.weight" in n for n in names)

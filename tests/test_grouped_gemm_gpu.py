@@ -158,3 +158,31 @@ def test_experts_on_uniep_gemm_match_torch_path(kind):
             continue
         et, eu = _err(t, r), _err(u, r)
         assert eu <= 2 * et + 1e-3, f"tensor {i}: uniep rel err {eu:.2e} vs torch path's {et:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["swiglu", "gelu"])
+@pytest.mark.parametrize("gemm_name", ["torch", "uniep"])
+def test_experts_give_the_same_bits_in_every_parameter_layout(kind, gemm_name):
+    """Stacked weights that are views of packed or DeepSpeed-flattened parameters (a group stride
+    larger than the group, for the flattened ones) against weights copied into a fresh stack."""
+    if gemm_name == "uniep":
+        _gemm()
+    from moe_models import expert_layouts
+    from ds_uniep.experts import GeLUExpert, SwiGLUExpert, run_experts
+    M, F, L = 256, 384, 4
+    counts = torch.tensor([37, 0, 300, 19])
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(int(counts.sum()), M, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(x.shape, device="cuda", generator=g).bfloat16()
+    results = {}
+    layouts = expert_layouts(SwiGLUExpert if kind == "swiglu" else GeLUExpert, M, F, L, "cuda")
+    for layout, experts in layouts.items():
+        xi = x.clone().requires_grad_(True)
+        y = run_experts(experts, xi, counts.cuda(), gemm=gemm_name)
+        y.backward(dy)
+        results[layout] = [y, xi.grad] + [p.grad for e in experts for p in e.parameters()]
+    for layout in ("flat", "separate"):
+        for i, (a, b) in enumerate(zip(results["packed"], results[layout])):
+            assert torch.equal(a, b), f"{layout}: tensor {i} differs from the packed layout"
+    ref = torch.cat([e.float()(part.float()) for e, part in zip(layouts["separate"], x.split(counts.tolist()))])
+    assert _err(results["packed"][0], ref) < 2e-2
