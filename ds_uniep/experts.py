@@ -71,32 +71,11 @@ def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, 
     return y
 
 
-class _SwiGLU(torch.autograd.Function):
-    """``silu(a) * b`` for ``h = [a | b]`` (``[R, 2F]``, the output of the fused ``w1``/``w3`` GEMM): the
-    ops autograd runs for ``silu(w1 x) * (w3 x)``, with both halves of the gradient written into one
-    ``[R, 2F]`` tensor, the input of the fused dgrad GEMM (no concatenation)."""
-
-    @staticmethod
-    def forward(ctx, h: Tensor) -> Tensor:
-        a, b = h.chunk(2, dim=-1)
-        ctx.save_for_backward(h)
-        return F.silu(a) * b
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        h, = ctx.saved_tensors
-        a, b = h.chunk(2, dim=-1)
-        dh = torch.empty_like(h)
-        da, db = dh.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(grad * b, a, grad_input=da)
-        torch.mul(grad, F.silu(a), out=db)
-        return dh
-
-
 class StackedExperts:
     """A rank's recognised experts as grouped-GEMM operands: per GEMM the weights stacked
     ``[L, N, K]`` and the biases ``[L, N]`` (or None). SwiGLU's ``w1`` and ``w3`` form one GEMM,
-    ``"w13"`` (``[L, 2F, M]``: ``w1[l]`` over ``w3[l]``), then ``"w2"``; GeLU runs ``"fc1"``, ``"fc2"``.
+    ``"w13"`` (``[L, 2F, M]``: ``w1[l]`` over ``w3[l]``), up to ``_FUSED_W13_MAX_FFN``, else two,
+    ``"w1"`` and ``"w3"``; then ``"w2"``. GeLU runs ``"fc1"``, ``"fc2"``.
     Built by :func:`stack_experts`, differentiable, so the experts' own parameters get their gradients."""
 
     def __init__(self, kind: type, weights: Dict[str, Tensor], biases: Dict[str, Optional[Tensor]]):
@@ -106,6 +85,15 @@ class StackedExperts:
 # The grouped GEMMs of each recognised expert, in the order the forward runs them, and the
 # projections (nn.Linear children) stacked along N in each.
 _GEMMS = {SwiGLUExpert: (("w13", ("w1", "w3")), ("w2", ("w2", ))), GeLUExpert: (("fc1", ("fc1", )), ("fc2", ("fc2", )))}
+_SWIGLU_SPLIT = (("w1", ("w1", )), ("w3", ("w3", )), ("w2", ("w2", )))
+# SwiGLU runs w1 and w3 as one GEMM up to this FFN width, as two above it. The output and the weight
+# gradients are the same bits either way (each element is the same k-ordered sum); the input
+# gradient is one sum over 2F in the joint GEMM, two rounded halves added in the split form. The
+# choice depends on the shape alone, so runs and backends agree bit for bit. On an H200 the joint GEMM
+# was 1.2x faster than the two at F = 1408 and 2048 (many experts of few rows), but silu(a) * b on
+# the two halves of its [R, 2F] output runs on strided operands, which at F = 14336 (two experts
+# of 4096 rows each) cost more than the joint GEMM saved.
+_FUSED_W13_MAX_FFN = 4096
 
 
 class _StackedView(torch.autograd.Function):
@@ -123,10 +111,9 @@ class _StackedView(torch.autograd.Function):
         return (None, None, None, None) + tuple(grad[l, n0:n0 + n] for l, n0, n in ctx.parts)
 
 
-def _stacked(groups: Sequence[Sequence[Tensor]]) -> Tensor:
-    """``groups[l]`` (tensors of one shape, concatenated along dim 0 within a group) stacked
-    ``[L, sum of dim 0, ...]``: a view when they already lie that way in one storage (as
-    :func:`pack_experts` and DeepSpeed's flat parameter buffers leave them), else a copy."""
+def _stack_plan(groups: Sequence[Sequence[Tensor]]):
+    """How :func:`_stacked` stacks ``groups``: ``(size, stride, offset, parts)`` of the view when the
+    tensors already lie that way in one storage, else ``(size, None, None, None)`` (a copy)."""
     flat = [t for g in groups for t in g]
     t0, per = flat[0], len(groups[0])
     size = (len(groups), per * t0.shape[0]) + tuple(t0.shape[1:])
@@ -139,8 +126,19 @@ def _stacked(groups: Sequence[Sequence[Tensor]]) -> Tensor:
             and t.storage_offset() == t0.storage_offset() + l * step + j * numel
             for l, g in enumerate(groups) for j, t in enumerate(g)):
         parts = tuple((l, j * t0.shape[0], t0.shape[0]) for l in range(len(groups)) for j in range(per))
-        return _StackedView.apply(size, (step, ) + t0.stride(), t0.storage_offset(), parts, *flat)
-    return torch.stack(flat).view(size)
+        return size, (step, ) + t0.stride(), t0.storage_offset(), parts
+    return size, None, None, None
+
+
+def _stacked(flat: Sequence[Tensor], plan) -> Tensor:
+    """``flat`` (groups of tensors concatenated along dim 0 within a group, group after group)
+    stacked ``[L, sum of dim 0, ...]`` by ``plan`` (:func:`_stack_plan`): a view when they already lie
+    that way in one storage (as :func:`pack_experts` and DeepSpeed's flat parameter buffers leave
+    them), else a copy."""
+    size, stride, offset, parts = plan
+    if stride is None:
+        return torch.stack(list(flat)).view(size)
+    return _StackedView.apply(size, stride, offset, parts, *flat)
 
 
 def _expert_tensors(experts: Sequence[nn.Module], params: Optional[Sequence[Dict[str, Tensor]]], kind: type
@@ -185,22 +183,59 @@ def _grouped_operands(experts: Sequence[nn.Module], dtype: torch.dtype, device: 
 
 
 def stack_experts(experts: Sequence[nn.Module], dtype: torch.dtype, device: torch.device,
-                  params: Optional[Sequence[Dict[str, Tensor]]] = None) -> Optional[StackedExperts]:
+                  params: Optional[Sequence[Dict[str, Tensor]]] = None,
+                  cache: Optional[Dict] = None) -> Optional[StackedExperts]:
     """``experts`` (with their own parameters, or ``params``, one ``named_parameters``-style dict per
     group) stacked for grouped GEMMs on rows of ``dtype`` on ``device``, or None where they cannot
     run as grouped GEMMs (see :func:`_grouped_operands`). Parameters packed by
     :func:`pack_experts` (or flattened by DeepSpeed's optimizers, expert by expert) are viewed, not
-    copied."""
+    copied. ``cache``: a dict the caller keeps, so that the checks and the layout search run once
+    per parameter storage (keyed by the tensors' addresses), not on every forward."""
+    key = None
+    if cache is not None and params is None and experts and type(experts[0]) in _GEMMS:
+        kind = type(experts[0])
+        names = [(proj, what) for _, projs in _GEMMS[kind] for proj in projs for what in ("weight", "bias")]
+        flat = [e._modules[proj]._parameters.get(what) for e in experts for proj, what in names]
+        if flat[0] is not None:
+            # Every address, plus the first storage and shapes: the stacking plan is then valid.
+            key = (dtype, device, tuple(type(e) for e in experts), flat[0].untyped_storage().data_ptr(),
+                   tuple(t.shape if t is not None else None for t in flat[:len(names)]),
+                   tuple(t.data_ptr() if t is not None else 0 for t in flat))
+            hit = cache.get(key)
+            if hit is not None:
+                return None if hit is False else _stack_with(hit, lambda name, g: flat[g * len(names) + names.index(name)])
     found = _grouped_operands(experts, dtype, device, params)
     if found is None:
+        if key is not None:
+            cache[key] = False
         return None
     kind, tensors = found
+    n = len(params) if params is not None else len(experts)
+    gemms = _GEMMS[kind]
+    if kind is SwiGLUExpert and tensors["w1.weight"][0].shape[0] > _FUSED_W13_MAX_FFN:
+        gemms = _SWIGLU_SPLIT
+    plans = {"kind": kind, "n": n, "gemms": gemms}
+    for gemm, projs in gemms:
+        for what in ("weight", "bias"):
+            if tensors[f"{projs[0]}.{what}"][0] is not None:
+                plans[gemm, what] = _stack_plan([[tensors[f"{p}.{what}"][g] for p in projs] for g in range(n)])
+    if key is not None:
+        if len(cache) >= 8:  # parameters moved again and again: keep the newest few
+            cache.clear()
+        cache[key] = plans
+    return _stack_with(plans, lambda name, g: tensors[f"{name[0]}.{name[1]}"][g])
+
+
+def _stack_with(plans: Dict, tensor) -> StackedExperts:
+    """The stacked operands by ``plans`` (see :func:`stack_experts`); ``tensor((proj, what), g)``:
+    group ``g``'s parameter."""
+    kind, n = plans["kind"], plans["n"]
     weights, biases = {}, {}
-    groups = range(len(params) if params is not None else len(experts))
-    for gemm, projs in _GEMMS[kind]:
-        weights[gemm] = _stacked([[tensors[f"{p}.weight"][g] for p in projs] for g in groups])
-        bs = [[tensors[f"{p}.bias"][g] for p in projs] for g in groups]
-        biases[gemm] = _stacked(bs) if bs[0][0] is not None else None
+    for gemm, projs in plans["gemms"]:
+        weights[gemm] = _stacked([tensor((p, "weight"), g) for g in range(n) for p in projs], plans[gemm, "weight"])
+        plan = plans.get((gemm, "bias"))
+        biases[gemm] = None if plan is None else _stacked([tensor((p, "bias"), g) for g in range(n) for p in projs],
+                                                          plan)
     return StackedExperts(kind, weights, biases)
 
 
@@ -275,7 +310,11 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     def linear(x, proj):
         return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm)
     if stacked.kind is SwiGLUExpert:
-        return linear(_SwiGLU.apply(linear(recv, "w13")), "w2")
+        if "w13" in stacked.weights:
+            a, b = linear(recv, "w13").chunk(2, dim=-1)
+        else:
+            a, b = linear(recv, "w1"), linear(recv, "w3")
+        return linear(F.silu(a) * b, "w2")
     return linear(F.gelu(linear(recv, "fc1")), "fc2")
 
 

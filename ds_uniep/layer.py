@@ -79,6 +79,7 @@ class UniEPMoE(MoE):
         self._hybrid = None
         self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
         self._uniep_gemm_ok = set()  # devices where expert_gemm "uniep" was found usable
+        self._stack_cache = {}  # how this layer's expert parameters stack (ds_uniep.experts.stack_experts)
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
         self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -212,7 +213,7 @@ class UniEPMoE(MoE):
         stacked = None
         if self._hybrid is None and not (tp > 1 and self.enable_expert_tensor_parallelism):
             # Stacked now, so that this host work is done by the time the dispatch's row count arrives.
-            stacked = stack_experts(moe.experts.deepspeed_experts, x.dtype, x.device)
+            stacked = stack_experts(moe.experts.deepspeed_experts, x.dtype, x.device, cache=self._stack_cache)
         if isinstance(dispatcher, ReferenceDispatcher):
             # With drop_tokens the reference exchanges capacity-padded buffers, as DeepSpeed does.
             cap = int(capacity) if moe.gate.drop_tokens else None
