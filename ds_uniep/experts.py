@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .swiglu import swiglu
+
 
 class SwiGLUExpert(nn.Module):
     """``w2(silu(w1 x) * w3 x)``; ``w1``, ``w3``: ``[F, M]``, ``w2``: ``[M, F]`` (nn.Linear, no bias)."""
@@ -74,8 +76,8 @@ def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, 
 class StackedExperts:
     """A rank's recognised experts as grouped-GEMM operands: per GEMM the weights stacked
     ``[L, N, K]`` and the biases ``[L, N]`` (or None). SwiGLU's ``w1`` and ``w3`` form one GEMM,
-    ``"w13"`` (``[L, 2F, M]``: ``w1[l]`` over ``w3[l]``), up to ``_FUSED_W13_MAX_FFN``, else two,
-    ``"w1"`` and ``"w3"``; then ``"w2"``. GeLU runs ``"fc1"``, ``"fc2"``.
+    ``"w13"`` (``[L, 2F, M]``: ``w1[l]`` over ``w3[l]``; :func:`ds_uniep.swiglu.swiglu` then reads its
+    ``[R, 2F]`` output), then ``"w2"``. GeLU runs ``"fc1"``, ``"fc2"``.
     Built by :func:`stack_experts`, differentiable, so the experts' own parameters get their gradients."""
 
     def __init__(self, kind: type, weights: Dict[str, Tensor], biases: Dict[str, Optional[Tensor]]):
@@ -85,15 +87,6 @@ class StackedExperts:
 # The grouped GEMMs of each recognised expert, in the order the forward runs them, and the
 # projections (nn.Linear children) stacked along N in each.
 _GEMMS = {SwiGLUExpert: (("w13", ("w1", "w3")), ("w2", ("w2", ))), GeLUExpert: (("fc1", ("fc1", )), ("fc2", ("fc2", )))}
-_SWIGLU_SPLIT = (("w1", ("w1", )), ("w3", ("w3", )), ("w2", ("w2", )))
-# SwiGLU runs w1 and w3 as one GEMM up to this FFN width, as two above it. The output and the weight
-# gradients are the same bits either way (each element is the same k-ordered sum); the input
-# gradient is one sum over 2F in the joint GEMM, two rounded halves added in the split form. The
-# choice depends on the shape alone, so runs and backends agree bit for bit. On an H200 the joint GEMM
-# was 1.2x faster than the two at F = 1408 and 2048 (many experts of few rows), but silu(a) * b on
-# the two halves of its [R, 2F] output runs on strided operands, which at F = 14336 (two experts
-# of 4096 rows each) cost more than the joint GEMM saved.
-_FUSED_W13_MAX_FFN = 4096
 
 
 class _StackedView(torch.autograd.Function):
@@ -211,11 +204,8 @@ def stack_experts(experts: Sequence[nn.Module], dtype: torch.dtype, device: torc
         return None
     kind, tensors = found
     n = len(params) if params is not None else len(experts)
-    gemms = _GEMMS[kind]
-    if kind is SwiGLUExpert and tensors["w1.weight"][0].shape[0] > _FUSED_W13_MAX_FFN:
-        gemms = _SWIGLU_SPLIT
-    plans = {"kind": kind, "n": n, "gemms": gemms}
-    for gemm, projs in gemms:
+    plans = {"kind": kind, "n": n}
+    for gemm, projs in _GEMMS[kind]:
         for what in ("weight", "bias"):
             if tensors[f"{projs[0]}.{what}"][0] is not None:
                 plans[gemm, what] = _stack_plan([[tensors[f"{p}.{what}"][g] for p in projs] for g in range(n)])
@@ -231,7 +221,7 @@ def _stack_with(plans: Dict, tensor) -> StackedExperts:
     group ``g``'s parameter."""
     kind, n = plans["kind"], plans["n"]
     weights, biases = {}, {}
-    for gemm, projs in plans["gemms"]:
+    for gemm, projs in _GEMMS[kind]:
         weights[gemm] = _stacked([tensor((p, "weight"), g) for g in range(n) for p in projs], plans[gemm, "weight"])
         plan = plans.get((gemm, "bias"))
         biases[gemm] = None if plan is None else _stacked([tensor((p, "bias"), g) for g in range(n) for p in projs],
@@ -310,11 +300,7 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     def linear(x, proj):
         return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm)
     if stacked.kind is SwiGLUExpert:
-        if "w13" in stacked.weights:
-            a, b = linear(recv, "w13").chunk(2, dim=-1)
-        else:
-            a, b = linear(recv, "w1"), linear(recv, "w3")
-        return linear(F.silu(a) * b, "w2")
+        return linear(swiglu(linear(recv, "w13")), "w2")
     return linear(F.gelu(linear(recv, "fc1")), "fc2")
 
 
