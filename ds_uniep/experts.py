@@ -247,6 +247,8 @@ def pack_experts(experts: Sequence[nn.Module]) -> bool:
                     continue
                 if any(t is None or t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device for t in ts):
                     return False
+                if any(hasattr(t, "ds_id") or t.numel() == 0 for t in ts):  # ZeRO-3 owns (partitions) them
+                    return False
         t0s = [experts[0]._modules[p]._parameters["weight"] for p in projs]
         if any(t.shape[1:] != t0s[0].shape[1:] or t.dtype != t0s[0].dtype or t.device != t0s[0].device for t in t0s):
             return False

@@ -123,3 +123,13 @@ def test_the_stacking_cache_follows_the_parameters():
     check(False)
     assert len(cache) == 3
     assert stack_experts([torch.nn.Linear(8, 8)], torch.bfloat16, cpu, cache=cache) is None
+
+
+def test_parameters_zero3_partitions_are_not_packed():
+    from ds_uniep.experts import pack_experts
+    experts = [SwiGLUExpert(16, 24) for _ in range(2)]
+    experts[1].w2.weight.ds_id = 7  # as deepspeed.zero.Init marks the parameters it partitions
+    before = [p.data_ptr() for e in experts for p in e.parameters()]
+    assert not pack_experts(experts)
+    assert [p.data_ptr() for e in experts for p in e.parameters()] == before
+    assert pack_experts([SwiGLUExpert(16, 24) for _ in range(2)])
