@@ -187,7 +187,8 @@ def stack_experts(experts: Sequence[nn.Module], dtype: torch.dtype, device: torc
     key = None
     if cache is not None and params is None and experts and type(experts[0]) in _GEMMS:
         kind = type(experts[0])
-        names = [(proj, what) for _, projs in _GEMMS[kind] for proj in projs for what in ("weight", "bias")]
+        names = {(proj, what): i for i, (proj, what) in enumerate(
+            (proj, what) for _, projs in _GEMMS[kind] for proj in projs for what in ("weight", "bias"))}
         flat = [e._modules[proj]._parameters.get(what) for e in experts for proj, what in names]
         if flat[0] is not None:
             # Every address, plus the first storage and shapes: the stacking plan is then valid.
@@ -196,7 +197,7 @@ def stack_experts(experts: Sequence[nn.Module], dtype: torch.dtype, device: torc
                    tuple(t.data_ptr() if t is not None else 0 for t in flat))
             hit = cache.get(key)
             if hit is not None:
-                return None if hit is False else _stack_with(hit, lambda name, g: flat[g * len(names) + names.index(name)])
+                return None if hit is False else _stack_with(hit, lambda name, g: flat[g * len(names) + names[name]])
     found = _grouped_operands(experts, dtype, device, params)
     if found is None:
         if key is not None:
