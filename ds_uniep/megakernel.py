@@ -30,6 +30,12 @@ the same fp32 slot-order sums, so the two are interchangeable. One forward:
    combine buffer at pair ``t * k + j`` and raises the combine signal; the source
    waits and sums each token's k rows in slot order in fp32, weighted, cast once.
 
+Backward: the gradient of combine is a dispatch of ``grad_out`` in the same layout. The rows
+travel unweighted and each source leaves its gates in its gates region; the expert rank forms
+``grad_y = gate * row`` and the gate gradient ``<grad_out[t], y[r]>`` of each row it holds and
+stores the scalar back into the source's gates region, so the expert outputs never travel back.
+The gradient of dispatch is a combine without weights.
+
 No step takes a row slot with an atomic; signals carry growing epochs, so no reset
 is ever needed. Every wait gives up after ``overlap.timeout_s``: the kernel records
 who waited for what in pinned host memory, the layer's later kernels do nothing,
@@ -101,7 +107,7 @@ def _ext():
 # ---------------------------------------------------------------------------------------------
 class _SymBuffers:
     """One symmetric byte buffer per layer, the same layout on every rank (``SymView`` in
-    ops/csrc/types.h): counts, signals, status, meta, scales, recv, comb regions."""
+    ops/csrc/types.h): counts, signals, status, meta, scales, recv, comb, gates regions."""
 
     def __init__(self, E: int, G: int, rank: int, T_max: int, k: int, M: int, dtype: torch.dtype, fp8: bool,
                  group, device: torch.device):
@@ -121,6 +127,7 @@ class _SymBuffers:
             ("scales", self.recv_rows * (M // FP8_GROUP) * 4 if fp8 else 0),
             ("recv", self.recv_rows * self.recv_row_bytes),
             ("comb", self.pairs_per_rank * self.comb_row_bytes),
+            ("gates", self.pairs_per_rank * 4),  # backward of combine: gates out, gate gradients back
         ]
         self.offsets: Dict[str, int] = {}
         total = 0
@@ -140,9 +147,11 @@ class _SymBuffers:
             raise RuntimeError(f"symmetric memory rendezvous gave {len(ptrs)} peers, expected {G}")
         self.group = pg
         o = self.offsets
+        #: this rank's gates region, ``[pairs_per_rank]`` fp32
+        self.gates = self.buffer[o["gates"]:o["gates"] + self.pairs_per_rank * 4].view(torch.float32)
         self.descriptor = ptrs + [0] * (MAX_RANKS - G) + [
             rank, G, o["counts"], o["signals"], o["status"], o["meta"], o["scales"], o["recv"], o["comb"],
-            self.recv_rows, self.recv_row_bytes, self.comb_row_bytes, self.pairs_per_rank
+            o["gates"], self.recv_rows, self.recv_row_bytes, self.comb_row_bytes, self.pairs_per_rank
         ]
 
 
@@ -233,13 +242,18 @@ class NVLinkDispatcher:
             its tokens' rows from the ranks that computed them and sums them in slot order, with
             no combine buffer and no per-chunk signals (the same bits as pushing). Every rank
             must combine from its source region in the same call, or the call times out.
+        gate_grad_on_experts: the backward of combine sends grad_out's rows (unweighted) and the
+            gates to the expert ranks, which form ``grad_y`` and each pair's gate gradient there
+            and send back only those scalars (one row transfer). False: the expert outputs first
+            travel back to their sources, which form the gate gradients (two row transfers).
+            Both give the same bits.
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
                  num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
                  combine_reduce_blocks: Optional[int] = None, pull_combine: bool = False,
-                 pull_blocks: Optional[int] = None):
+                 pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
@@ -281,6 +295,7 @@ class NVLinkDispatcher:
                                 group, self.device)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self.combine_chunks = combine_chunks
+        self.gate_grad_on_experts = gate_grad_on_experts
         self.combine_reduce_blocks = combine_reduce_blocks
         self.direct = None
         if direct_receive and not self.fp8:
@@ -423,10 +438,31 @@ class NVLinkDispatcher:
         return self._push_and_reduce(grad_recv, None, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
 
     def _combine_bwd(self, grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv):
-        # 1. y's rows go back to their sources again; grad_gates[t, j] = <grad_out[t], y row of (t, j)>.
-        # 2. grad_y is a dispatch of grad_out weighted by the gates, in the same layout.
+        # grad_y is a dispatch of grad_out weighted by the gates, in the same layout;
+        # grad_gates[t, j] = <grad_out[t], y row of (t, j)>.
         self.check()
         self._barrier()
+        if not self.gate_grad_on_experts:
+            return self._combine_bwd_at_sources(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv)
+        # Unweighted grad_out rows travel to the experts, with the gates in this rank's gates
+        # region; the expert rank scales each row by its gate and sends back only the dot
+        # products, so y never travels back.
+        T = expert_idx.shape[0]
+        self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
+        e_disp = self._next_epoch(1)
+        self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks)
+        grad_y = y.new_empty(y.shape)
+        e = self._next_epoch(2)
+        self.ext.combine_bwd_rows(y, num_recv, grad_y, self.bufs.descriptor, e_disp, e, *self._wait_args(),
+                                  self.num_blocks)
+        grad_gates = torch.empty(T, self.k, dtype=torch.float32, device=y.device)
+        self.ext.gate_collect(expert_idx, self.num_experts, grad_gates, self.bufs.descriptor, e, *self._wait_args(),
+                              min(self.num_blocks, max(1, -(-gates.numel() // 1024))))
+        return grad_y, grad_gates
+
+    def _combine_bwd_at_sources(self, grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv):
+        # y's rows go back to their sources, which form the dot products; then a weighted dispatch.
         T = expert_idx.shape[0]
         e = self._next_epoch(2)
         self.ext.combine_push(y, recv_pair, num_recv, self.bufs.descriptor, e, self.num_blocks)

@@ -63,12 +63,15 @@ def _body(rank, G, dtype_name):
     for k in (1, 2, 6, 8):
         disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
         # The same layer with combine as push-then-reduce kernels, chunked over 7 chunks with
-        # one reducing block, and pulling from source regions: when and where rows are summed
+        # one reducing block, pulling from source regions, and with the gate gradients formed at
+        # the sources (y sent back) instead of on the experts: when and where rows are summed
         # changes, never the bits.
         pull = NVLinkDispatcher(f"test.k{k}.pull", E, G, M, k, dtype, cfg, pull_combine=True)
         variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
                     NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
-                                     combine_reduce_blocks=1), pull]
+                                     combine_reduce_blocks=1), pull,
+                    NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
+                                     gate_grad_on_experts=False)]
         modes = [("random", 1), ("random", 19), ("random", T_MAX), ("one_expert", 19), ("empty_experts", 19),
                  ("one_expert", T_MAX)]
         for mode, T in modes:
@@ -103,7 +106,7 @@ def _body(rank, G, dtype_name):
                 outs.append((recv.detach().clone(), out.detach().clone(), x.grad.clone(), g.grad.clone()))
             recv, out, gx, gg = outs[0]
             for other, what in zip(outs[1:], ("a second run", "push-then-reduce combine", "7-chunk combine",
-                                              "pulling combine")):
+                                              "pulling combine", "gate gradients at the sources")):
                 for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):
                     assert torch.equal(a, b), f"{name} differs in {what} (k={k}, T={T}, {mode})"
             # Layout: counts and rows are exactly ds_uniep.layout's.

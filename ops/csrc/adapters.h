@@ -49,6 +49,16 @@ void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+// Backward of combine on the expert side (see launch_combine_bwd_rows): y [R, M] the expert
+// outputs, grad_y [R, M] out; after a dispatch of grad_out (dispatch_epoch) with the gates in
+// every source's gates region.
+void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
+                      const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
+                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+// Wait, then grad_gates [T, k] fp32 from this rank's gates region (0 for dropped pairs).
+void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::Tensor& grad_gates,
+                  const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 
 // signal_adapter.cpp
 void barrier(const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns, const torch::Tensor& error_record,

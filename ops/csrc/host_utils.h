@@ -40,6 +40,7 @@ enum SymField : int {
   kSymScalesOff,
   kSymRecvOff,
   kSymCombOff,
+  kSymGatesOff,
   kSymRecvRows,
   kSymRecvRowBytes,
   kSymCombRowBytes,
@@ -64,6 +65,7 @@ inline SymView sym_from_descriptor(const std::vector<int64_t>& d) {
   s.scales_off = d[kSymScalesOff];
   s.recv_off = d[kSymRecvOff];
   s.comb_off = d[kSymCombOff];
+  s.gates_off = d[kSymGatesOff];
   s.recv_rows = d[kSymRecvRows];
   s.recv_row_bytes = d[kSymRecvRowBytes];
   s.comb_row_bytes = d[kSymCombRowBytes];

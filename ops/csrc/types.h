@@ -21,6 +21,8 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //   scales   [R_max][M / 128] fp32     FP8 dispatch only
 //   recv     [R_max][recv_row_bytes]   received rows (activation dtype, or e4m3 bytes)
 //   comb     [pairs_per_rank][comb_row_bytes] rows pushed back by combine, at pair t * k + j
+//   gates    [pairs_per_rank] fp32     backward of combine: the source's gates, which the expert
+//            rank of each pair reads and overwrites with the pair's gate gradient
 struct SymView {
   char* ptrs[kMaxRanks];  // base of each rank's buffer (ptrs[rank] is local)
   int rank;
@@ -32,6 +34,7 @@ struct SymView {
   int64_t scales_off;
   int64_t recv_off;
   int64_t comb_off;
+  int64_t gates_off;
   int64_t recv_rows;       // R_max
   int64_t recv_row_bytes;  // M * sizeof(activation) (or M for e4m3)
   int64_t comb_row_bytes;  // M * sizeof(activation)

@@ -336,6 +336,76 @@ __global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint
   }
 }
 
+// Backward of combine on the expert side (one warp per received row r): the row holds
+// grad_out[t] of its pair (t, j), unweighted; the pair's gate is read from the source's gates
+// region. grad_y[r] = cast(gate * float(grad_out[t])), and <grad_out[t], y[r]> goes back into the
+// source's gates region at the pair, summed in gate_grad_kernel's order (lane-strided
+// partials, then the butterfly), so both give the same bits.
+template <typename T>
+__global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
+    SymView s, uint32_t dispatch_epoch, uint32_t epoch, WaitPolicy w, const int* __restrict__ num_recv,
+    int y_rows, int hidden, const T* __restrict__ y, T* __restrict__ grad_y) {
+  constexpr int kElems = Vec<T>::kElems;
+  if (!block_wait_all(s, w, kPhaseDispatch, dispatch_epoch)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * blockDim.x / 32;
+  const int R = min(*num_recv, y_rows);
+  const int num_vecs = hidden / kElems;
+  const int* meta = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.meta_off);
+  for (int r = warp; r < R; r += num_warps) {
+    const int pair = __ldcg(meta + r);
+    const int src = static_cast<int>(pair / s.pairs_per_rank);
+    float* gate_word = reinterpret_cast<float*>(s.ptrs[src] + s.gates_off) + pair % s.pairs_per_rank;
+    const float gate = __shfl_sync(0xffffffffu, lane == 0 ? __ldcg(gate_word) : 0.0f, 0);
+    const int4* g = reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(r) * s.recv_row_bytes);
+    const int4* yr = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r) * hidden);
+    int4* out = reinterpret_cast<int4*>(grad_y + static_cast<int64_t>(r) * hidden);
+    float partial = 0.0f;
+    for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
+      int4 gv[kUnroll], yv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u < num_vecs) {
+          gv[u] = __ldcg(g + c0 + 32 * u);
+          yv[u] = __ldg(yr + c0 + 32 * u);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u >= num_vecs) continue;
+        float a[kElems], b[kElems], o[kElems];
+        unpack<T>(gv[u], a);
+        unpack<T>(yv[u], b);
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) {
+          partial = __fadd_rn(partial, __fmul_rn(a[i], b[i]));
+          o[i] = __fmul_rn(gate, a[i]);
+        }
+        out[c0 + 32 * u] = pack<T>(o);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off >= 1; off /= 2) partial = __fadd_rn(partial, __shfl_xor_sync(0xffffffffu, partial, off));
+    if (lane == 0) *gate_word = partial;
+  }
+  signal_when_grid_done(s, status_words(s) + 3, kPhaseCombine, epoch);
+}
+
+// Waits for kPhaseCombine of every rank, then reads the gate gradients the expert ranks left
+// in this rank's gates region; 0 for a dropped pair.
+__global__ void __launch_bounds__(kCopyThreads) gate_collect_kernel(SymView s, uint32_t epoch, WaitPolicy w,
+                                                                    const int* __restrict__ expert_idx,
+                                                                    int num_pairs, int num_experts,
+                                                                    float* __restrict__ grad_gates) {
+  if (!block_wait_all(s, w, kPhaseCombine, epoch)) return;
+  const float* gates = reinterpret_cast<const float*>(s.ptrs[s.rank] + s.gates_off);
+  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < num_pairs; p += gridDim.x * blockDim.x) {
+    const int e = __ldg(expert_idx + p);
+    grad_gates[p] = (e >= 0 && e < num_experts) ? __ldcg(gates + p) : 0.0f;
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
@@ -416,6 +486,28 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
                                                                  static_cast<const T*>(grad_out), num_tokens, k,
                                                                  hidden, num_experts, grad_gates);
   });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t dispatch_epoch, uint32_t epoch,
+                                    const WaitPolicy& wait, const int* num_recv, int y_rows, int hidden,
+                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream) {
+  if (num_blocks <= 0) return cudaErrorInvalidValue;
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    combine_bwd_rows_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(sym, dispatch_epoch, epoch, wait, num_recv,
+                                                                        y_rows, hidden, static_cast<const T*>(y),
+                                                                        static_cast<T*>(grad_y));
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gate_collect(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, const int* expert_idx,
+                                int num_pairs, int num_experts, float* grad_gates, int num_blocks,
+                                cudaStream_t stream) {
+  if (num_blocks <= 0) return cudaErrorInvalidValue;
+  gate_collect_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, expert_idx, num_pairs, num_experts,
+                                                               grad_gates);
   return cudaGetLastError();
 }
 

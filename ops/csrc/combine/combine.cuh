@@ -51,4 +51,20 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
                              const int* expert_idx, const void* grad_out, int num_tokens, int k, int hidden,
                              int num_experts, float* grad_gates, int num_blocks, cudaStream_t stream);
 
+// Backward of combine on the expert side, after a dispatch of grad_out (unweighted, epoch
+// dispatch_epoch) and with each source's gates [T, k] fp32 in its gates region: waits for
+// kPhaseDispatch of every rank, then for each of the first R = min(*num_recv, y_rows) received
+// rows r of pair (t, j): grad_y[r] = cast(gates[t, j] * float(row)) (the bits of a weighted
+// dispatch) and the source's gates word of the pair becomes <row, y[r]> (gate_grad's sum);
+// raises kPhaseCombine (epoch) on every rank.
+cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t dispatch_epoch, uint32_t epoch,
+                                    const WaitPolicy& wait, const int* num_recv, int y_rows, int hidden,
+                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream);
+
+// Waits for kPhaseCombine of every rank, then grad_gates[p] = this rank's gates word p for a kept
+// pair, 0 for a dropped one (p < num_pairs = T * k).
+cudaError_t launch_gate_collect(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, const int* expert_idx,
+                                int num_pairs, int num_experts, float* grad_gates, int num_blocks,
+                                cudaStream_t stream);
+
 }  // namespace uniep

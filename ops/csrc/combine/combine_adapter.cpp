@@ -134,4 +134,47 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
                                       c10::cuda::getCurrentCUDAStream()));
 }
 
+void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
+                      const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
+                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(y);
+  UNIEP_CHECK_INPUT(num_recv);
+  UNIEP_CHECK_INPUT(grad_y);
+  UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
+  const SymView s = sym_from_descriptor(sym);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) <= s.recv_rows, "y must be [R, M] with R <= R_max = ", s.recv_rows,
+              ", got ", y.sizes());
+  TORCH_CHECK(grad_y.sizes() == y.sizes() && grad_y.scalar_type() == y.scalar_type(),
+              "grad_y must have y's shape and dtype");
+  TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.recv_row_bytes, "y rows are ",
+              y.size(1) * y.element_size(), " bytes, the receive buffer's ", s.recv_row_bytes);
+  const c10::cuda::CUDAGuard guard(y.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_bwd_rows(dtype_of(y), s, static_cast<uint32_t>(dispatch_epoch),
+                                             static_cast<uint32_t>(epoch), w, num_recv.data_ptr<int>(),
+                                             static_cast<int>(y.size(0)), static_cast<int>(y.size(1)), y.data_ptr(),
+                                             grad_y.data_ptr(), static_cast<int>(num_blocks),
+                                             c10::cuda::getCurrentCUDAStream()));
+}
+
+void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::Tensor& grad_gates,
+                  const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(grad_gates);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  UNIEP_CHECK_DTYPE(grad_gates, torch::kFloat32);
+  TORCH_CHECK(expert_idx.dim() == 2, "expert_idx must be [T, k]");
+  UNIEP_CHECK_SHAPE(grad_gates, expert_idx.size(0), expert_idx.size(1));
+  const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(expert_idx.numel() <= s.pairs_per_rank, "expert_idx has ", expert_idx.numel(),
+              " pairs, the gates region holds ", s.pairs_per_rank);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  const c10::cuda::CUDAGuard guard(grad_gates.device());
+  UNIEP_CHECK_LAUNCH(launch_gate_collect(s, static_cast<uint32_t>(epoch), w, expert_idx.data_ptr<int>(),
+                                         static_cast<int>(expert_idx.numel()), static_cast<int>(num_experts),
+                                         grad_gates.data_ptr<float>(), static_cast<int>(num_blocks),
+                                         c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace uniep
