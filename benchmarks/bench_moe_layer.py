@@ -11,6 +11,9 @@ are measured in the same run:
 - megakernel: ``UniEPMoE`` with ``"backend": "megakernel"`` where it can run (else the row says why not),
   its experts on ds_uniep's grouped GEMM (``"expert_gemm": "uniep"``);
 - megakernel-torch-gemm: the same with ``"expert_gemm": "torch"`` (the default; what the GEMM alone changes);
+- megakernel-arrival: megakernel-torch-gemm with ``"deterministic": false``: rows claimed and summed in
+  arrival order with atomics, the same kernels otherwise. Its time against megakernel-torch-gemm's is the
+  cost of determinism; both are timed again alternately (``--determinism-rounds``, medians) for that ratio;
 - autoep: DeepSpeed's own AutoEP layer (``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer``: router,
   sort, NCCL ``all_to_all_single`` both ways, ``torch._grouped_mm`` experts) built from the same gate and
   experts (see ``build_autoep``; where it cannot be built or run, the row says why);
@@ -46,7 +49,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import bench, rotating  # noqa: E402
 
-BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "autoep"]
+BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-arrival", "autoep"]
+MEGAKERNEL_CONFIGS = {
+    "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
+    "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
+    "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
+}
 
 AUTOEP_NOTE = (
     "AutoEPMoELayer (DeepSpeed's AutoEP) built standalone from a Mixtral-style block (gate + ModuleList of "
@@ -71,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--determinism-rounds", type=int, default=3,
+                   help="alternating timings of megakernel-torch-gemm and megakernel-arrival for the cost of "
+                   "determinism (medians; default 3)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (config default, each num_comm_sms value) per shape")
@@ -236,8 +247,7 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
         else:
             if name.startswith("megakernel") and not status[0]:
                 continue
-            config = {"backend": "megakernel", "expert_gemm": "torch"} if name == "megakernel-torch-gemm" \
-                else {"backend": "megakernel", "expert_gemm": "uniep"} if name == "megakernel" else {"backend": name}
+            config = MEGAKERNEL_CONFIGS.get(name, {"backend": name})
             layer = UniEPMoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep,
                              k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
                              top2_2nd_expert_sampling=False, config=config)
@@ -429,6 +439,15 @@ def main(argv=None):
                 if rank == 0:  # progress, one line per timed layer
                     print(f"[{name} {mode}] {bname}: "
                           + (f"{row[bname + '_ms']:.2f} ms" if bname + "_ms" in row else "n/a"), flush=True)
+            pair = ("megakernel-torch-gemm", "megakernel-arrival")
+            if all(b + "_ms" in row for b in pair) and args.determinism_rounds > 0:
+                times = {b: [] for b in pair}
+                for _ in range(args.determinism_rounds):
+                    for b in pair:
+                        times[b].append(time_layer(layers[b], inputs, mode, args, dist))
+                med = {b: sorted(v)[len(v) // 2] for b, v in times.items()}
+                row["determinism"] = {"layout_ms": times[pair[0]], "arrival_ms": times[pair[1]],
+                                      "cost": med[pair[0]] / med[pair[1]] - 1}
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
             any_uni = layers.get("reference") or (ds_style[0] if ds_style else
                                                   build_layers(shape, E, ep, ["stock"], status)["stock"])
@@ -481,6 +500,12 @@ def print_table(results):
         cells.append(f"{r['autoep_ms'] / best:.2f}x" if best and "autoep_ms" in r else "-")
         cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
         print(" | ".join(cells))
+    for r in results["rows"]:
+        if "determinism" in r:
+            d = r["determinism"]
+            print(f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
+                  f"{'/'.join(f'{v:.2f}' for v in d['layout_ms'])} ms, arrival order "
+                  f"{'/'.join(f'{v:.2f}' for v in d['arrival_ms'])} ms; medians, alternating)")
     for reason, where in notes.items():
         print(f"* autoep could not run ({', '.join(where)}): {reason}")
     if "autoep_note" in results:

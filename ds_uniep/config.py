@@ -164,7 +164,10 @@ class UniEPConfig(_Block):
         description="reference: torch ops and all_to_all_single (any device); megakernel: the CUDA kernels "
         "(Hopper GPUs with NVLink peers); auto: megakernel where possible, else reference, logged once.")
     deterministic: bool = Field(
-        True, description="Keep the fixed token order; results are bitwise identical run to run.")
+        True, description="Keep the fixed token order; results are bitwise identical run to run. false: the "
+        "megakernel backend places rows and sums them in arrival order with atomics (what a non-deterministic "
+        "design does; kept to measure what the fixed order costs; results vary in the last bits; not with FP8 "
+        "dispatch). The reference backend is deterministic either way.")
     max_tokens_per_rank: int = Field(
         8192, ge=1, description="Largest token count one rank feeds a layer; sizes the symmetric buffers.")
     expert_gemm: Literal["torch", "uniep"] = Field(

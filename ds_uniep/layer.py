@@ -218,6 +218,8 @@ class UniEPMoE(MoE):
             # With drop_tokens the reference exchanges capacity-padded buffers, as DeepSpeed does.
             cap = int(capacity) if moe.gate.drop_tokens else None
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, cap)
+        elif getattr(dispatcher, "ordering", "layout") == "arrival":  # megakernel, "deterministic": false
+            recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
         else:
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx)
         if self._hybrid is not None:
@@ -268,8 +270,12 @@ class UniEPMoE(MoE):
         if name == "megakernel":
             from .megakernel import NVLinkDispatcher
             d = NVLinkDispatcher(self.layer_name, self.num_experts, self.ep_size, self.hidden_size, self.k, x.dtype,
-                                 self.uniep_config, self.ep_group, num_blocks=_comm_blocks(self.uniep_config))
+                                 self.uniep_config, self.ep_group, num_blocks=_comm_blocks(self.uniep_config),
+                                 ordering="layout" if self.uniep_config.deterministic else "arrival")
         else:
+            if not self.uniep_config.deterministic:
+                logger.info(f'{self.layer_name}: "deterministic": false changes nothing on the {name} backend, '
+                            "whose sums always run in the fixed order")
             d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group,
                                     dispatch_dtype=self.uniep_config.compression.dispatch_dtype, pacing=self._pacing)
         self._backend_by_device[key] = name

@@ -107,7 +107,7 @@ def _ext():
 # ---------------------------------------------------------------------------------------------
 class _SymBuffers:
     """One symmetric byte buffer per layer, the same layout on every rank (``SymView`` in
-    ops/csrc/types.h): counts, signals, status, meta, scales, recv, comb, gates regions."""
+    ops/csrc/types.h): counts, signals, status, meta, scales, recv, comb, gates, cursors regions."""
 
     def __init__(self, E: int, G: int, rank: int, T_max: int, k: int, M: int, dtype: torch.dtype, fp8: bool,
                  group, device: torch.device):
@@ -128,6 +128,7 @@ class _SymBuffers:
             ("recv", self.recv_rows * self.recv_row_bytes),
             ("comb", self.pairs_per_rank * self.comb_row_bytes),
             ("gates", self.pairs_per_rank * 4),  # backward of combine: gates out, gate gradients back
+            ("cursors", E * 4),  # arrival ordering: each local expert's next free row
         ]
         self.offsets: Dict[str, int] = {}
         total = 0
@@ -151,7 +152,7 @@ class _SymBuffers:
         self.gates = self.buffer[o["gates"]:o["gates"] + self.pairs_per_rank * 4].view(torch.float32)
         self.descriptor = ptrs + [0] * (MAX_RANKS - G) + [
             rank, G, o["counts"], o["signals"], o["status"], o["meta"], o["scales"], o["recv"], o["comb"],
-            o["gates"], self.recv_rows, self.recv_row_bytes, self.comb_row_bytes, self.pairs_per_rank
+            o["gates"], o["cursors"], self.recv_rows, self.recv_row_bytes, self.comb_row_bytes, self.pairs_per_rank
         ]
 
 
@@ -247,13 +248,20 @@ class NVLinkDispatcher:
             and send back only those scalars (one row transfer). False: the expert outputs first
             travel back to their sources, which form the gate gradients (two row transfers).
             Both give the same bits.
+        ordering: ``"layout"`` (the default): every row at its layout row and every sum in slot
+            order, bitwise reproducible. ``"arrival"``: what a non-deterministic design does, kept
+            to measure what the fixed order costs: sources claim an expert's rows with atomics at
+            the destination (rows of an expert in arrival order), and combine adds each row into
+            its token's fp32 accumulator at the source with atomics (sums in arrival order). Needs
+            the gates at dispatch (``dispatch(x, expert_idx, gates)``); not with FP8 dispatch or
+            ``pull_combine``. Results vary in the last bits from run to run.
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
                  num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
                  combine_reduce_blocks: Optional[int] = None, pull_combine: bool = False,
-                 pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True):
+                 pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout"):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
@@ -281,6 +289,11 @@ class NVLinkDispatcher:
             raise ValueError(f"{where}: combine_reduce_blocks = {combine_reduce_blocks} must be at least 1")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"{where}: activation dtype {dtype} is not bf16, fp16 or fp32")
+        if ordering not in ("layout", "arrival"):
+            raise ValueError(f"{where}: ordering must be 'layout' or 'arrival', got {ordering!r}")
+        if ordering == "arrival" and (self.fp8 or pull_combine):
+            raise ValueError(f"{where}: arrival ordering moves activation-dtype rows and combines by pushing: "
+                             "it runs neither with FP8 dispatch nor with pull_combine")
         elsize = torch.empty(0, dtype=dtype).element_size()
         if hidden_size * elsize % 16:
             raise ValueError(f"{where}: rows of {hidden_size} x {dtype} are not a multiple of 16 bytes")
@@ -296,6 +309,12 @@ class NVLinkDispatcher:
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self.combine_chunks = combine_chunks
         self.gate_grad_on_experts = gate_grad_on_experts
+        self.ordering = ordering
+        self.acc = None
+        if ordering == "arrival":  # each token's fp32 accumulator row, zero between combines
+            self.acc = _DirectRegion(self.max_tokens, hidden_size, torch.float32, self.bufs.group, self.device)
+            self.acc.buffer.zero_()
+            torch.cuda.synchronize(self.device)
         self.combine_reduce_blocks = combine_reduce_blocks
         self.direct = None
         if direct_receive and not self.fp8:
@@ -352,7 +371,7 @@ class NVLinkDispatcher:
                                      f"buffers were sized for k = {self.k}")
 
     # ------------------------------------------------------------------ raw steps (no autograd)
-    def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor):
+    def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor] = None):
         self.check()
         e_counts = self._next_epoch(0)
         self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
@@ -361,8 +380,18 @@ class NVLinkDispatcher:
                                                                        self.bufs.descriptor, e_counts,
                                                                        *self._wait_args(), in_place)
         e_disp = self._next_epoch(1)
+        seg_base = row_out = None
+        if self.ordering == "arrival":
+            # Gates staged for combine's atomic weighting; every row of expert e from seg_base[e] on.
+            self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
+            L = self.num_experts // self.ep_size
+            per_expert = counts_all.sum(0).view(self.ep_size, L)
+            seg_base = (per_expert.cumsum(1) - per_expert).reshape(-1).to(torch.int32)
+            row_out = torch.empty_like(dest_row)
         self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(True, e_counts), e_disp, self.num_blocks)
+                               self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out)
+        if row_out is not None:
+            dest_row = row_out
         if self.padded_recv:
             rows = self.bufs.recv_rows
         else:
@@ -371,7 +400,8 @@ class NVLinkDispatcher:
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
         self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
-                              *self._wait_args(), self.num_blocks, not in_place)
+                              *self._wait_args(), self.num_blocks, not in_place,
+                              self.num_experts // self.ep_size if self.ordering == "arrival" else 0)
         self.direct_stats["in_place" if in_place else "copied"] += 1
         return recv, local_counts, dest_row, recv_pair, num_recv, counts_all
 
@@ -380,6 +410,11 @@ class NVLinkDispatcher:
         e = self._next_epoch(2)
         out = rows.new_empty(T, self.hidden_size)
         nb = self.num_blocks
+        if self.ordering == "arrival":  # weights: the gates staged at dispatch
+            self.ext.combine_atomic(rows, recv_pair, num_recv, weights is not None, self.k, self.acc.ptrs,
+                                    self.bufs.descriptor, e, nb)
+            self.ext.acc_cast(self.acc.rows, out, self.bufs.descriptor, e, *self._wait_args(), nb)
+            return out
         if self.combine_chunks:
             reduce_blocks = self.combine_reduce_blocks or nb
             chunk_tokens = -(-self.max_tokens // self.combine_chunks)
@@ -451,7 +486,7 @@ class NVLinkDispatcher:
         self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None)
         grad_y = y.new_empty(y.shape)
         e = self._next_epoch(2)
         self.ext.combine_bwd_rows(y, num_recv, grad_y, self.bufs.descriptor, e_disp, e, *self._wait_args(),
@@ -471,25 +506,34 @@ class NVLinkDispatcher:
                            *self._wait_args(), self.num_blocks)
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, gates, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None)
         grad_y = y.new_empty(y.shape)
         scratch_pair = torch.empty(y.shape[0], dtype=torch.int32, device=y.device)
         self.ext.recv_copyout(num_recv, False, grad_y, scratch_pair, self.bufs.descriptor, e_disp,
-                              *self._wait_args(), self.num_blocks, True)
+                              *self._wait_args(), self.num_blocks, True, 0)
         return grad_y, grad_gates
 
     # ------------------------------------------------------------------ the protocol
-    def dispatch(self, x: Tensor, expert_idx: Tensor) -> Tuple[Tensor, Tensor, NVLinkHandle]:
+    def dispatch(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor, NVLinkHandle]:
         """x ``[T, M]`` activation dtype, expert_idx ``[T, k]`` int (-1 dropped) ->
-        (recv ``[R, M]`` (``[R_max, M]`` if padded_recv), local_expert_counts ``[L]`` int64, handle)."""
+        (recv ``[R, M]`` (``[R_max, M]`` if padded_recv), local_expert_counts ``[L]`` int64, handle).
+        ``gates [T, k]``: the weights the following :meth:`combine` gets; needed (only) with
+        arrival ordering, which stages them for the expert ranks."""
         T, k = expert_idx.shape
         self._check_tokens(T, k)
         if x.shape != (T, self.hidden_size) or x.dtype != self.dtype:
             raise ValueError(f"{self.layer_name}: x must be [{T}, {self.hidden_size}] {self.dtype}, got "
                              f"{tuple(x.shape)} {x.dtype}")
+        staged = None
+        if self.ordering == "arrival":
+            if gates is None or gates.shape != (T, k):
+                raise ValueError(f"{self.layer_name}: arrival ordering needs the gates [{T}, {k}] at dispatch, got "
+                                 f"{None if gates is None else tuple(gates.shape)}")
+            staged = gates.detach().to(device=x.device, dtype=torch.float32).contiguous()
         idx = expert_idx.to(device=x.device, dtype=torch.int32).contiguous()
         recv, local_counts, dest_row, recv_pair, num_recv, counts_all = _DispatchFn.apply(
-            x.contiguous(), idx, self.layer_id)
+            x.contiguous(), idx, staged, self.layer_id)
         handle = NVLinkHandle(expert_idx=idx, dest_row=dest_row, recv_pair=recv_pair, num_recv=num_recv,
                               counts_all=counts_all, local_expert_counts=local_counts)
         return recv, local_counts, handle
@@ -510,15 +554,15 @@ class NVLinkDispatcher:
 # custom ops (the boundary torch sees) and autograd
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("ds_uniep::nvl_dispatch", mutates_args=())
-def nvl_dispatch(x: Tensor, expert_idx: Tensor, ctx_id: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor,
-                                                                       Tensor]:
+def nvl_dispatch(x: Tensor, expert_idx: Tensor, gates: Optional[Tensor],
+                 ctx_id: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (recv [rows, M], local_expert_counts [L] i64, dest_row [T, k] i32, recv_pair [rows] i32,
-    num_recv [1] i32, counts_all [G, E] i64)."""
-    return _get(ctx_id)._dispatch_fwd(x, expert_idx)
+    num_recv [1] i32, counts_all [G, E] i64). gates [T, k] fp32: arrival ordering only."""
+    return _get(ctx_id)._dispatch_fwd(x, expert_idx, gates)
 
 
 @nvl_dispatch.register_fake
-def _(x, expert_idx, ctx_id):
+def _(x, expert_idx, gates, ctx_id):
     d = _get(ctx_id)
     rows = d.bufs.recv_rows if d.padded_recv else torch.library.get_ctx().new_dynamic_size()
     i32 = dict(dtype=torch.int32, device=x.device)
@@ -568,8 +612,8 @@ def _(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv, ctx_id):
 class _DispatchFn(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, expert_idx, ctx_id):
-        outs = nvl_dispatch(x, expert_idx, ctx_id)
+    def forward(ctx, x, expert_idx, gates, ctx_id):
+        outs = nvl_dispatch(x, expert_idx, gates, ctx_id)
         recv, local_counts, dest_row, recv_pair, num_recv, counts_all = outs
         ctx.ctx_id = ctx_id
         ctx.save_for_backward(expert_idx, recv_pair, num_recv)
@@ -580,9 +624,9 @@ class _DispatchFn(torch.autograd.Function):
     def backward(ctx, grad_recv, *unused):
         expert_idx, recv_pair, num_recv = ctx.saved_tensors
         if grad_recv is None:
-            return None, None, None
+            return None, None, None, None
         grad_x = nvl_dispatch_backward(grad_recv.contiguous(), expert_idx, recv_pair, num_recv, ctx.ctx_id)
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
 class _CombineFn(torch.autograd.Function):

@@ -72,6 +72,9 @@ def _body(rank, G, dtype_name):
                                      combine_reduce_blocks=1), pull,
                     NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
                                      gate_grad_on_experts=False)]
+        # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
+        # and sums within bf16 tolerance.
+        arrival = NVLinkDispatcher(f"test.k{k}.arrival", E, G, M, k, dtype, cfg, ordering="arrival")
         modes = [("random", 1), ("random", 19), ("random", T_MAX), ("one_expert", 19), ("empty_experts", 19),
                  ("one_expert", T_MAX)]
         for mode, T in modes:
@@ -105,6 +108,21 @@ def _body(rank, G, dtype_name):
                 (out.float() * w).sum().backward()
                 outs.append((recv.detach().clone(), out.detach().clone(), x.grad.clone(), g.grad.clone()))
             recv, out, gx, gg = outs[0]
+            x = xs[rank].to(dev).requires_grad_(True)
+            g = gates.clone().requires_grad_(True)
+            recv_a, counts_a, handle_a = arrival.dispatch(x, idx, g)
+            assert torch.equal(counts_a, counts), f"arrival: local counts (k={k}, T={T}, {mode})"
+            # Each row still holds its pair's token: sorted by source pair, the rows are the layout's.
+            order_a = torch.argsort(handle_a.recv_pair.long())
+            order = torch.argsort(handle.recv_pair.long())
+            assert torch.equal(handle_a.recv_pair[order_a], handle.recv_pair[order]), \
+                f"arrival: source pairs (k={k}, T={T}, {mode})"
+            assert torch.equal(recv_a[order_a], recv[order]), f"arrival: rows (k={k}, T={T}, {mode})"
+            experts_a = torch.repeat_interleave(torch.arange(L, device=dev) + rank * L, counts_a)
+            out_a = arrival.combine(_expert_fn(recv_a, experts_a), g, handle_a)
+            w = torch.randn(out_a.shape, generator=torch.Generator().manual_seed(case)).to(dev)
+            (out_a.float() * w).sum().backward()
+            arrival_vals = (out_a.detach(), x.grad.clone(), g.grad.clone())
             for other, what in zip(outs[1:], ("a second run", "push-then-reduce combine", "7-chunk combine",
                                               "pulling combine", "gate gradients at the sources")):
                 for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):
@@ -145,9 +163,13 @@ def _body(rank, G, dtype_name):
             def rel(a, b):
                 return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
+            out_a, gx_a, gg_a = arrival_vals
             for name, mine_v, ref_v, v64 in (("out", out, ref.detach(), ref64.detach()),
                                              ("grad_x", gx, xr.grad, x64.grad), ("grad_gates", gg, gr.grad,
-                                                                                  g64.grad)):
+                                                                                  g64.grad),
+                                             ("arrival out", out_a, ref.detach(), ref64.detach()),
+                                             ("arrival grad_x", gx_a, xr.grad, x64.grad),
+                                             ("arrival grad_gates", gg_a, gr.grad, g64.grad)):
                 err, ref_err = rel(mine_v, v64), rel(ref_v, v64)
                 assert err <= 2 * ref_err + 1e-6, f"{name}: error {err:.2e} > 2x reference's {ref_err:.2e} " \
                                                   f"(k={k}, T={T}, {mode})"

@@ -18,14 +18,19 @@ std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_e
 
 // dispatch_adapter.cpp
 // direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
+// seg_base [E] int32 and row_out [T, k] int32 (both or neither): arrival ordering, rows
+// claimed by atomics (see launch_dispatch).
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
-                   int64_t num_blocks);
+                   int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
+                   const c10::optional<torch::Tensor>& row_out);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
+// reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
-                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows);
+                  const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows,
+                  int64_t reset_cursors);
 
 // combine_adapter.cpp
 void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
@@ -55,6 +60,17 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
 void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
                       const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
                       const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+// Arrival-ordered combine (not reproducible; the baseline that measures what the fixed order
+// costs): every row of y [R, M] is added, times its pair's gate from the source's gates region
+// when weighted, into its token's fp32 row of the source's accumulator (acc: kMaxRanks region
+// bases, [T_max, M] fp32 each) with vector atomics, in arrival order.
+void combine_atomic(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                    bool weighted, int64_t k, const std::vector<int64_t>& acc, const std::vector<int64_t>& sym,
+                    int64_t epoch, int64_t num_blocks);
+// Wait for every rank's combine_atomic, then out [T, M] = cast(acc rows) and zero them (acc:
+// this rank's accumulator, [T_max, M] fp32).
+void acc_cast(torch::Tensor& acc, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
+              int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 // Wait, then grad_gates [T, k] fp32 from this rank's gates region (0 for dropped pairs).
 void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::Tensor& grad_gates,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,

@@ -18,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_bwd_rows", &uniep::combine_bwd_rows,
         "backward of combine on the expert side: grad_y rows and each pair's gate gradient, sent to its source");
   m.def("gate_collect", &uniep::gate_collect, "wait, then grad_gates from the gates region (0 for dropped pairs)");
+  m.def("combine_atomic", &uniep::combine_atomic,
+        "arrival-ordered combine: rows added into the sources' fp32 accumulators by atomics (not reproducible)");
+  m.def("acc_cast", &uniep::acc_cast, "wait, then cast the fp32 accumulator rows and zero them");
   // gemm: grouped GEMM of the experts (fwd, dgrad, wgrad), deterministic tiles
   m.def("grouped_mm", &uniep::grouped_mm, "grouped GEMM: op 0 fwd, 1 dgrad, 2 wgrad over groups of rows");
   m.def("grouped_mm_config_name", &uniep::grouped_mm_config_name, "name of a grouped GEMM tile configuration");

@@ -41,6 +41,7 @@ enum SymField : int {
   kSymRecvOff,
   kSymCombOff,
   kSymGatesOff,
+  kSymCursorsOff,
   kSymRecvRows,
   kSymRecvRowBytes,
   kSymCombRowBytes,
@@ -66,6 +67,7 @@ inline SymView sym_from_descriptor(const std::vector<int64_t>& d) {
   s.recv_off = d[kSymRecvOff];
   s.comb_off = d[kSymCombOff];
   s.gates_off = d[kSymGatesOff];
+  s.cursors_off = d[kSymCursorsOff];
   s.recv_rows = d[kSymRecvRows];
   s.recv_row_bytes = d[kSymRecvRowBytes];
   s.comb_row_bytes = d[kSymCombRowBytes];

@@ -406,6 +406,86 @@ __global__ void __launch_bounds__(kCopyThreads) gate_collect_kernel(SymView s, u
   }
 }
 
+// Arrival ordering: row r of y goes, times its gate when weighted, into the fp32 accumulator
+// row of its token at the source by vector atomics; the sum's order is the arrival order.
+__device__ __forceinline__ void red_add_v4(float* addr, float a, float b, float c, float d) {
+  asm volatile("red.relaxed.sys.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(addr), "f"(a), "f"(b), "f"(c),
+               "f"(d)
+               : "memory");
+}
+
+template <typename T, bool kWeighted>
+__global__ void __launch_bounds__(kCopyThreads) combine_atomic_kernel(const T* __restrict__ y,
+                                                                      const int* __restrict__ recv_pair,
+                                                                      const int* __restrict__ num_recv, int y_rows,
+                                                                      int hidden, int k, SymView s, SourceRegions acc,
+                                                                      uint32_t epoch) {
+  constexpr int kElems = Vec<T>::kElems;
+  static_assert(kElems % 4 == 0, "whole float4s per vector");
+  if (poisoned(s)) return;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * blockDim.x / 32;
+  const int R = min(*num_recv, y_rows);
+  const int num_vecs = hidden / kElems;
+  for (int r = warp; r < R; r += num_warps) {
+    const int pair = recv_pair[r];
+    const int src = static_cast<int>(pair / s.pairs_per_rank);
+    const int64_t slot = pair % s.pairs_per_rank;
+    float gate = 1.0f;
+    if (kWeighted) {
+      const float* gw = reinterpret_cast<const float*>(s.ptrs[src] + s.gates_off) + slot;
+      gate = __shfl_sync(0xffffffffu, lane == 0 ? __ldcg(gw) : 0.0f, 0);
+    }
+    float* dst = reinterpret_cast<float*>(const_cast<char*>(acc.ptrs[src])) + (slot / k) * hidden;
+    const int4* in = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r) * hidden);
+    for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        if (c0 + 32 * u < num_vecs) v[u] = __ldg(in + c0 + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + 32 * u >= num_vecs) continue;
+        float f[kElems];
+        unpack<T>(v[u], f);
+        if (kWeighted) {
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) f[i] = __fmul_rn(gate, f[i]);
+        }
+        float* out = dst + static_cast<int64_t>(c0 + 32 * u) * kElems;
+#pragma unroll
+        for (int i = 0; i < kElems; i += 4) red_add_v4(out + i, f[i], f[i + 1], f[i + 2], f[i + 3]);
+      }
+    }
+  }
+  signal_when_grid_done(s, status_words(s) + 2, kPhaseCombine, epoch);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kCopyThreads) acc_cast_kernel(SymView s, uint32_t epoch, WaitPolicy w,
+                                                                float* __restrict__ acc, int num_tokens, int hidden,
+                                                                T* __restrict__ out) {
+  constexpr int kElems = Vec<T>::kElems;
+  if (!block_wait_all(s, w, kPhaseCombine, epoch)) return;
+  const int64_t num_vecs = static_cast<int64_t>(num_tokens) * hidden / kElems;
+  for (int64_t v = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; v < num_vecs;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float4* a = reinterpret_cast<float4*>(acc + v * kElems);
+    float f[kElems];
+#pragma unroll
+    for (int i = 0; i < kElems / 4; ++i) {
+      const float4 q = __ldcg(a + i);
+      f[4 * i] = q.x;
+      f[4 * i + 1] = q.y;
+      f[4 * i + 2] = q.z;
+      f[4 * i + 3] = q.w;
+      a[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    reinterpret_cast<int4*>(out)[v] = pack<T>(f);
+  }
+}
+
 }  // namespace
 
 cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
@@ -508,6 +588,33 @@ cudaError_t launch_gate_collect(const SymView& sym, uint32_t epoch, const WaitPo
   if (num_blocks <= 0) return cudaErrorInvalidValue;
   gate_collect_kernel<<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, expert_idx, num_pairs, num_experts,
                                                                grad_gates);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_atomic(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
+                                  int hidden, int k, bool weighted, const SymView& sym, const char* const* acc_ptrs,
+                                  uint32_t epoch, int num_blocks, cudaStream_t stream) {
+  if (num_blocks <= 0 || k <= 0) return cudaErrorInvalidValue;
+  SourceRegions acc;
+  for (int i = 0; i < kMaxRanks; ++i) acc.ptrs[i] = acc_ptrs[i];
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    UNIEP_SWITCH_BOOL(weighted, kWeighted, {
+      combine_atomic_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
+          static_cast<const T*>(y), recv_pair, num_recv, y_rows, hidden, k, sym, acc, epoch);
+    });
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_acc_cast(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait, float* acc,
+                            int num_tokens, int hidden, void* out, int num_blocks, cudaStream_t stream) {
+  if (num_blocks <= 0) return cudaErrorInvalidValue;
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    acc_cast_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, acc, num_tokens, hidden,
+                                                                static_cast<T*>(out));
+  });
   return cudaGetLastError();
 }
 

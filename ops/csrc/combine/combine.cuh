@@ -67,4 +67,16 @@ cudaError_t launch_gate_collect(const SymView& sym, uint32_t epoch, const WaitPo
                                 int num_pairs, int num_experts, float* grad_gates, int num_blocks,
                                 cudaStream_t stream);
 
+// Arrival ordering (the baseline that measures what the fixed order costs; not reproducible):
+// each of the first min(R, y_rows) rows r of y, times the gate its source left in its gates
+// region when weighted, is added with vector fp32 atomics into row recv_pair[r] % pairs_per_rank / k
+// of its source's accumulator (acc_ptrs: kMaxRanks bases of [T_max, M] fp32). Raises kPhaseCombine.
+cudaError_t launch_combine_atomic(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
+                                  int hidden, int k, bool weighted, const SymView& sym, const char* const* acc_ptrs,
+                                  uint32_t epoch, int num_blocks, cudaStream_t stream);
+
+// Waits for kPhaseCombine of every rank, then out [T, M] = cast(acc[:T]) and acc[:T] = 0.
+cudaError_t launch_acc_cast(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait, float* acc,
+                            int num_tokens, int hidden, void* out, int num_blocks, cudaStream_t stream);
+
 }  // namespace uniep

@@ -177,4 +177,48 @@ void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::T
                                          c10::cuda::getCurrentCUDAStream()));
 }
 
+void combine_atomic(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                    bool weighted, int64_t k, const std::vector<int64_t>& acc, const std::vector<int64_t>& sym,
+                    int64_t epoch, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(y);
+  UNIEP_CHECK_INPUT(recv_pair);
+  UNIEP_CHECK_INPUT(num_recv);
+  UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
+  UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
+  const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) <= s.recv_rows, "y must be [R, M] with R <= R_max = ", s.recv_rows,
+              ", got ", y.sizes());
+  UNIEP_CHECK_SHAPE(recv_pair, y.size(0));
+  TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes, "y rows are ",
+              y.size(1) * y.element_size(), " bytes, the combine buffer's ", s.comb_row_bytes);
+  TORCH_CHECK(k >= 1 && s.pairs_per_rank % k == 0, "k must divide pairs_per_rank");
+  TORCH_CHECK(static_cast<int>(acc.size()) == kMaxRanks, "acc must list kMaxRanks region bases");
+  const char* ptrs[kMaxRanks];
+  for (int i = 0; i < kMaxRanks; ++i) {
+    ptrs[i] = reinterpret_cast<const char*>(acc[i]);
+    TORCH_CHECK(i >= s.num_ranks || ptrs[i] != nullptr, "accumulator base of a rank is null");
+  }
+  const c10::cuda::CUDAGuard guard(y.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_atomic(dtype_of(y), y.data_ptr(), recv_pair.data_ptr<int>(),
+                                           num_recv.data_ptr<int>(), static_cast<int>(y.size(0)),
+                                           static_cast<int>(y.size(1)), static_cast<int>(k), weighted, s, ptrs,
+                                           static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
+                                           c10::cuda::getCurrentCUDAStream()));
+}
+
+void acc_cast(torch::Tensor& acc, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
+              int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(acc);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_DTYPE(acc, torch::kFloat32);
+  TORCH_CHECK(acc.dim() == 2 && out.dim() == 2 && acc.size(1) == out.size(1) && out.size(0) <= acc.size(0),
+              "acc must be [T_max, M] and out [T, M] with T <= T_max");
+  const SymView s = sym_from_descriptor(sym);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  const c10::cuda::CUDAGuard guard(out.device());
+  UNIEP_CHECK_LAUNCH(launch_acc_cast(dtype_of(out), s, static_cast<uint32_t>(epoch), w, acc.data_ptr<float>(),
+                                     static_cast<int>(out.size(0)), static_cast<int>(out.size(1)), out.data_ptr(),
+                                     static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace uniep

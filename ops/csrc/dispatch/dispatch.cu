@@ -11,7 +11,7 @@ template <typename T, bool kWeighted>
 __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
-    DirectView dv, uint32_t epoch) {
+    DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out) {
   if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -26,7 +26,17 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
       wgt[j] = 1.0f;
       if (j < k) {
         const int64_t pair = static_cast<int64_t>(t) * k + j;
-        const int row = dest_row[pair];
+        int row = dest_row[pair];
+        if (seg_base != nullptr) {  // arrival ordering: the next free row of the expert, by atomic
+          if (row >= 0) {
+            const int e = expert_idx[pair];
+            int* cursor = reinterpret_cast<int*>(s.ptrs[e / experts_per_rank] + s.cursors_off) + e % experts_per_rank;
+            int claimed = 0;
+            if (lane == 0) claimed = seg_base[e] + atomicAdd_system(cursor, 1);
+            row = __shfl_sync(0xffffffffu, claimed, 0);
+          }
+          if (lane == 0) row_out[pair] = row;
+        }
         if (row >= 0) {
           const int d = expert_idx[pair] / experts_per_rank;
           dst[j] = recv_region(s, dv, d, experts_per_rank * s.num_ranks) + row * s.recv_row_bytes;
@@ -138,8 +148,13 @@ template <typename T, bool kFp8>
 __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, uint32_t epoch, WaitPolicy w,
                                                                     const int* __restrict__ num_recv, int out_rows,
                                                                     int hidden, T* __restrict__ out,
-                                                                    int* __restrict__ recv_pair, bool copy_rows) {
+                                                                    int* __restrict__ recv_pair, bool copy_rows,
+                                                                    int reset_cursors) {
   if (!block_wait_all(s, w, kPhaseDispatch, epoch)) return;
+  // Every source's claims on this rank's cursors came before its dispatch signal: reset them
+  // for the next arrival-ordered dispatch (which follows a counts exchange).
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < reset_cursors; i += blockDim.x) reinterpret_cast<int*>(s.ptrs[s.rank] + s.cursors_off)[i] = 0;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -191,9 +206,9 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const int* seg_base, int* row_out) {
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
-      (fp8 && hidden % kFp8GroupSize != 0))
+      (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)))
     return cudaErrorInvalidValue;
   const int experts_per_rank = num_experts / sym.num_ranks;
   UNIEP_SWITCH_DTYPE(dtype, T, {
@@ -206,7 +221,7 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
       UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
         dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
-            direct, epoch);
+            direct, epoch, seg_base, row_out);
       });
     }
   });
@@ -215,13 +230,15 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
 
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                 const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
-                                int num_blocks, bool copy_rows, cudaStream_t stream) {
-  if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0)) return cudaErrorInvalidValue;
+                                int num_blocks, bool copy_rows, cudaStream_t stream, int reset_cursors) {
+  if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0) || reset_cursors < 0 || reset_cursors > kMaxExperts)
+    return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(fp8, kFp8, {
       recv_copyout_kernel<T, kFp8><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, num_recv, out_rows, hidden,
-                                                                            static_cast<T*>(out), recv_pair, copy_rows);
+                                                                            static_cast<T*>(out), recv_pair, copy_rows,
+                                                                            reset_cursors);
     });
   });
   return cudaGetLastError();

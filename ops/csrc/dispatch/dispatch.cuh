@@ -17,18 +17,22 @@ namespace uniep {
 // rank * pairs_per_rank + t * k + j; the last block raises kPhaseDispatch on every rank.
 // With direct.use, a destination whose direct-receive flag (from the layout of
 // direct.counts_epoch) is set gets its rows in its direct region instead (DirectView).
+// Arrival ordering (seg_base [E] int32 non-null, not fp8): a kept pair's row is not dest_row's
+// but seg_base[e] + an atomic claim on expert e's cursor at its destination (rows of an expert
+// in arrival order, not reproducible); the row taken goes to row_out [T, k] int32 (-1 dropped).
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
-                            cudaStream_t stream);
+                            cudaStream_t stream, const int* seg_base = nullptr, int* row_out = nullptr);
 
 // Waits for kPhaseDispatch of every rank, then copies the first R = *num_recv rows of the
 // receive buffer into out [out_rows, M] (dtype; e4m3 rows are scaled back) and their meta
 // words into recv_pair [out_rows] int32, R clamped to out_rows (out_rows = R_max when the
 // host does not know R; rows R.. are then left untouched). copy_rows false: the rows were
-// received in place (direct region), only the wait and the meta words remain.
+// received in place (direct region), only the wait and the meta words remain. reset_cursors:
+// how many of this rank's expert cursors to zero after the wait (arrival ordering), else 0.
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                 const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
-                                int num_blocks, bool copy_rows, cudaStream_t stream);
+                                int num_blocks, bool copy_rows, cudaStream_t stream, int reset_cursors = 0);
 
 }  // namespace uniep
