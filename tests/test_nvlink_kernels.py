@@ -63,15 +63,17 @@ def _body(rank, G, dtype_name):
     for k in (1, 2, 6, 8):
         disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
         # The same layer with combine as push-then-reduce kernels, chunked over 7 chunks with
-        # one reducing block, pulling from source regions, and with the gate gradients formed at
-        # the sources (y sent back) instead of on the experts: when and where rows are summed
+        # one reducing block, pulling from source regions, with the gate gradients formed at
+        # the sources (y sent back) instead of on the experts, and sending a token once per slot
+        # rather than once per destination rank: when and where rows move and are summed
         # changes, never the bits.
         pull = NVLinkDispatcher(f"test.k{k}.pull", E, G, M, k, dtype, cfg, pull_combine=True)
         variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
                     NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
                                      combine_reduce_blocks=1), pull,
                     NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
-                                     gate_grad_on_experts=False)]
+                                     gate_grad_on_experts=False),
+                    NVLinkDispatcher(f"test.k{k}.no_dedup", E, G, M, k, dtype, cfg, dedup=False)]
         # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
         # and sums within bf16 tolerance.
         arrival = NVLinkDispatcher(f"test.k{k}.arrival", E, G, M, k, dtype, cfg, ordering="arrival")
@@ -124,7 +126,8 @@ def _body(rank, G, dtype_name):
             (out_a.float() * w).sum().backward()
             arrival_vals = (out_a.detach(), x.grad.clone(), g.grad.clone())
             for other, what in zip(outs[1:], ("a second run", "push-then-reduce combine", "7-chunk combine",
-                                              "pulling combine", "gate gradients at the sources")):
+                                              "pulling combine", "gate gradients at the sources",
+                                              "one row per slot (no dedup)")):
                 for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):
                     assert torch.equal(a, b), f"{name} differs in {what} (k={k}, T={T}, {mode})"
             # Layout: counts and rows are exactly ds_uniep.layout's.

@@ -24,13 +24,14 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out);
+                   const c10::optional<torch::Tensor>& row_out, bool dedup);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
 // reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
+// dedup: after a deduplicated dispatch (copies each row its token's first row on this rank).
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                   const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows,
-                  int64_t reset_cursors);
+                  int64_t reset_cursors, bool dedup);
 
 // combine_adapter.cpp
 void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
@@ -56,10 +57,10 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 // Backward of combine on the expert side (see launch_combine_bwd_rows): y [R, M] the expert
 // outputs, grad_y [R, M] out; after a dispatch of grad_out (dispatch_epoch) with the gates in
-// every source's gates region.
+// every source's gates region; dedup: that dispatch was deduplicated.
 void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
                       const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
-                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup);
 // Arrival-ordered combine (not reproducible; the baseline that measures what the fixed order
 // costs): every row of y [R, M] is added, times its pair's gate from the source's gates region
 // when weighted, into its token's fp32 row of the source's accumulator (acc: kMaxRanks region

@@ -42,6 +42,7 @@ enum SymField : int {
   kSymCombOff,
   kSymGatesOff,
   kSymCursorsOff,
+  kSymDupOff,
   kSymRecvRows,
   kSymRecvRowBytes,
   kSymCombRowBytes,
@@ -68,6 +69,7 @@ inline SymView sym_from_descriptor(const std::vector<int64_t>& d) {
   s.comb_off = d[kSymCombOff];
   s.gates_off = d[kSymGatesOff];
   s.cursors_off = d[kSymCursorsOff];
+  s.dup_off = d[kSymDupOff];
   s.recv_rows = d[kSymRecvRows];
   s.recv_row_bytes = d[kSymRecvRowBytes];
   s.comb_row_bytes = d[kSymCombRowBytes];

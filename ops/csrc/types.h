@@ -18,6 +18,8 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //            [kMaxCombineChunks][kMaxRanks] uint32 and local counters [kMaxCombineChunks] uint32
 //   status   [16] uint32               local only: [0] poisoned flag, [1..] done counters
 //   meta     [R_max] int32             source pair of each received row: src * pairs_per_rank + t * k + j
+//   dup      [R_max] int32             deduplicated dispatch: the row already holding the same token
+//            (its first slot on this rank), or -1 when the row itself was stored
 //   scales   [R_max][M / 128] fp32     FP8 dispatch only
 //   recv     [R_max][recv_row_bytes]   received rows (activation dtype, or e4m3 bytes)
 //   comb     [pairs_per_rank][comb_row_bytes] rows pushed back by combine, at pair t * k + j
@@ -38,6 +40,7 @@ struct SymView {
   int64_t comb_off;
   int64_t gates_off;
   int64_t cursors_off;
+  int64_t dup_off;
   int64_t recv_rows;       // R_max
   int64_t recv_row_bytes;  // M * sizeof(activation) (or M for e4m3)
   int64_t comb_row_bytes;  // M * sizeof(activation)

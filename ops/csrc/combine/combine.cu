@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint
 template <typename T>
 __global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
     SymView s, uint32_t dispatch_epoch, uint32_t epoch, WaitPolicy w, const int* __restrict__ num_recv,
-    int y_rows, int hidden, const T* __restrict__ y, T* __restrict__ grad_y) {
+    int y_rows, int hidden, const T* __restrict__ y, T* __restrict__ grad_y, bool dedup) {
   constexpr int kElems = Vec<T>::kElems;
   if (!block_wait_all(s, w, kPhaseDispatch, dispatch_epoch)) return;
   const int lane = threadIdx.x % 32;
@@ -358,7 +358,13 @@ __global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
     const int src = static_cast<int>(pair / s.pairs_per_rank);
     float* gate_word = reinterpret_cast<float*>(s.ptrs[src] + s.gates_off) + pair % s.pairs_per_rank;
     const float gate = __shfl_sync(0xffffffffu, lane == 0 ? __ldcg(gate_word) : 0.0f, 0);
-    const int4* g = reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(r) * s.recv_row_bytes);
+    int from = r;  // a deduplicated dispatch left this row's grad_out in the token's first row here
+    if (dedup) {
+      const int first = __ldcg(reinterpret_cast<const int*>(s.ptrs[s.rank] + s.dup_off) + r);
+      if (first >= 0) from = first;
+    }
+    const int4* g =
+        reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(from) * s.recv_row_bytes);
     const int4* yr = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r) * hidden);
     int4* out = reinterpret_cast<int4*>(grad_y + static_cast<int64_t>(r) * hidden);
     float partial = 0.0f;
@@ -571,13 +577,13 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
 
 cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t dispatch_epoch, uint32_t epoch,
                                     const WaitPolicy& wait, const int* num_recv, int y_rows, int hidden,
-                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream) {
+                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream, bool dedup) {
   if (num_blocks <= 0) return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     combine_bwd_rows_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(sym, dispatch_epoch, epoch, wait, num_recv,
                                                                         y_rows, hidden, static_cast<const T*>(y),
-                                                                        static_cast<T*>(grad_y));
+                                                                        static_cast<T*>(grad_y), dedup);
   });
   return cudaGetLastError();
 }

@@ -56,10 +56,12 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
 // kPhaseDispatch of every rank, then for each of the first R = min(*num_recv, y_rows) received
 // rows r of pair (t, j): grad_y[r] = cast(gates[t, j] * float(row)) (the bits of a weighted
 // dispatch) and the source's gates word of the pair becomes <row, y[r]> (gate_grad's sum);
-// raises kPhaseCombine (epoch) on every rank.
+// raises kPhaseCombine (epoch) on every rank. dedup: the dispatch was deduplicated (a row whose
+// dup word names another row reads that one).
 cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t dispatch_epoch, uint32_t epoch,
                                     const WaitPolicy& wait, const int* num_recv, int y_rows, int hidden,
-                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream);
+                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream,
+                                    bool dedup);
 
 // Waits for kPhaseCombine of every rank, then grad_gates[p] = this rank's gates word p for a kept
 // pair, 0 for a dropped one (p < num_pairs = T * k).

@@ -136,7 +136,7 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
 
 void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
                       const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
-                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup) {
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(num_recv);
   UNIEP_CHECK_INPUT(grad_y);
@@ -154,7 +154,7 @@ void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, tor
                                              static_cast<uint32_t>(epoch), w, num_recv.data_ptr<int>(),
                                              static_cast<int>(y.size(0)), static_cast<int>(y.size(1)), y.data_ptr(),
                                              grad_y.data_ptr(), static_cast<int>(num_blocks),
-                                             c10::cuda::getCurrentCUDAStream()));
+                                             c10::cuda::getCurrentCUDAStream(), dedup));
 }
 
 void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::Tensor& grad_gates,

@@ -11,7 +11,7 @@ template <typename T, bool kWeighted>
 __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
-    DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out) {
+    DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out, bool dedup) {
   if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -20,10 +20,13 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
   for (int t = warp; t < num_tokens; t += num_warps) {
     char* dst[kMaxTopK];
     float wgt[kMaxTopK];
+    int dest_rank[kMaxTopK];
+    int dest_at[kMaxTopK];
 #pragma unroll
     for (int j = 0; j < kMaxTopK; ++j) {
       dst[j] = nullptr;
       wgt[j] = 1.0f;
+      dest_rank[j] = -1;
       if (j < k) {
         const int64_t pair = static_cast<int64_t>(t) * k + j;
         int row = dest_row[pair];
@@ -39,10 +42,22 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
         }
         if (row >= 0) {
           const int d = expert_idx[pair] / experts_per_rank;
-          dst[j] = recv_region(s, dv, d, experts_per_rank * s.num_ranks) + row * s.recv_row_bytes;
+          // Deduplicated: a token travels once per destination rank; its later slots there name
+          // the row of its first one, and the receiver copies it locally (the same bits).
+          int first = -1;
+          if (!kWeighted && dedup) {
+#pragma unroll
+            for (int i = 0; i < j; ++i)
+              if (first < 0 && dest_rank[i] == d) first = dest_at[i];
+          }
+          dest_rank[j] = d;
+          dest_at[j] = row;
+          if (first < 0) dst[j] = recv_region(s, dv, d, experts_per_rank * s.num_ranks) + row * s.recv_row_bytes;
           if (kWeighted) wgt[j] = weights[pair];
-          if (lane == 0)
+          if (lane == 0) {
             reinterpret_cast<int*>(s.ptrs[d] + s.meta_off)[row] = static_cast<int>(s.rank * s.pairs_per_rank + pair);
+            if (!kWeighted && dedup) reinterpret_cast<int*>(s.ptrs[d] + s.dup_off)[row] = first;
+          }
         }
       }
     }
@@ -149,7 +164,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
                                                                     const int* __restrict__ num_recv, int out_rows,
                                                                     int hidden, T* __restrict__ out,
                                                                     int* __restrict__ recv_pair, bool copy_rows,
-                                                                    int reset_cursors) {
+                                                                    int reset_cursors, bool dedup) {
   if (!block_wait_all(s, w, kPhaseDispatch, epoch)) return;
   // Every source's claims on this rank's cursors came before its dispatch signal: reset them
   // for the next arrival-ordered dispatch (which follows a counts exchange).
@@ -160,10 +175,19 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
   const int num_warps = gridDim.x * blockDim.x / 32;
   const int R = min(*num_recv, out_rows);
   const int* meta = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.meta_off);
+  const int* dups = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.dup_off);
   for (int r = warp; r < R; r += num_warps) {
     if (lane == 0) recv_pair[r] = __ldcg(meta + r);
-    if (!copy_rows) continue;
-    const char* in = s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(r) * s.recv_row_bytes;
+    // A deduplicated row is a copy of the row its token first landed in on this rank.
+    int from = r;
+    if (!kFp8 && dedup) {
+      const int first = __ldcg(dups + r);
+      if (first >= 0) from = first;
+    }
+    if (!copy_rows && from == r) continue;
+    // copy_rows: out of staging; else the rows are in place in out, and only copies remain.
+    const char* in = copy_rows ? s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(from) * s.recv_row_bytes
+                               : reinterpret_cast<const char*>(out + static_cast<int64_t>(from) * hidden);
     T* row_out = out + static_cast<int64_t>(r) * hidden;
     if constexpr (!kFp8) {
       const int num_vecs = hidden / Vec<T>::kElems;
@@ -206,9 +230,10 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
-                            cudaStream_t stream, const int* seg_base, int* row_out) {
+                            cudaStream_t stream, const int* seg_base, int* row_out, bool dedup) {
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
-      (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)))
+      (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)) ||
+      (dedup && (fp8 || weights)))
     return cudaErrorInvalidValue;
   const int experts_per_rank = num_experts / sym.num_ranks;
   UNIEP_SWITCH_DTYPE(dtype, T, {
@@ -221,7 +246,7 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
       UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
         dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
-            direct, epoch, seg_base, row_out);
+            direct, epoch, seg_base, row_out, dedup);
       });
     }
   });
@@ -230,15 +255,16 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
 
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                 const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
-                                int num_blocks, bool copy_rows, cudaStream_t stream, int reset_cursors) {
-  if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0) || reset_cursors < 0 || reset_cursors > kMaxExperts)
+                                int num_blocks, bool copy_rows, cudaStream_t stream, int reset_cursors, bool dedup) {
+  if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0) || reset_cursors < 0 || reset_cursors > kMaxExperts ||
+      (fp8 && dedup))
     return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(fp8, kFp8, {
       recv_copyout_kernel<T, kFp8><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, num_recv, out_rows, hidden,
                                                                             static_cast<T*>(out), recv_pair, copy_rows,
-                                                                            reset_cursors);
+                                                                            reset_cursors, dedup);
     });
   });
   return cudaGetLastError();

@@ -9,7 +9,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out) {
+                   const c10::optional<torch::Tensor>& row_out, bool dedup) {
   UNIEP_CHECK_INPUT(x);
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_INPUT(dest_row);
@@ -29,6 +29,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
   TORCH_CHECK(x.size(0) * expert_idx.size(1) <= s.pairs_per_rank, "x has ", x.size(0) * expert_idx.size(1),
               " pairs, the buffers hold ", s.pairs_per_rank);
   const float* w = optional_weights(weights, expert_idx);
+  TORCH_CHECK(!(dedup && (fp8 || w)), "a deduplicated dispatch moves unweighted rows in the activation dtype");
   TORCH_CHECK(seg_base.has_value() == row_out.has_value(), "seg_base and row_out come together (arrival ordering)");
   const int* seg = nullptr;
   int* rows_taken = nullptr;
@@ -48,13 +49,13 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                                      dest_row.data_ptr<int>(), w, static_cast<int>(x.size(0)),
                                      static_cast<int>(expert_idx.size(1)), hidden, static_cast<int>(num_experts), s,
                                      dv, static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
-                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken));
+                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup));
 }
 
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                   const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows,
-                  int64_t reset_cursors) {
+                  int64_t reset_cursors, bool dedup) {
   UNIEP_CHECK_INPUT(num_recv);
   UNIEP_CHECK_INPUT(out);
   UNIEP_CHECK_INPUT(recv_pair);
@@ -70,7 +71,7 @@ void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, t
   UNIEP_CHECK_LAUNCH(launch_recv_copyout(dtype_of(out), fp8, s, static_cast<uint32_t>(epoch), w,
                                          num_recv.data_ptr<int>(), static_cast<int>(out.size(0)), hidden, out.data_ptr(), recv_pair.data_ptr<int>(),
                                          static_cast<int>(num_blocks), copy_rows, c10::cuda::getCurrentCUDAStream(),
-                                         static_cast<int>(reset_cursors)));
+                                         static_cast<int>(reset_cursors), dedup));
 }
 
 }  // namespace uniep
