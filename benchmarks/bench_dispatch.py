@@ -165,12 +165,20 @@ def main():
     gates = torch.rand(T, k, generator=gen).to(dev)
     payload = T * k * M * 2
     # Bytes that leave this rank: pairs routed to experts of other ranks (max over ranks).
-    off = ((idx.long() // (E // G)) != rank).sum().to(torch.float64) * M * 2
+    dest = idx.long() // (E // G)
+    off = (dest != rank).sum().to(torch.float64) * M * 2
     dist.all_reduce(off, op=dist.ReduceOp.MAX)
     off_rank = float(off)
+    # A deduplicated dispatch sends a token once per other rank that any of its slots goes to.
+    hit = torch.zeros(T, G, dtype=torch.bool, device=dev).scatter_(1, dest, True)
+    hit[:, rank] = False
+    dedup_off = hit.sum().to(torch.float64) * M * 2
+    dist.all_reduce(dedup_off, op=dist.ReduceOp.MAX)
+    dedup_off_rank = float(dedup_off)
     nccl_off_rank = payload * (G - 1) / G
     results = {"world_size": G, "tokens": T, "hidden": M, "topk": k, "experts": E, "payload_bytes": payload,
-               "off_rank_bytes": off_rank, "nccl_off_rank_bytes": nccl_off_rank}
+               "off_rank_bytes": off_rank, "dedup_off_rank_bytes": dedup_off_rank,
+               "nccl_off_rank_bytes": nccl_off_rank}
 
     results["peer_copy_GBps"] = peer_copy_gbps(1 << 30, 10, dev)
 
@@ -247,12 +255,14 @@ def main():
     def gbps(ms, nbytes=payload):
         return nbytes / (ms * 1e-3) / 1e9
 
-    # fp8 rows are counted at their bf16 size: the rate at which activations leave the rank.
+    # %peer divides the bytes that cross NVLink: bf16 dispatches are deduplicated (a token once per
+    # destination rank); fp8 rows are counted at their bf16 size (the rate at which activations
+    # leave the rank). Every xNCCL compares times for the same routed rows.
     rows = [("NCCL all_to_all_single", "nccl_a2a", nccl_off_rank),
             ("NCCL dispatch (permute+all_to_all)", "nccl_dispatch", nccl_off_rank),
-            ("dispatch bf16 (layout+stores, in place)", "bf16_dispatch", off_rank),
-            ("dispatch bf16 (layout+stores+copy-out)", "bf16_staging_dispatch", off_rank),
-            ("dispatch bf16 stores only", "bf16_dispatch_stores", off_rank),
+            ("dispatch bf16 (layout+stores, in place)", "bf16_dispatch", dedup_off_rank),
+            ("dispatch bf16 (layout+stores+copy-out)", "bf16_staging_dispatch", dedup_off_rank),
+            ("dispatch bf16 stores only", "bf16_dispatch_stores", dedup_off_rank),
             ("dispatch fp8 (layout+stores+copy-out)", "fp8_dispatch", off_rank),
             ("dispatch fp8 stores only", "fp8_dispatch_stores", off_rank),
             ("combine bf16 (chunked push+reduce)", "combine", off_rank)]
@@ -278,8 +288,8 @@ def main():
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1)
         print(f"\nG={G} T={T} M={M} k={k} E={E} payload/rank={payload / 2**20:.0f} MiB, leaving the rank {off_rank / 2**20:.0f} MiB "
-              f"(NCCL {nccl_off_rank / 2**20:.0f} MiB; bf16-equivalent bytes); "
-              f"peer copy {results['peer_copy_GBps']:.0f} GB/s")
+              f"(NCCL {nccl_off_rank / 2**20:.0f} MiB; bf16-equivalent bytes), deduplicated bf16 dispatch "
+              f"{dedup_off_rank / 2**20:.0f} MiB; peer copy {results['peer_copy_GBps']:.0f} GB/s")
         print("combine variants bitwise equal to the default:",
               all(v["bitwise_equal"] for v in results["combine_variants"].values()),
               "; pulling combine:", results["combine_pull_bitwise_equal"], results["combine_stats"])

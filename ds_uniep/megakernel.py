@@ -15,8 +15,11 @@ the same fp32 slot-order sums, so the two are interchangeable. One forward:
    every kept pair its destination row (``ds_uniep.layout`` semantics);
 2. dispatch kernel: one warp per token reads the row once and stores it straight
    into each destination's receive buffer at its row (16-byte stores over NVLink),
-   with the source pair as a meta word; the last block raises the dispatch signal;
-3. finish kernel: waits for every rank's dispatch signal. Rows received in this
+   with the source pair as a meta word; a token crosses to a rank once, its later
+   slots there only name the row of its first (``dedup``); the last block raises
+   the dispatch signal;
+3. finish kernel: waits for every rank's dispatch signal and fills the named rows
+   by local copies. Rows received in this
    rank's *direct region* (a second receive buffer, a separate symmetric
    allocation) are handed to the caller in place, as a view; rows received in
    the staging region are copied out (the next dispatch may overwrite it). A rank
