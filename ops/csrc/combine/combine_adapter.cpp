@@ -15,10 +15,11 @@ void check_routing_and_out(const torch::Tensor& expert_idx, const torch::Tensor&
               "expert_idx must be [T, k] and out [T, M]");
 }
 
-}  // namespace
-
-void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
-                  const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks) {
+// y [R, M] rows of this rank's layout with their source pairs recv_pair [R] and num_recv [1]
+// int32, going back to their sources' [pairs_per_rank, M] buffers: the checks every pushing
+// launcher makes; returns the layer's SymView.
+SymView check_rows_back(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                        const std::vector<int64_t>& sym) {
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(recv_pair);
   UNIEP_CHECK_INPUT(num_recv);
@@ -30,6 +31,14 @@ void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const 
   UNIEP_CHECK_SHAPE(recv_pair, y.size(0));
   TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes, "y rows are ",
               y.size(1) * y.element_size(), " bytes, the combine buffer's ", s.comb_row_bytes);
+  return s;
+}
+
+}  // namespace
+
+void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                  const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks) {
+  const SymView s = check_rows_back(y, recv_pair, num_recv, sym);
   const c10::cuda::CUDAGuard guard(y.device());
   UNIEP_CHECK_LAUNCH(launch_combine_push(dtype_of(y), y.data_ptr(), recv_pair.data_ptr<int>(),
                                          num_recv.data_ptr<int>(), static_cast<int>(y.size(0)),
@@ -180,17 +189,7 @@ void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::T
 void combine_atomic(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
                     bool weighted, int64_t k, const std::vector<int64_t>& acc, const std::vector<int64_t>& sym,
                     int64_t epoch, int64_t num_blocks) {
-  UNIEP_CHECK_INPUT(y);
-  UNIEP_CHECK_INPUT(recv_pair);
-  UNIEP_CHECK_INPUT(num_recv);
-  UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
-  UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
-  const SymView s = sym_from_descriptor(sym);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) <= s.recv_rows, "y must be [R, M] with R <= R_max = ", s.recv_rows,
-              ", got ", y.sizes());
-  UNIEP_CHECK_SHAPE(recv_pair, y.size(0));
-  TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes, "y rows are ",
-              y.size(1) * y.element_size(), " bytes, the combine buffer's ", s.comb_row_bytes);
+  const SymView s = check_rows_back(y, recv_pair, num_recv, sym);
   TORCH_CHECK(k >= 1 && s.pairs_per_rank % k == 0, "k must divide pairs_per_rank");
   TORCH_CHECK(static_cast<int>(acc.size()) == kMaxRanks, "acc must list kMaxRanks region bases");
   const char* ptrs[kMaxRanks];
