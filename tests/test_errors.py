@@ -103,3 +103,39 @@ def _ep_larger_than_world(rank, world_size):
 
 def test_ep_size_larger_than_world():
     run_distributed(_ep_larger_than_world, 2)
+
+
+def test_arrival_ordering_refuses_what_it_cannot_run():
+    from ds_uniep.megakernel import NVLinkDispatcher
+    with pytest.raises(ValueError, match=r"test\.bad \(rank 0\): ordering must be 'layout' or 'arrival', got 'fifo'"):
+        NVLinkDispatcher("test.bad", 4, 1, 256, 2, torch.bfloat16, {}, ordering="fifo")
+    fp8 = {"compression": {"dispatch_dtype": "fp8_e4m3"}}
+    with pytest.raises(ValueError, match="arrival ordering .* neither with FP8 dispatch nor with pull_combine"):
+        NVLinkDispatcher("test.fp8", 4, 1, 256, 2, torch.bfloat16, fp8, ordering="arrival")
+    with pytest.raises(ValueError, match="arrival ordering .* neither with FP8 dispatch nor with pull_combine"):
+        NVLinkDispatcher("test.pull", 4, 1, 256, 2, torch.bfloat16, {}, ordering="arrival", pull_combine=True)
+
+
+def test_not_deterministic_on_the_reference_backend_is_said_and_changes_nothing():
+    import logging
+
+    from ds_uniep.env import logger
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    outs = []
+    try:
+        for det in (True, False):
+            torch.manual_seed(3)
+            layer = UniEPMoE(8, MLP(8, 8), num_experts=2, min_capacity=0,
+                             config={"backend": "reference", "deterministic": det})
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(4), requires_grad=True)
+            out = layer(x)[0]
+            out.sum().backward()
+            outs.append((out.detach(), x.grad))
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records if '"deterministic": false changes nothing' in r.getMessage()]
+    assert len(said) == 1 and "reference backend" in said[0], said
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
