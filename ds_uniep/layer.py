@@ -115,9 +115,12 @@ class UniEPMoE(MoE):
         if not hyb.enabled:
             return
         from .hybrid.runtime import HybridExperts, HybridGroups, choose_domain_size
-        if tp_context()[1] > 1:
-            raise NotImplementedError(f'{self.layer_name}: "uniep": {{"hybrid": {{"enabled": true}}}} beside a '
-                                      "tensor-parallel mpu is not supported in this version")
+        if tp_context()[1] > 1 and self.enable_expert_tensor_parallelism:
+            # HybridEP moves whole experts between the ranks of a domain; a TP shard is not one.
+            raise ValueError(f'{self.layer_name}: "uniep": {{"hybrid": {{"enabled": true}}}} needs whole experts '
+                             "on every rank: it cannot run with enable_expert_tensor_parallelism=True beside a "
+                             "tensor-parallel mpu (replicated experts work: each TP rank runs HybridEP on its "
+                             "slice of the tokens)")
         S = hyb.domain_size
         if S == "auto":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))

@@ -73,3 +73,52 @@ def _tp_equivalence(rank, world_size, expert_tp):
 @pytest.mark.parametrize("expert_tp", [False, "module", "commfuse"])
 def test_tensor_parallel_matches_the_layer_without_it(expert_tp):
     run_distributed(_tp_equivalence, 4, expert_tp)
+
+
+def _hybrid_beside_tp(rank, world_size):
+    """8 ranks, TP 2, EP 4 over the ranks of one TP position, HybridEP domains of 2: the same as
+    plain EP beside the same TP (replicated experts; each TP rank moves its slice of the tokens)."""
+    import deepspeed.comm as dist
+    from deepspeed.utils import groups
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, TinyMPU, distinct_experts
+
+    tp = 2
+    mpu = TinyMPU(tp)
+    groups.mpu = mpu
+    M, F, T, E = 16, 24, 23, 8
+    for k, drop in ((1, False), (2, True), (2, False)):
+        res = []
+        for S in (None, 2):
+            torch.manual_seed(5)
+            cfg = {"backend": "reference"}
+            if S is not None:
+                cfg["hybrid"] = {"enabled": True, "domain_size": S}
+            layer = UniEPMoE(M, MLP(M, F), num_experts=E, ep_size=4, k=k, min_capacity=4, drop_tokens=drop,
+                             use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+            layer.set_deepspeed_parallelism()
+            assert (layer._hybrid is not None) == (S is not None)
+            distinct_experts(layer, dist.get_rank(layer.ep_group))
+            with torch.no_grad():
+                layer.deepspeed_moe.gate.wg.weight.copy_(torch.randn(E, M, generator=torch.Generator().manual_seed(7)))
+            gen = torch.Generator().manual_seed(rank // tp)  # activations replicated over a TP group
+            x = torch.randn(T, M, generator=gen)
+            gy = torch.randn(T, M, generator=gen)
+            xi = x.clone().requires_grad_(True)
+            out, l_aux, _ = layer(xi)
+            ((out * gy).sum() + l_aux).backward()
+            res.append([out.detach(), xi.grad] + [p.grad for p in layer.parameters()])
+        where = f"rank {rank} k={k} drop={drop}"
+        for i, (a, b) in enumerate(zip(*res)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5, msg=f"{where} tensor {i}")
+        assert res[0][0].abs().sum() > 0
+    # TP-sharded experts are not whole experts: HybridEP refuses them with a reason.
+    layer = UniEPMoE(M, MLP(M, F), num_experts=E, ep_size=4, k=1, enable_expert_tensor_parallelism=True,
+                     config={"backend": "reference", "hybrid": {"enabled": True, "domain_size": 2}})
+    with pytest.raises(ValueError, match="cannot run with enable_expert_tensor_parallelism=True"):
+        layer.set_deepspeed_parallelism()
+    groups.mpu = None
+
+
+def test_hybrid_ep_beside_tensor_parallelism_matches_plain_ep():
+    run_distributed(_hybrid_beside_tp, 8)
