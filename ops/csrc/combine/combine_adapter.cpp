@@ -102,6 +102,8 @@ void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row
   UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
   TORCH_CHECK(dest_row.sizes() == expert_idx.sizes(), "dest_row must have expert_idx's shape");
   const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(out.size(1) * static_cast<int64_t>(out.element_size()) == s.recv_row_bytes, "out rows are ",
+              out.size(1) * out.element_size(), " bytes, the source regions' ", s.recv_row_bytes);
   TORCH_CHECK(static_cast<int>(source.size()) == kMaxRanks, "source must list kMaxRanks region bases");
   const char* ptrs[kMaxRanks];
   for (int i = 0; i < kMaxRanks; ++i) {
