@@ -20,8 +20,9 @@ def test_num_comm_sms_is_the_block_count_of_the_copy_kernels(monkeypatch):
 
     class FakeNVLinkDispatcher:
         def __init__(self, layer_name, num_experts, ep_size, hidden_size, k, dtype, config, group=None,
-                     padded_recv=False, num_blocks=None):
+                     padded_recv=False, num_blocks=None, ordering="layout"):
             self.num_blocks, self.dispatch_dtype = num_blocks, config.compression.dispatch_dtype
+            self.ordering = ordering
             built.append(self)
 
     monkeypatch.setattr(mk, "NVLinkDispatcher", FakeNVLinkDispatcher)
@@ -29,7 +30,7 @@ def test_num_comm_sms_is_the_block_count_of_the_copy_kernels(monkeypatch):
     layer = UniEPMoE(M, torch.nn.Linear(M, M), num_experts=2, config={"overlap": {"num_comm_sms": 24}})
     x = torch.randn(4, M)
     d = layer._dispatcher(x)
-    assert d.num_blocks == 24
+    assert d.num_blocks == 24 and d.ordering == "layout"  # "deterministic": true, the default
     plan = Plan.from_config(layer.uniep_config)
     layer.set_plan(plan.replace(num_comm_sms=96))
     assert layer._dispatcher(x) is d and d.num_blocks == 96 and len(built) == 1  # no new symmetric buffer
