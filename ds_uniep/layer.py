@@ -221,10 +221,8 @@ class UniEPMoE(MoE):
             # With drop_tokens the reference exchanges capacity-padded buffers, as DeepSpeed does.
             cap = int(capacity) if moe.gate.drop_tokens else None
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, cap)
-        elif getattr(dispatcher, "ordering", "layout") == "arrival":  # megakernel, "deterministic": false
+        else:  # the megakernel's NVLinkDispatcher: it stages the gates only under arrival ordering
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-        else:
-            recv, local_counts, handle = dispatcher.dispatch(x, expert_idx)
         if self._hybrid is not None:
             y = self._hybrid.run(recv, local_counts, gemm=self._expert_gemm(recv.device))
         elif tp > 1 and self.enable_expert_tensor_parallelism:
