@@ -101,9 +101,11 @@ class CommFuseConfig(_Block):
 
     enabled: bool = Field(False, description="For callers choosing between CommFuse's parallel linears and plain "
                           "ones; ColumnParallelLinear/RowParallelLinear read schedule and num_chunks.")
-    schedule: Literal["ring", "bidirectional_ring"] = Field(
+    schedule: Literal["ring", "bidirectional_ring", "local_first"] = Field(
         "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
-        "round, half the steps.")
+        "round, half the steps; local_first: every block moves in one step while this rank's block is "
+        "multiplied, then the other rows in two GEMMs (fewer, larger GEMMs; equal to the ring schedules within "
+        "the GEMM's rounding).")
     num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into (p2p "
                             "transport).")
     transport: Literal["auto", "p2p", "copy_engine"] = Field(

@@ -43,10 +43,11 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto
     gys = [_rand((sum(sizes), N), seed + 200 + r, dtype, device) for r in range(G)]
     x = xs[me].clone().requires_grad_()
     w = ws[me].clone().requires_grad_()
+    lf = schedule == "local_first"
     y = all_gather_matmul(x, w, schedule=schedule, num_chunks=num_chunks, transport=transport)
-    assert torch.equal(y, ref_all_gather_matmul(xs, ws[me])), f"all_gather_matmul forward {tag}"
+    assert torch.equal(y, ref_all_gather_matmul(xs, ws[me], me if lf else None)), f"all_gather_matmul forward {tag}"
     y.backward(gys[me])
-    ref_gx = ref_matmul_reduce_scatter(gys, [wr.t() for wr in ws], out_sizes=sizes)[me]
+    ref_gx = ref_matmul_reduce_scatter(gys, [wr.t() for wr in ws], out_sizes=sizes, local_first=lf)[me]
     assert torch.equal(x.grad, ref_gx), f"all_gather_matmul d x_shard {tag}"
     assert torch.equal(w.grad, torch.cat(xs).t() @ gys[me]), f"all_gather_matmul d w {tag}"
     # Known sizes skip the size gather and give the same bits.
@@ -59,7 +60,7 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto
     xs = [_rand((T, 11 + 7 * r), seed + 300 + r, dtype, device) for r in range(G)]
     ws = [_rand((11 + 7 * r, N), seed + 400 + r, dtype, device) for r in range(G)]
     for out_sizes in (None, sizes[:-1] + [T - sum(sizes[:-1])] if sum(sizes[:-1]) <= T else None):
-        ref = ref_matmul_reduce_scatter(xs, ws, out_sizes)
+        ref = ref_matmul_reduce_scatter(xs, ws, out_sizes, local_first=lf)
         x = xs[me].clone().requires_grad_()
         w = ws[me].clone().requires_grad_()
         out = matmul_reduce_scatter(x, w, schedule=schedule, num_chunks=num_chunks, out_sizes=out_sizes,
@@ -72,7 +73,8 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto
         gos = [_rand(tuple(r_.shape), seed + 500 + r, dtype, device) for r, r_ in enumerate(ref)]
         out.backward(gos[me])
         go_full = torch.cat(gos)
-        assert torch.equal(x.grad, ref_all_gather_matmul(gos, ws[me].t())), f"matmul_reduce_scatter d x {tag}"
+        assert torch.equal(x.grad, ref_all_gather_matmul(gos, ws[me].t(), me if lf else None)), \
+            f"matmul_reduce_scatter d x {tag}"
         assert torch.equal(w.grad, xs[me].t() @ go_full), f"matmul_reduce_scatter d w {tag}"
 
 
@@ -87,7 +89,7 @@ def _check_fixed_order(me, G, device, transport="auto"):
     acc = torch.tensor(vals[0], dtype=torch.float32)
     for v in vals[1:]:
         acc = acc + torch.tensor(v, dtype=torch.float32)
-    for schedule in ("ring", "bidirectional_ring"):
+    for schedule in ("ring", "bidirectional_ring", "local_first"):
         out = matmul_reduce_scatter(x, w, schedule=schedule, transport=transport)
         assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), \
             f"rank-order sum {schedule} {transport}: {out[0, 0]}"
@@ -185,9 +187,17 @@ def _check_errors(me, G, device):
 
 def _plans_consistent():
     """Pure schedule check: every send has a matching receive and every block/partial arrives once."""
-    from ds_uniep.commfuse.ops import SCHEDULES, _ag_plan, _rs_plan
+    from ds_uniep.commfuse.ops import _ag_plan, _offsets, _remote_runs, _rs_plan
     for G in range(1, 9):
-        for schedule in SCHEDULES:
+        # local_first: the runs cover every row but this rank's once, each run whole blocks.
+        for sizes in ([3] * G, [0, 5, 0, 2, 7, 0, 1, 4][:G], [1, 19, 111, 5, 0, 7, 7, 7][:G]):
+            offs = _offsets(sizes)
+            for me in range(G):
+                covered = sorted(i for r0, n, _ in _remote_runs(sizes, me) for i in range(r0, r0 + n))
+                assert covered == [i for i in range(sum(sizes)) if not offs[me] <= i < offs[me] + sizes[me]]
+                for r0, n, blocks in _remote_runs(sizes, me):
+                    assert sum(sizes[b] for b in blocks) == n and offs[blocks[0]] == r0 and me not in blocks
+        for schedule in ("ring", "bidirectional_ring"):
             plans = [_ag_plan(G, r, schedule) for r in range(G)]
             assert len({len(p) for p in plans}) == 1
             for r in range(G):
@@ -260,18 +270,18 @@ def _check_deepspeed(me, G):
 # --------------------------------------------------------------------------- spawned bodies
 def _body(rank, G, device_kind, bench_out=None):
     device = torch.device("cuda", torch.cuda.current_device()) if device_kind == "cuda" else torch.device("cpu")
-    combos = [(d, s, c) for d in (torch.float32, torch.bfloat16) for s in ("ring", "bidirectional_ring")
+    combos = [(d, s, c) for d in (torch.float32, torch.bfloat16) for s in ("ring", "bidirectional_ring", "local_first")
               for c in (1, 3)]
     if G > 2 and device_kind == "cpu":
-        # Every value of each option, and every pair of dtype and schedule, at a quarter of the cost.
-        combos = [combos[i] for i in (0, 3, 5, 6)]
+        # Every value of each option, and every pair of dtype and schedule, at a third of the cost.
+        combos = [combos[i] for i in (0, 3, 5, 7, 8, 10)]
     for i, (dtype, schedule, num_chunks) in enumerate(combos):
         _check_ops(rank, G, device, dtype, schedule, num_chunks, 1000 * (i + 1), transport="p2p")
     _check_fixed_order(rank, G, device, "p2p")
     if device_kind == "cuda":
         # The copy-engine transport: the same bits as the references, chunks do not apply.
         for i, (dtype, schedule) in enumerate([(d, s) for d in (torch.float32, torch.bfloat16)
-                                               for s in ("ring", "bidirectional_ring")]):
+                                               for s in ("ring", "bidirectional_ring", "local_first")]):
             _check_ops(rank, G, device, dtype, schedule, 1, 5000 + 1000 * i, transport="copy_engine")
         _check_fixed_order(rank, G, device, "copy_engine")
     else:

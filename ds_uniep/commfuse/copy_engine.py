@@ -17,20 +17,25 @@ stream-ordered signal tells the peer that the block is there:
   own partial last, so the last copy hides behind it. Partials are then added
   in rank order into fp32 and cast once, the same operations as the ``p2p``
   transport, so both transports give the same bits.
+* ``local_first``: all-gather pushes this rank's block to every peer while
+  the local block is multiplied, then multiplies each run of received rows
+  (the blocks after this rank's, then those before) as one GEMM once its
+  blocks' signals are in; reduce-scatter computes one GEMM per run of the
+  peers' rows, copies each run's partials to their owners as soon as it is
+  done, and computes its own partial last.
 
 Buffers: one symmetric workspace per (group, device), grown collectively when
 a call needs more (every rank asks for the same size: all-gather needs
 ``T * K``, reduce-scatter ``G * max(out_sizes) * N`` elements). Signals use
 channel 1 of the workspace's signal pad, barriers channel 0.
 """
-import warnings
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..symm import rendezvous
-from .ops import side_stream
+from .ops import ordered_sum, side_stream
 
 _DATA_CHANNEL = 1
 _BARRIER_CHANNEL = 0
@@ -105,10 +110,12 @@ def _round_up(n: int) -> int:
 
 
 def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int, shard_sizes: List[int],
-                         offs: List[int], order: Sequence[int], keep_full: bool, mm_into, timeline=None):
+                         offs: List[int], order: Sequence[int], keep_full: bool, mm_into, timeline=None,
+                         runs=None):
     """``(y [T, N], x_full [T, K] or None)``. ``order``: the offsets d of the peers, in the order this
     rank sends to ``me+d`` (and multiplies the block of ``me-d``); ``mm_into(a, b, out)`` is the
-    reference's block GEMM."""
+    reference's block GEMM. ``runs`` (``local_first``): ``(start, rows, blocks)`` groups of the
+    peers' rows, each multiplied as one GEMM once all its blocks are there."""
     G = len(shard_sizes)
     T, K, N = sum(shard_sizes), x_shard.shape[1], w.shape[1]
     device, dtype = x_shard.device, x_shard.dtype
@@ -140,10 +147,24 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
             if timeline:
                 timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
     x_shard.record_stream(comm)
-    for i, d in enumerate(order):
-        src = (me - d) % G
-        ws.handle.wait_signal(src, _DATA_CHANNEL)
-        gemm(i + 1, rows(mine, src), src)
+    if runs is not None:
+        for i, (r0, n, blocks) in enumerate(runs):
+            for src in blocks:
+                ws.handle.wait_signal(src, _DATA_CHANNEL)
+            t0 = timeline.mark(compute) if timeline else None
+            mm_into(mine[r0:r0 + n], w, out[r0:r0 + n])
+            if timeline:
+                timeline.entries.append(("gemm", i + 1, t0, timeline.mark(compute)))
+        # Every peer signals, empty blocks included, and each signal is waited for once.
+        in_runs = {b for _, _, blocks in runs for b in blocks}
+        for src in range(G):
+            if src != me and src not in in_runs:
+                ws.handle.wait_signal(src, _DATA_CHANNEL)
+    else:
+        for i, d in enumerate(order):
+            src = (me - d) % G
+            ws.handle.wait_signal(src, _DATA_CHANNEL)
+            gemm(i + 1, rows(mine, src), src)
     x_full = None
     if keep_full:
         # Kept for the weight gradient: the next call may overwrite the workspace.
@@ -157,9 +178,11 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
 
 
 def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, out_sizes: List[int],
-                             offs: List[int], order: Sequence[int], timeline=None) -> torch.Tensor:
+                             offs: List[int], order: Sequence[int], timeline=None, runs=None) -> torch.Tensor:
     """``out [out_sizes[me], N]``: partials added in rank order 0..G-1 in fp32, cast once. ``order``:
-    the offsets d of the peers in the order their partials (rows of ``me+d``) are computed and sent."""
+    the offsets d of the peers in the order their partials (rows of ``me+d``) are computed and sent.
+    ``runs`` (``local_first``): the peers' partials come from one GEMM per ``(start, rows, blocks)``
+    run instead, each run's partials sent as soon as it is computed."""
     G = len(out_sizes)
     N = w.shape[1]
     device = x.device
@@ -181,6 +204,9 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
     with torch.cuda.stream(comm):
         ws.handle.barrier(_BARRIER_CHANNEL)
     sent = []
+    if runs is not None:
+        _send_runs(x, w, runs, out_sizes, offs, me, G, t_max, N, dtype, ws, compute, comm, timeline, sent)
+        order = []
     for i, d in enumerate(order):
         dst = (me + d) % G
         p = partial(i, dst)
@@ -196,7 +222,7 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
                 timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
         p.record_stream(comm)
         sent.append(p)
-    own = partial(len(order), me)
+    own = partial(len(runs) if runs is not None else len(order), me)
     t_me = out_sizes[me]
     for src in range(G):
         if src != me:
@@ -211,37 +237,30 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
     return out
 
 
-_SUM_KERNELS: Dict[int, object] = {}
-_SUM_FALLBACK = [False]
-
-
-def _sum_kernel(n: int):
-    """An elementwise kernel (NVRTC, through torch's jiterator) adding n inputs in order in fp32, cast once."""
-    fn = _SUM_KERNELS.get(n)
-    if fn is None:
-        from torch.cuda.jiterator import _create_jit_fn
-        args = ", ".join(f"T p{i}" for i in range(n))
-        body = "".join(f" acc += static_cast<float>(p{i});" for i in range(1, n))
-        code = (f"template <typename T> T ordered_sum{n}({args}) {{ float acc = static_cast<float>(p0);{body} "
-                "return static_cast<T>(acc); }")
-        fn = _SUM_KERNELS[n] = _create_jit_fn(code)
-    return fn
-
-
-def ordered_sum(parts: List[torch.Tensor]) -> torch.Tensor:
-    """``cast(((float(p0) + p1) + p2) + ...)``: fp32 adds in list order, one cast; the same bits as
-    ``acc = p0.float(); acc += p1; ...; acc.to(p0.dtype)``, in one pass over the inputs where the
-    elementwise compiler is available (else exactly those steps)."""
-    dtype = parts[0].dtype
-    if len(parts) > 1 and parts[0].is_cuda and dtype in (torch.bfloat16, torch.float16, torch.float32) \
-            and len(parts) <= 8 and not _SUM_FALLBACK[0]:
-        try:
-            return _sum_kernel(len(parts))(*parts)
-        except Exception as e:  # noqa: BLE001 - the step-by-step form gives the same bits
-            _SUM_FALLBACK[0] = True
-            warnings.warn(f"ds_uniep.commfuse: fused ordered sum unavailable ({type(e).__name__}: {e}); "
-                          "adding partials one by one")
-    acc = parts[0].to(torch.float32, copy=True)
-    for p in parts[1:]:
-        acc.add_(p)
-    return acc if dtype == torch.float32 else acc.to(dtype)
+def _send_runs(x, w, runs, out_sizes, offs, me, G, t_max, N, dtype, ws, compute, comm, timeline, sent):
+    """``local_first`` reduce-scatter: one GEMM per run of the peers' rows, each followed (on the
+    side stream) by the copies of its partials into their owners' slots and the owners' signals.
+    Peers with no rows get their signal after the last run."""
+    signalled = set()
+    for i, (r0, n, blocks) in enumerate(runs):
+        t0 = timeline.mark(compute) if timeline else None
+        p = x[r0:r0 + n] @ w
+        if timeline:
+            timeline.entries.append(("gemm", i, t0, timeline.mark(compute)))
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        comm.wait_event(ready)
+        with torch.cuda.stream(comm):
+            t0 = timeline.mark(comm) if timeline else None
+            for j in blocks:
+                ws.view(j, (G, t_max, N), dtype)[me, :out_sizes[j]].copy_(p[offs[j] - r0:offs[j] - r0 + out_sizes[j]])
+                ws.handle.put_signal(j, _DATA_CHANNEL)
+                signalled.add(j)
+            if timeline:
+                timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
+        p.record_stream(comm)
+        sent.append(p)
+    with torch.cuda.stream(comm):
+        for j in range(G):
+            if j != me and j not in signalled:
+                ws.handle.put_signal(j, _DATA_CHANNEL)

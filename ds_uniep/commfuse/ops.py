@@ -22,6 +22,14 @@ Exactness (the promise every schedule keeps):
 messages). GEMMs stay whole blocks: splitting a GEMM by rows may change the
 kernel (and so the rounding) and would break the promise above.
 
+The ``local_first`` schedule multiplies fewer, larger row groups instead (see
+:func:`_remote_runs`): this rank's block, then the blocks after it as one GEMM,
+then the blocks before it as one GEMM. Its results are bitwise equal to the
+references run with the same grouping (``local_first_rank=`` / ``local_first=``
+in :mod:`ds_uniep.commfuse.reference`) and equal to the ring schedules' within
+the GEMM's rounding (bitwise where the GEMM library runs the same kernel for the
+larger row count). The reduce-scatter's rank-order fp32 sum is unchanged.
+
 Schedules. all_gather_matmul: ``ring`` relays blocks between neighbours
 (send to me+1, receive from me-1), ``bidirectional_ring`` relays the blocks of
 the ranks behind one way and of the ranks ahead the other way, so half the
@@ -29,7 +37,12 @@ steps. matmul_reduce_scatter sends each partial straight to the rank that owns
 its rows, peer me+d at step d (``ring``: d = 1..G-1; ``bidirectional_ring``: +d
 and -d together): a relayed running sum would fix the addition order by ring
 position instead of rank order. On a switched fabric (NVSwitch) such shifted
-peers cost what neighbours cost.
+peers cost what neighbours cost. ``local_first`` (both ops) moves every block
+in one step, straight between owner and user: all-gather sends this rank's
+block to every peer while multiplying it, then multiplies the blocks received;
+reduce-scatter multiplies the peers' partials first and sends them all while
+multiplying its own. Fewer, larger GEMMs lose less to partly filled waves of
+tiles than one GEMM per block; the transfers hide behind one block's GEMM.
 
 Streams (CUDA): transfers are issued from a side stream, so a transfer waits
 only for the GEMM that produced what it sends, and each GEMM waits (by event)
@@ -44,12 +57,13 @@ Inputs should be contiguous (a non-contiguous ``x_shard`` is copied first, so
 its GEMM is no longer the one a reference on the original view would run).
 """
 import time
-from typing import List, Optional, Sequence, Tuple
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-SCHEDULES = ("ring", "bidirectional_ring")
+SCHEDULES = ("ring", "bidirectional_ring", "local_first")
 TRANSPORTS = ("auto", "p2p", "copy_engine")
 
 # cuBLAS may pick a different kernel for operands that are less aligned than a
@@ -121,9 +135,9 @@ def resolve_transport(transport: str, group, G: int, device: torch.device) -> st
 
 
 def _peer_order(G: int, schedule: str) -> List[int]:
-    """Offsets d of the peers in the order the copy-engine transport serves them: ``ring`` 1..G-1,
-    ``bidirectional_ring`` +1, -1, +2, -2, ... (each peer once)."""
-    if schedule == "ring":
+    """Offsets d of the peers in the order the copy-engine transport serves them: ``ring`` and
+    ``local_first`` 1..G-1, ``bidirectional_ring`` +1, -1, +2, -2, ... (each peer once)."""
+    if schedule in ("ring", "local_first"):
         return list(range(1, G))
     order = []
     for k in range(1, G):
@@ -147,6 +161,17 @@ def _check_pair(op: str, a_name: str, a: torch.Tensor, w: torch.Tensor, a_shape:
         raise TypeError(f"{op}: {a_name} must be a floating-point tensor, got {a.dtype}")
     if a.device != w.device:
         raise ValueError(f"{op}: {a_name} is on {a.device} but w is on {w.device}")
+
+
+def _remote_runs(sizes: Sequence[int], me: int) -> List[Tuple[int, int, List[int]]]:
+    """The other ranks' rows as contiguous runs ``(start, rows, blocks)``, in the order the
+    ``local_first`` schedule multiplies them: the blocks after ``me``'s, then those before it
+    (empty runs left out)."""
+    offs, T = _offsets(sizes), sum(sizes)
+    end = offs[me] + sizes[me]
+    runs = [(end, T - end, [b for b in range(me + 1, len(sizes)) if sizes[b]]),
+            (0, offs[me], [b for b in range(me) if sizes[b]])]
+    return [r for r in runs if r[1] > 0]
 
 
 def gather_shard_sizes(x_shard: torch.Tensor, group=None) -> List[int]:
@@ -292,6 +317,42 @@ class _Gemm:
         return r
 
 
+_SUM_KERNELS: Dict[int, object] = {}
+_SUM_FALLBACK = [False]
+
+
+def _sum_kernel(n: int):
+    """An elementwise kernel (NVRTC, through torch's jiterator) adding n inputs in order in fp32, cast once."""
+    fn = _SUM_KERNELS.get(n)
+    if fn is None:
+        from torch.cuda.jiterator import _create_jit_fn
+        args = ", ".join(f"T p{i}" for i in range(n))
+        body = "".join(f" acc += static_cast<float>(p{i});" for i in range(1, n))
+        code = (f"template <typename T> T ordered_sum{n}({args}) {{ float acc = static_cast<float>(p0);{body} "
+                "return static_cast<T>(acc); }")
+        fn = _SUM_KERNELS[n] = _create_jit_fn(code)
+    return fn
+
+
+def ordered_sum(parts: List[torch.Tensor]) -> torch.Tensor:
+    """``cast(((float(p0) + p1) + p2) + ...)``: fp32 adds in list order, one cast; the same bits as
+    ``acc = p0.float(); acc += p1; ...; acc.to(p0.dtype)``, in one pass over the inputs where the
+    elementwise compiler is available (else exactly those steps)."""
+    dtype = parts[0].dtype
+    if len(parts) > 1 and parts[0].is_cuda and dtype in (torch.bfloat16, torch.float16, torch.float32) \
+            and len(parts) <= 8 and not _SUM_FALLBACK[0]:
+        try:
+            return _sum_kernel(len(parts))(*parts)
+        except Exception as e:  # noqa: BLE001 - the step-by-step form gives the same bits
+            _SUM_FALLBACK[0] = True
+            warnings.warn(f"ds_uniep.commfuse: fused ordered sum unavailable ({type(e).__name__}: {e}); "
+                          "adding partials one by one")
+    acc = parts[0].to(torch.float32, copy=True)
+    for p in parts[1:]:
+        acc.add_(p)
+    return acc if dtype == torch.float32 else acc.to(dtype)
+
+
 # --------------------------------------------------------------------------- all-gather + GEMM
 def _ag_plan(G: int, me: int, schedule: str):
     """Steps of ``(gemm_blocks, transfers)``; a transfer is ``(send_block, to, recv_block, frm, tag_base)``.
@@ -334,10 +395,11 @@ def all_gather_matmul_impl(x_shard: torch.Tensor, w: torch.Tensor, group=None, s
         raise ValueError(f"all_gather_matmul: shard_sizes {shard_sizes} must have one entry per rank ({G}) and "
                          f"entry {me} must equal x_shard.shape[0] = {x_shard.shape[0]}")
     offs = _offsets(shard_sizes)
+    runs = _remote_runs(shard_sizes, me) if schedule == "local_first" else None
     if resolve_transport(transport, g, G, x_shard.device) == "copy_engine":
         from .copy_engine import all_gather_matmul_ce
         out, x_full = all_gather_matmul_ce(x_shard, w, g, me, shard_sizes, offs, _peer_order(G, schedule),
-                                           keep_full, _mm_into, timeline)
+                                           keep_full, _mm_into, timeline, runs)
         return out, x_full, shard_sizes
     T, K, N = sum(shard_sizes), x_shard.shape[1], w.shape[1]
     x_full = x_shard.new_empty(T, K)
@@ -351,6 +413,23 @@ def all_gather_matmul_impl(x_shard: torch.Tensor, w: torch.Tensor, group=None, s
 
     ex = _Exchange(x_shard.device, g, timeline)
     gemm = _Gemm(ex)
+    if runs is not None:
+        # One step: this rank's block to every peer, every peer's block from it, all at once.
+        sends, recvs = [], []
+        for p in range(G):
+            if p != me:
+                for c, (c0, cn) in enumerate(_chunks(shard_sizes[me], num_chunks)):
+                    sends.append((x_shard[c0:c0 + cn], ranks[p], c))
+                for c, (c0, cn) in enumerate(_chunks(shard_sizes[p], num_chunks)):
+                    recvs.append((rows(x_full, p)[c0:c0 + cn], ranks[p], c))
+        token = ex.start(0, sends, recvs)
+        gemm("gemm", 0, lambda: _mm_into(x_shard, w, rows(out, me)))
+        ex.wait(token)
+        for i, (r0, n, _) in enumerate(runs):
+            gemm("gemm", i + 1, lambda r0=r0, n=n: _mm_into(x_full[r0:r0 + n], w, out[r0:r0 + n]))
+        rows(x_full, me).copy_(x_shard)
+        ex.finish()
+        return out, x_full, shard_sizes
     plan = _ag_plan(G, me, schedule)
     prev = None
     for s, (gemm_blocks, transfers) in enumerate(plan):
@@ -402,9 +481,11 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
         raise ValueError(f"matmul_reduce_scatter: out_sizes {out_sizes} must have one non-negative entry per "
                          f"rank ({G}) summing to x.shape[0] = {T}")
     offs = _offsets(out_sizes)
+    runs = _remote_runs(out_sizes, me) if schedule == "local_first" else None
     if resolve_transport(transport, g, G, x.device) == "copy_engine":
         from .copy_engine import matmul_reduce_scatter_ce
-        return matmul_reduce_scatter_ce(x, w, g, me, out_sizes, offs, _peer_order(G, schedule), timeline), out_sizes
+        return matmul_reduce_scatter_ce(x, w, g, me, out_sizes, offs, _peer_order(G, schedule), timeline,
+                                        runs), out_sizes
     dtype = torch.result_type(x, w)
     t_me = out_sizes[me]
 
@@ -417,6 +498,28 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
 
     ex = _Exchange(x.device, g, timeline)
     gemm = _Gemm(ex)
+    if runs is not None:
+        # The peers' partials first, one GEMM per run of their rows; all sent in one step while
+        # this rank's own partial is computed.
+        to_send = {}
+        for i, (r0, n, blocks) in enumerate(runs):
+            p = gemm("gemm", i, lambda r0=r0, n=n: x[r0:r0 + n] @ w)
+            for j in blocks:
+                to_send[j] = p[offs[j] - r0:offs[j] - r0 + out_sizes[j]]
+        sends, recvs = [], []
+        for p in range(G):
+            if p != me:
+                for c, (c0, cn) in enumerate(_chunks(out_sizes[p], num_chunks)):
+                    sends.append((to_send[p][c0:c0 + cn], ranks[p], c))
+                for c, (c0, cn) in enumerate(_chunks(t_me, num_chunks)):
+                    recvs.append((recv_bufs[p][c0:c0 + cn], ranks[p], c))
+        token = ex.start(0, sends, recvs, after=ex.compute_ready())
+        own = gemm("gemm", len(runs), lambda: partial(me))
+        ex.wait(token)
+        out = gemm("reduce", 0, lambda: ordered_sum([own if p == me else recv_bufs[p] for p in range(G)]))
+        ex.finish()
+        del to_send
+        return out, out_sizes
     plan = _rs_plan(G, schedule)
     acc = None
     next_src = 0

@@ -7,29 +7,61 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .ops import even_split
+from .ops import _offsets, _remote_runs, even_split
 
 
-def ref_all_gather_matmul(x_shards: Sequence[torch.Tensor], w: torch.Tensor) -> torch.Tensor:
-    """``torch.cat([x_r @ w for r])``: x_shards ``[T_r, K]`` per rank, w ``[K, N]`` -> ``[T, N]``."""
-    return torch.cat([x @ w for x in x_shards])
+def _local_first_rows(sizes: Sequence[int], me: int):
+    """``(start, rows)`` of every GEMM the ``local_first`` schedule runs on rank ``me``."""
+    return [(_offsets(sizes)[me], sizes[me])] + [(r0, n) for r0, n, _ in _remote_runs(sizes, me)]
+
+
+def ref_all_gather_matmul(x_shards: Sequence[torch.Tensor], w: torch.Tensor,
+                          local_first_rank: Optional[int] = None) -> torch.Tensor:
+    """``torch.cat([x_r @ w for r])``: x_shards ``[T_r, K]`` per rank, w ``[K, N]`` -> ``[T, N]``.
+
+    ``local_first_rank=me``: the ``local_first`` schedule's grouping on rank ``me`` instead: its own
+    block, the blocks after it and the blocks before it, each group one GEMM."""
+    if local_first_rank is None:
+        return torch.cat([x @ w for x in x_shards])
+    x_full = torch.cat(list(x_shards))
+    out = torch.empty(x_full.shape[0], w.shape[1], dtype=torch.result_type(x_full, w))
+    out = out.to(x_full.device)
+    for r0, n in _local_first_rows([x.shape[0] for x in x_shards], local_first_rank):
+        out[r0:r0 + n] = x_full[r0:r0 + n].clone() @ w
+    return out
 
 
 def ref_matmul_reduce_scatter(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
-                              out_sizes: Optional[Sequence[int]] = None) -> List[torch.Tensor]:
+                              out_sizes: Optional[Sequence[int]] = None,
+                              local_first: bool = False) -> List[torch.Tensor]:
     """Every rank's output block of ``sum_r xs[r] @ ws[r]``.
 
     xs ``[T, K_r]`` and ws ``[K_r, N]`` per rank r. Block j (rows
     ``out_sizes[j]``, default :func:`even_split`) is the partials
     ``xs[r][rows_j] @ ws[r]`` in the input dtype, added in rank order in fp32,
-    cast once. Returns ``[out_sizes[j], N]`` per rank j."""
+    cast once. Returns ``[out_sizes[j], N]`` per rank j. ``local_first``: rank
+    r's partials come from its ``local_first`` GEMMs (its own rows, the rows
+    after them, the rows before them, each group one GEMM), sliced per block."""
     G, T = len(xs), xs[0].shape[0]
     sizes = even_split(T, G) if out_sizes is None else list(out_sizes)
-    out, start = [], 0
-    for n in sizes:
-        acc = (xs[0][start:start + n] @ ws[0]).to(torch.float32, copy=True)
+    offs = _offsets(sizes)
+    if local_first:
+        partial_rows = []
+        for r in range(G):
+            full = torch.empty(T, ws[r].shape[1], dtype=torch.result_type(xs[r], ws[r])).to(xs[r].device)
+            for r0, n in _local_first_rows(sizes, r):
+                full[r0:r0 + n] = xs[r][r0:r0 + n] @ ws[r]
+            partial_rows.append(full)
+
+        def partial(r, j):
+            return partial_rows[r][offs[j]:offs[j] + sizes[j]]
+    else:
+        def partial(r, j):
+            return xs[r][offs[j]:offs[j] + sizes[j]] @ ws[r]
+    out = []
+    for j in range(G):
+        acc = partial(0, j).to(torch.float32, copy=True)
         for r in range(1, G):
-            acc.add_(xs[r][start:start + n] @ ws[r])
+            acc.add_(partial(r, j))
         out.append(acc.to(xs[0].dtype))
-        start += n
     return out
