@@ -13,7 +13,8 @@ GEMM, or GEMM then collective), ``torch.ops.symm_mem`` fused op, and CommFuse
 per transport (``p2p``: NCCL send/recv; ``copy_engine``: copies into peers'
 symmetric buffers), schedule and chunk count (chunks apply to ``p2p`` only),
 named ``cf.<transport>.<schedule>.c<chunks>``. Exposed communication = time - GEMM alone, as a
-fraction of the collective-alone time. Times are the slowest rank's median.
+fraction of the collective-alone time. Times are the slowest rank's median; the variants take
+turns run by run (``timing.bench_interleaved``), so a drift of the clocks weighs on all alike.
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
 step: transfers on the side stream, GEMMs and adds on the compute stream) to
 ``--out``; prints the table last. ``--dry-run`` runs tiny shapes on CPU/gloo to
@@ -33,7 +34,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import bench, rotating  # noqa: E402
+from timing import bench_interleaved, rotating  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -280,14 +281,12 @@ def main(argv=None):
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
         variants = _variants(op, a, G, group, device, dtype, gloo, symm)
         res = {}
-        for name, (fn, setup) in variants.items():
-            err, r = None, None
-            try:
-                r = bench(fn, a.warmup, a.repeats, setup=setup, sync=sync, cuda=device.type == "cuda")
-            except Exception as e:  # noqa: BLE001 - one failing baseline is reported, not fatal
-                err = f"{type(e).__name__}: {e}"
-                if rank == 0:
-                    traceback.print_exc()
+        # Variants take turns, so a drift of the clocks over the run weighs on all of them alike.
+        timed = bench_interleaved(variants, a.warmup, a.repeats, sync=sync, cuda=device.type == "cuda",
+                                  on_error=lambda n, e: rank == 0 and traceback.print_exception(e))
+        for name, r in timed.items():
+            err = r.get("error")
+            r = None if err else r
             slow = _slowest(None if r is None else r["median_ms"], device)
             res[name] = {"median_ms": slow, "rank0": r, "error": err}
         t_gemm, t_comm, t_unf = (res[k]["median_ms"] for k in ("gemm_alone", "comm_alone", "unfused"))

@@ -12,11 +12,11 @@ region.
 """
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["bench", "rotating"]
+__all__ = ["bench", "bench_interleaved", "rotating"]
 
 
 def rotating(make: Callable[[int], Any], n: int) -> Callable[[int], Any]:
@@ -56,26 +56,66 @@ def bench(fn: Callable, warmup: int = 5, repeats: int = 20, setup: Optional[Call
         cuda = torch.cuda.is_available()
     times: List[float] = []
     for run in range(warmup + repeats):
-        args = setup(run) if setup is not None else ()
-        if not isinstance(args, tuple):
-            args = (args, )
-        if cuda:
-            torch.cuda.synchronize()
-        if sync is not None:
-            sync()
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn(*args)
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn(*args)
-            ms = (time.perf_counter() - t0) * 1e3
+        ms = _time_once(fn, setup, run, sync, cuda)
         if run >= warmup:
             times.append(ms)
+    return _summary(times)
+
+
+def _time_once(fn: Callable, setup, run: int, sync, cuda: bool) -> float:
+    args = setup(run) if setup is not None else ()
+    if not isinstance(args, tuple):
+        args = (args, )
+    if cuda:
+        torch.cuda.synchronize()
+    if sync is not None:
+        sync()
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _summary(times: List[float]) -> Dict[str, Any]:
     s = sorted(times)
     return {"median_ms": statistics.median(s), "p10_ms": _percentile(s, 0.1), "p90_ms": _percentile(s, 0.9),
             "all_ms": times}
+
+
+def bench_interleaved(variants: Dict[str, Tuple[Callable, Optional[Callable[[int], Any]]]], warmup: int = 5,
+                      repeats: int = 20, sync: Optional[Callable[[], None]] = None, cuda: Optional[bool] = None,
+                      on_error: Optional[Callable[[str, BaseException], None]] = None) -> Dict[str, Dict[str, Any]]:
+    """:func:`bench` for several variants at once, taking turns: round ``r`` runs every variant once
+    (the order rotated by one each round), so a drift of the device's clocks over the run (heat,
+    power) weighs on every variant alike instead of on whichever ran last.
+
+    ``variants``: ``{name: (fn, setup)}``. Returns ``{name: bench-like dict}``; a variant that
+    raises is dropped from later rounds and reported as ``{"error": "Type: message"}`` (and to
+    ``on_error(name, exc)``)."""
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    names = list(variants)
+    times: Dict[str, List[float]] = {n: [] for n in names}
+    errors: Dict[str, str] = {}
+    for run in range(warmup + repeats):
+        k = run % len(names) if names else 0
+        for name in names[k:] + names[:k]:
+            if name in errors:
+                continue
+            fn, setup = variants[name]
+            try:
+                ms = _time_once(fn, setup, run, sync, cuda)
+            except Exception as e:  # noqa: BLE001 - reported per variant
+                errors[name] = f"{type(e).__name__}: {e}"
+                if on_error is not None:
+                    on_error(name, e)
+                continue
+            if run >= warmup:
+                times[name].append(ms)
+    return {n: ({"error": errors[n]} if n in errors else _summary(times[n])) for n in names}

@@ -27,6 +27,10 @@ def _entry(rank, world_size, port, backend, fn, args, errq):
         import torch
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        else:
+            # DeepSpeed binds a CUDA device whenever one is visible, and torch then builds every
+            # new_group() by splitting, which gloo groups cannot do: start gloo unbound here.
+            torch.distributed.init_process_group(backend)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
         fn(rank, world_size, *args)
         import deepspeed.comm as dist

@@ -14,3 +14,23 @@ def test_help(script):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout
+
+
+def test_interleaved_timing_takes_turns_and_reports_errors():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from timing import bench_interleaved
+    calls = []
+
+    def make(name):
+        return (lambda v: calls.append((name, v)), lambda run: (run,))
+
+    def broken():
+        raise ValueError("no such kernel")
+
+    res = bench_interleaved({"a": make("a"), "b": make("b"), "bad": (broken, None), "c": make("c")},
+                            warmup=1, repeats=3, cuda=False)
+    # Round r starts at variant r (rotated) and every live variant runs once per round.
+    assert "".join(n for n, _ in calls) == "abc" + "bca" + "cab" + "cab"
+    assert [v for n, v in calls if n == "a"] == [0, 1, 2, 3]
+    assert len(res["a"]["all_ms"]) == 3 and res["a"]["median_ms"] >= 0
+    assert res["bad"] == {"error": "ValueError: no such kernel"}
