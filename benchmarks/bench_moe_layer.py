@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --shapes mixtral-like dsv2lite-like dsv3-like
 
 Every rank runs the same layer on its own tokens; a run's time is the slowest
-rank's (ranks are lined up by a barrier before each run). Baselines and bounds
-are measured in the same run:
+rank's (ranks are lined up by a barrier before each run; gradients are set to
+None before each run, untimed, as after a training step's ``zero_grad``).
+Baselines and bounds are measured in the same run:
 
 - stock: ``deepspeed.moe.layer.MoE`` (dropless, so it pads every expert to the largest count);
 - reference: ``UniEPMoE`` with ``"backend": "reference"`` (sort + ``all_to_all_single`` + grouped GEMM);
@@ -17,8 +18,10 @@ are measured in the same run:
 - autoep: DeepSpeed's own AutoEP layer (``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer``: router,
   sort, NCCL ``all_to_all_single`` both ways, ``torch._grouped_mm`` experts) built from the same gate and
   experts (see ``build_autoep``; where it cannot be built or run, the row says why);
-- practical bound: max(expert GEMMs alone through ``torch._grouped_mm`` on the same rows,
-  dispatch+combine bytes at the peer copy bandwidth);
+- practical bound: max(expert GEMMs alone through ``torch._grouped_mm`` on the same rows (2 GEMMs
+  forward, 6 forward+backward, nothing else: see ``gemm_alone``), dispatch+combine bytes at the peer
+  copy bandwidth); the whole expert MLP outside the layer (``experts_alone``: stacking, activation,
+  gradients into the parameters) is reported beside it;
 - physical bound: max(expert FLOPs / dense bf16 GEMM rate, the same bytes / peer copy bandwidth).
 
 All layers use the same DeepSpeed gate weights and SwiGLU experts, bf16, fp32 gate (AutoEP too: its
@@ -267,33 +270,75 @@ def time_layer(layer, inputs, mode, args, dist):
                 out.backward(g)
             else:
                 torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
+    def setup(run):
+        # Gradients start empty in every run (outside the timed region), as in a training step
+        # after zero_grad(set_to_none=True): no layer spends the run adding into old gradients.
+        layer.zero_grad(set_to_none=True)
+        return inputs(run)
     ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
     with ctx:
-        r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=inputs, sync=dist.barrier)
+        r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=setup, sync=dist.barrier)
     return slowest(r["median_ms"], dist)
 
 
-def gemm_alone(layer, x, mode, args, dist):
-    """The same rows through the grouped GEMMs alone (no gate, no communication)."""
-    from ds_uniep.experts import run_grouped
+def _layer_rows(layer, x):
+    """The rows ``layer`` sends to this rank's experts for input ``x`` (reference dispatch) and their
+    per-expert counts."""
     from ds_uniep.reference import ReferenceDispatcher
     moe = layer.deepspeed_moe
     with torch.no_grad():
         _, _, _, idx, _, _, _ = moe.gate(x, None, True)
         d = ReferenceDispatcher(layer.num_experts, layer.ep_size, moe.ep_group)
         recv, counts, _ = d.dispatch(x, idx.t())
-    experts = list(moe.experts.deepspeed_experts)
-    recv = recv.detach().requires_grad_(mode == "fwdbwd")
+    return recv.detach(), counts, list(moe.experts.deepspeed_experts)
+
+
+def gemm_alone(layer, x, mode, args, dist):
+    """The expert GEMMs alone on the layer's rows: ``torch._grouped_mm`` on weights stacked
+    beforehand and nothing else (no gate, communication, activation, weight stacking or gradient
+    accumulation). fwd: the two GEMMs (the second on a random input of the activation's shape);
+    fwd+bwd: also the four GEMMs of their backward (input and weight gradients of each, as torch's
+    autograd of ``_grouped_mm`` runs them)."""
+    from ds_uniep.experts import stack_experts
+    recv, counts, experts = _layer_rows(layer, x)
+    with torch.no_grad():
+        stacked = stack_experts(experts, recv.dtype, recv.device)
+    first, second = (stacked.weights[k].detach().clone() for k in stacked.weights)  # [L, N, K] each
+    offs = torch.cumsum(counts.to(recv.device), 0).to(torch.int32)
+    bwd = mode == "fwdbwd"
+    a = torch.randn(recv.shape[0], second.shape[2], dtype=recv.dtype, device=recv.device)
+    leaves = [t.requires_grad_(bwd) for t in (recv, first, a, second)]
+    dh = torch.randn(recv.shape[0], first.shape[1], dtype=recv.dtype, device=recv.device)
+    dy = torch.randn_like(recv)
+
+    def run():
+        h = torch._grouped_mm(recv, first.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(a, second.transpose(-2, -1), offs=offs)
+        if bwd:
+            torch.autograd.grad([h, y], leaves, [dh, dy])
+    with (torch.enable_grad() if bwd else torch.no_grad()):
+        r = bench(run, warmup=args.warmup, repeats=args.repeats, sync=dist.barrier)
+    return slowest(r["median_ms"], dist), int(counts.sum())
+
+
+def experts_alone(layer, x, mode, args, dist):
+    """The whole expert MLP on the layer's rows as ``run_grouped`` runs it outside the layer: weight
+    stacking, both grouped GEMMs, the activation and (fwd+bwd) the backward into the experts'
+    parameters. More than the GEMMs: reported beside the bounds, not as one."""
+    from ds_uniep.experts import run_grouped
+    recv, counts, experts = _layer_rows(layer, x)
+    recv = recv.requires_grad_(mode == "fwdbwd")
     grad = torch.randn_like(recv)
 
     def run():
+        for e in experts:
+            e.zero_grad(set_to_none=True)
         y = run_grouped(experts, recv, counts)
         if mode == "fwdbwd":
             y.backward(grad)
-    ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
-    with ctx:
+    with (torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()):
         r = bench(run, warmup=args.warmup, repeats=args.repeats, sync=dist.barrier)
-    return slowest(r["median_ms"], dist), int(counts.sum())
+    return slowest(r["median_ms"], dist)
 
 
 def fixed_plans(space):
@@ -457,6 +502,7 @@ def main(argv=None):
             nbytes = 2 * passes * T * shape.top_k * shape.hidden * 2 * (ep - 1) / ep
             comm_ms = nbytes / (peer * 1e9) * 1e3 if peer else 0.0
             row["gemm_alone_ms"] = gemm_ms
+            row["experts_alone_ms"] = experts_alone(any_uni, inputs(0)[0], mode, args, dist)
             row["comm_at_peer_bw_ms"] = comm_ms
             row["practical_bound_ms"] = max(gemm_ms, comm_ms)
             row["physical_bound_ms"] = max(flops / (tflops * 1e12) * 1e3, comm_ms)

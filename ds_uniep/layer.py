@@ -265,6 +265,7 @@ class UniEPMoE(MoE):
             raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
         name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name)
+        _say_overlap_knobs_wait(self.uniep_config.overlap, name, self.layer_name)
         if name == "megakernel" and self._pacing is not None:
             raise ValueError(f"{self.layer_name}: inter-site pacing (set_inter_site_pacing) runs on the reference "
                              'backend; set "uniep": {"backend": "reference"}')
@@ -415,6 +416,22 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
         raise ValueError(f"noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', got {noisy_gate_policy!r}")
     if torch.distributed.is_initialized() and ep_size > torch.distributed.get_world_size():
         raise ValueError(f"ep_size={ep_size} is larger than the world size {torch.distributed.get_world_size()}")
+
+
+_WAITING_KNOBS = ("schedule", "num_chunks", "roles", "tile_m", "tile_n", "stages", "signal_granularity")
+"""``uniep.overlap`` knobs of the pipelined and fused schedules, which are not built yet."""
+
+
+def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str) -> None:
+    """Warn when the ``uniep`` block sets overlap knobs that nothing acts on yet (not for
+    ``"schedule": "sequential"``, which is what runs)."""
+    knobs = [k for k in _WAITING_KNOBS if k in overlap.model_fields_set
+             and not (k == "schedule" and overlap.schedule == "sequential")]
+    if knobs:
+        logger.warning(f"{layer_name}: uniep.overlap {', '.join(f'{k}={getattr(overlap, k)!r}' for k in knobs)} "
+                       f"accepted but not acted on: the {backend} backend runs dispatch, expert GEMMs and combine "
+                       "in sequence (the pipelined and fused schedules are not built yet); results are the same "
+                       "under every value")
 
 
 def _comm_blocks(cfg: UniEPConfig) -> Optional[int]:

@@ -139,3 +139,27 @@ def test_not_deterministic_on_the_reference_backend_is_said_and_changes_nothing(
     said = [r.getMessage() for r in records if '"deterministic": false changes nothing' in r.getMessage()]
     assert len(said) == 1 and "reference backend" in said[0], said
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_overlap_knobs_that_wait_for_the_fused_schedule_are_named():
+    """Knobs of schedules not built yet are accepted and said to do nothing; "sequential" is not."""
+    import logging
+    from ds_uniep.env import logger
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    outs = []
+    try:
+        for overlap in ({"schedule": "sequential"}, {"schedule": "pipelined", "num_chunks": 4}, {}):
+            torch.manual_seed(3)
+            layer = UniEPMoE(8, MLP(8, 8), num_experts=2, min_capacity=0,
+                             config={"backend": "reference", "overlap": overlap})
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
+            outs.append(layer(x)[0].detach())
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "schedule='pipelined', num_chunks=4" in said[0] and "reference backend" in said[0], said
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
