@@ -530,13 +530,13 @@ def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
     head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "autoep", "gemm alone",
-            "practical", "physical", "best/stock", "best/autoep", "best/practical"]
+            "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
         for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "autoep_ms",
-                  "gemm_alone_ms", "practical_bound_ms", "physical_bound_ms"):
+                  "gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
             cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
         if "autoep_why_not" in r:
             notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
