@@ -245,6 +245,21 @@ __device__ __forceinline__ int4 pack(const float* in) {
   return v;
 }
 
+// One warp walks a row of num_vecs 16-byte vectors: each lane issues kUnroll loads (load(i) of
+// vector i) before it uses any of them (use(i, v)), so kUnroll loads per lane are in flight.
+template <int kUnroll, typename Load, typename Use>
+__device__ __forceinline__ void warp_row_vectors(int num_vecs, int lane, Load load, Use use) {
+  for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < num_vecs) v[u] = load(c0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (c0 + 32 * u < num_vecs) use(c0 + 32 * u, v[u]);
+  }
+}
+
 // Loads that skip L1: peers' rows and rows written by other kernels are read once.
 __device__ __forceinline__ int4 ld_stream(const int4* p) { return __ldcs(p); }
 __device__ __forceinline__ void st_stream(int4* p, const int4& v) { __stcs(p, v); }

@@ -23,15 +23,8 @@ __global__ void __launch_bounds__(kCopyThreads) combine_push_kernel(const T* __r
     const int64_t slot = pair % s.pairs_per_rank;
     int4* dst = reinterpret_cast<int4*>(s.ptrs[src] + s.comb_off + slot * s.comb_row_bytes);
     const int4* in = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r) * hidden);
-    for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
-      int4 v[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c0 + 32 * u < num_vecs) v[u] = __ldg(in + c0 + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c0 + 32 * u < num_vecs) dst[c0 + 32 * u] = v[u];
-    }
+    warp_row_vectors<kUnroll>(num_vecs, lane, [&](int i) { return __ldg(in + i); },
+                              [&](int i, const int4& v) { dst[i] = v; });
   }
   signal_when_grid_done(s, status_words(s) + 2, kPhaseCombine, epoch);
 }
@@ -445,25 +438,17 @@ __global__ void __launch_bounds__(kCopyThreads) combine_atomic_kernel(const T* _
     }
     float* dst = reinterpret_cast<float*>(const_cast<char*>(acc.ptrs[src])) + (slot / k) * hidden;
     const int4* in = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r) * hidden);
-    for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
-      int4 v[kUnroll];
+    warp_row_vectors<kUnroll>(num_vecs, lane, [&](int i) { return __ldg(in + i); }, [&](int c, const int4& v) {
+      float f[kElems];
+      unpack<T>(v, f);
+      if (kWeighted) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        if (c0 + 32 * u < num_vecs) v[u] = __ldg(in + c0 + 32 * u);
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (c0 + 32 * u >= num_vecs) continue;
-        float f[kElems];
-        unpack<T>(v[u], f);
-        if (kWeighted) {
-#pragma unroll
-          for (int i = 0; i < kElems; ++i) f[i] = __fmul_rn(gate, f[i]);
-        }
-        float* out = dst + static_cast<int64_t>(c0 + 32 * u) * kElems;
-#pragma unroll
-        for (int i = 0; i < kElems; i += 4) red_add_v4(out + i, f[i], f[i + 1], f[i + 2], f[i + 3]);
+        for (int i = 0; i < kElems; ++i) f[i] = __fmul_rn(gate, f[i]);
       }
-    }
+      float* out = dst + static_cast<int64_t>(c) * kElems;
+#pragma unroll
+      for (int i = 0; i < kElems; i += 4) red_add_v4(out + i, f[i], f[i + 1], f[i + 2], f[i + 3]);
+    });
   }
   signal_when_grid_done(s, status_words(s) + 2, kPhaseCombine, epoch);
 }

@@ -190,18 +190,10 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
                                : reinterpret_cast<const char*>(out + static_cast<int64_t>(from) * hidden);
     T* row_out = out + static_cast<int64_t>(r) * hidden;
     if constexpr (!kFp8) {
-      const int num_vecs = hidden / Vec<T>::kElems;
       const int4* src = reinterpret_cast<const int4*>(in);
       int4* dst = reinterpret_cast<int4*>(row_out);
-      for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
-        int4 v[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (c0 + 32 * u < num_vecs) v[u] = __ldcg(src + c0 + 32 * u);
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u)
-          if (c0 + 32 * u < num_vecs) dst[c0 + 32 * u] = v[u];
-      }
+      warp_row_vectors<kUnroll>(hidden / Vec<T>::kElems, lane, [&](int i) { return __ldcg(src + i); },
+                                [&](int i, const int4& v) { dst[i] = v; });
     } else {
       const float* scales =
           reinterpret_cast<const float*>(s.ptrs[s.rank] + s.scales_off) + static_cast<int64_t>(r) * (hidden / kFp8GroupSize);
