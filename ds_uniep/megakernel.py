@@ -341,6 +341,7 @@ class NVLinkDispatcher:
         #: forward combines that pulled from the source regions / pushed rows back
         self.combine_stats = {"pulled": 0, "pushed": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        self._num_recv_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # R of the exact-R form
         self.layer_id = next(_IDS)
         self._epochs = [0] * NUM_PHASES
         _REGISTRY[self.layer_id] = self
@@ -390,6 +391,13 @@ class NVLinkDispatcher:
                                                                        self.bufs.descriptor, e_counts,
                                                                        *self._wait_args(), in_place)
         e_disp = self._next_epoch(1)
+        counted = None
+        if not self.padded_recv:
+            # R goes to the host as soon as the counts are known; the dispatch kernel is queued
+            # before the host waits, so the device stays busy while the host reads R.
+            self._num_recv_host.copy_(num_recv, non_blocking=True)
+            counted = torch.cuda.Event()
+            counted.record()
         seg_base = row_out = None
         if self.ordering == "arrival":
             # Gates staged for combine's atomic weighting; every row of expert e from seg_base[e] on.
@@ -406,7 +414,8 @@ class NVLinkDispatcher:
         if self.padded_recv:
             rows = self.bufs.recv_rows
         else:
-            rows = int(num_recv.item())  # the one host sync of the exact-R form
+            counted.synchronize()  # the one host sync of the exact-R form: layout done, dispatch queued
+            rows = int(self._num_recv_host[0])
             self.check()
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
