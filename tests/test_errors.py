@@ -1,5 +1,7 @@
 """Bad input gets a clear error that names the problem, not a traceback from deep inside."""
+import contextlib
 import json
+import logging
 
 import pytest
 import torch
@@ -116,26 +118,37 @@ def test_arrival_ordering_refuses_what_it_cannot_run():
         NVLinkDispatcher("test.pull", 4, 1, 256, 2, torch.bfloat16, {}, ordering="arrival", pull_combine=True)
 
 
-def test_not_deterministic_on_the_reference_backend_is_said_and_changes_nothing():
-    import logging
-
+@contextlib.contextmanager
+def _logged():
+    """The messages ds_uniep logs inside the block."""
     from ds_uniep.env import logger
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger.addHandler(handler)
-    outs = []
     try:
-        for det in (True, False):
-            torch.manual_seed(3)
-            layer = UniEPMoE(8, MLP(8, 8), num_experts=2, min_capacity=0,
-                             config={"backend": "reference", "deterministic": det})
-            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(4), requires_grad=True)
-            out = layer(x)[0]
-            out.sum().backward()
-            outs.append((out.detach(), x.grad))
+        yield records
     finally:
         logger.removeHandler(handler)
+
+
+def _reference_layer_outputs(configs, backward):
+    """Output (and input gradient) of a fresh reference-backend layer with the same weights per config."""
+    outs = []
+    for config in configs:
+        torch.manual_seed(3)
+        layer = UniEPMoE(8, MLP(8, 8), num_experts=2, min_capacity=0, config={"backend": "reference", **config})
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(4), requires_grad=backward)
+        out = layer(x)[0]
+        if backward:
+            out.sum().backward()
+        outs.append((out.detach(), x.grad))
+    return outs
+
+
+def test_not_deterministic_on_the_reference_backend_is_said_and_changes_nothing():
+    with _logged() as records:
+        outs = _reference_layer_outputs([{"deterministic": True}, {"deterministic": False}], backward=True)
     said = [r.getMessage() for r in records if '"deterministic": false changes nothing' in r.getMessage()]
     assert len(said) == 1 and "reference backend" in said[0], said
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -143,23 +156,10 @@ def test_not_deterministic_on_the_reference_backend_is_said_and_changes_nothing(
 
 def test_overlap_knobs_that_wait_for_the_fused_schedule_are_named():
     """Knobs of schedules not built yet are accepted and said to do nothing; "sequential" is not."""
-    import logging
-    from ds_uniep.env import logger
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    outs = []
-    try:
-        for overlap in ({"schedule": "sequential"}, {"schedule": "pipelined", "num_chunks": 4}, {}):
-            torch.manual_seed(3)
-            layer = UniEPMoE(8, MLP(8, 8), num_experts=2, min_capacity=0,
-                             config={"backend": "reference", "overlap": overlap})
-            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(4))
-            outs.append(layer(x)[0].detach())
-    finally:
-        logger.removeHandler(handler)
+    overlaps = ({"schedule": "sequential"}, {"schedule": "pipelined", "num_chunks": 4}, {})
+    with _logged() as records:
+        outs = _reference_layer_outputs([{"overlap": o} for o in overlaps], backward=False)
     said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
     assert len(said) == 1, said
     assert "schedule='pipelined', num_chunks=4" in said[0] and "reference backend" in said[0], said
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[1][0], outs[2][0])
