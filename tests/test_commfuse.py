@@ -54,6 +54,17 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto
     y2 = all_gather_matmul(xs[me], ws[me], schedule=schedule, num_chunks=num_chunks, shard_sizes=sizes,
                            transport=transport)
     assert torch.equal(y2, y), f"all_gather_matmul with shard_sizes {tag}"
+    # Empty blocks (this rank's among them on rank 0) move nothing and change nothing.
+    sizes0 = [0 if r % 2 == 0 else sizes[r] for r in range(G)]
+    xs0 = [x_[:n] for x_, n in zip(xs, sizes0)]
+    y0 = all_gather_matmul(xs0[me].clone(), ws[me], schedule=schedule, num_chunks=num_chunks, shard_sizes=sizes0,
+                           transport=transport)
+    assert torch.equal(y0, ref_all_gather_matmul(xs0, ws[me], me if lf else None)), f"empty blocks {tag}"
+    o0 = matmul_reduce_scatter(gys[me][:sum(sizes0)].contiguous(), ws[me].t().contiguous(), schedule=schedule,
+                               num_chunks=num_chunks, out_sizes=sizes0, transport=transport)
+    ref0 = ref_matmul_reduce_scatter([g[:sum(sizes0)] for g in gys], [w_.t().contiguous() for w_ in ws], sizes0,
+                                     local_first=lf)[me]
+    assert torch.equal(o0, ref0), f"empty output blocks {tag}"
 
     # matmul_reduce_scatter: odd T, a different K_r per rank, default and explicit row splits.
     T = 131
