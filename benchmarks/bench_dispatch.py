@@ -197,7 +197,7 @@ def main():
         dist.all_to_all_single(recv_nccl, send)
 
     put("nccl_dispatch", nccl_dispatch)
-    del send, recv_nccl
+    send = recv_nccl = None  # frees them; the closures above ran already
 
     for name, dtype_cfg, direct in (("bf16", "activation", True), ("bf16_staging", "activation", False),
                                     ("fp8", "fp8_e4m3", True)):
@@ -249,7 +249,7 @@ def main():
             results["combine_stats"] = dict(disp.combine_stats)
             del src
         disp.check(synchronize=True)
-        del disp, state
+        disp = state = None  # frees them; the closures above ran already
         torch.cuda.empty_cache()
 
     def gbps(ms, nbytes=payload):
