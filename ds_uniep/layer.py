@@ -420,18 +420,21 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
 
 _WAITING_KNOBS = ("schedule", "num_chunks", "roles", "tile_m", "tile_n", "stages", "signal_granularity")
 """``uniep.overlap`` knobs of the pipelined and fused schedules, which are not built yet."""
+_SAID_WAITING = set()
 
 
 def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str) -> None:
     """Warn when the ``uniep`` block sets overlap knobs that nothing acts on yet (not for
-    ``"schedule": "sequential"``, which is what runs)."""
+    ``"schedule": "sequential"``, which is what runs); once per process for each setting and backend,
+    naming the first layer that met it."""
     knobs = [k for k in _WAITING_KNOBS if k in overlap.model_fields_set
              and not (k == "schedule" and overlap.schedule == "sequential")]
-    if knobs:
-        logger.warning(f"{layer_name}: uniep.overlap {', '.join(f'{k}={getattr(overlap, k)!r}' for k in knobs)} "
-                       f"accepted but not acted on: the {backend} backend runs dispatch, expert GEMMs and combine "
-                       "in sequence (the pipelined and fused schedules are not built yet); results are the same "
-                       "under every value")
+    said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
+    if knobs and (said, backend) not in _SAID_WAITING:
+        _SAID_WAITING.add((said, backend))
+        logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
+                       "dispatch, expert GEMMs and combine in sequence (the pipelined and fused schedules are not "
+                       "built yet); results are the same under every value. Said once for every layer.")
 
 
 def _comm_blocks(cfg: UniEPConfig) -> Optional[int]:
