@@ -79,20 +79,25 @@ def test_megakernel_without_cuda():
         UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "megakernel"})
 
 
-def test_auto_falls_back_to_reference_and_says_so():
-    import logging
-
+@contextlib.contextmanager
+def _logged():
+    """The messages ds_uniep logs inside the block."""
     from ds_uniep.env import logger
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     logger.addHandler(handler)
     try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_auto_falls_back_to_reference_and_says_so():
+    with _logged() as records:
         layer = UniEPMoE(8, MLP(8, 8), num_experts=2, min_capacity=0, config={"backend": "auto"})
         layer(torch.randn(4, 8))
         layer(torch.randn(4, 8))
-    finally:
-        logger.removeHandler(handler)
     assert layer.backend_name() == "reference"
     said = [r.getMessage() for r in records if "backend auto ->" in r.getMessage()]
     assert len(said) == 1 and "reference (inputs are on cpu" in said[0], said
@@ -116,20 +121,6 @@ def test_arrival_ordering_refuses_what_it_cannot_run():
         NVLinkDispatcher("test.fp8", 4, 1, 256, 2, torch.bfloat16, fp8, ordering="arrival")
     with pytest.raises(ValueError, match="arrival ordering .* neither with FP8 dispatch nor with pull_combine"):
         NVLinkDispatcher("test.pull", 4, 1, 256, 2, torch.bfloat16, {}, ordering="arrival", pull_combine=True)
-
-
-@contextlib.contextmanager
-def _logged():
-    """The messages ds_uniep logs inside the block."""
-    from ds_uniep.env import logger
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
 
 
 def _reference_layer_outputs(configs, backward):
