@@ -12,6 +12,9 @@ Baselines and bounds are measured in the same run:
 - megakernel: ``UniEPMoE`` with ``"backend": "megakernel"`` where it can run (else the row says why not),
   its experts on ds_uniep's grouped GEMM (``"expert_gemm": "uniep"``);
 - megakernel-torch-gemm: the same with ``"expert_gemm": "torch"`` (the default; what the GEMM alone changes);
+- megakernel-pipelined: megakernel-torch-gemm under the pipelined schedule (``--pipeline-chunks`` chunks of
+  local experts, each chunk's rows copied back by the copy engines while the next computes); timed again
+  alternately with megakernel-torch-gemm (``--schedule-rounds``, medians) for the schedule's gain;
 - megakernel-arrival: megakernel-torch-gemm with ``"deterministic": false``: rows claimed and summed in
   arrival order with atomics, the same kernels otherwise. Its time against megakernel-torch-gemm's is the
   cost of determinism; both are timed again alternately (``--determinism-rounds``, medians) for that ratio;
@@ -52,12 +55,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import bench, rotating  # noqa: E402
 
-BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-arrival", "autoep"]
+BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined", "megakernel-arrival",
+            "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
+    "megakernel-pipelined": {"backend": "megakernel", "expert_gemm": "torch",
+                             "overlap": {"schedule": "pipelined", "num_chunks": 4}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
 }
+
+PIPELINE_CHUNKS = [4]  # --pipeline-chunks, set by main()
 
 AUTOEP_NOTE = (
     "AutoEPMoELayer (DeepSpeed's AutoEP) built standalone from a Mixtral-style block (gate + ModuleList of "
@@ -85,6 +93,10 @@ def parse_args(argv=None):
     p.add_argument("--determinism-rounds", type=int, default=3,
                    help="alternating timings of megakernel-torch-gemm and megakernel-arrival for the cost of "
                    "determinism (medians; default 3)")
+    p.add_argument("--pipeline-chunks", type=int, default=4, help="num_chunks of megakernel-pipelined (default 4)")
+    p.add_argument("--schedule-rounds", type=int, default=3,
+                   help="alternating timings of megakernel-torch-gemm (sequential) and megakernel-pipelined "
+                   "(medians; default 3)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (config default, each num_comm_sms value) per shape")
@@ -250,7 +262,9 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
         else:
             if name.startswith("megakernel") and not status[0]:
                 continue
-            config = MEGAKERNEL_CONFIGS.get(name, {"backend": name})
+            config = copy.deepcopy(MEGAKERNEL_CONFIGS.get(name, {"backend": name}))
+            if name == "megakernel-pipelined":
+                config["overlap"]["num_chunks"] = PIPELINE_CHUNKS[0]
             layer = UniEPMoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep,
                              k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
                              top2_2nd_expert_sampling=False, config=config)
@@ -433,6 +447,7 @@ def print_autotune(auto):
 
 def main(argv=None):
     args = parse_args(argv)
+    PIPELINE_CHUNKS[0] = args.pipeline_chunks
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import deepspeed
     import deepspeed.comm as dist
@@ -484,15 +499,21 @@ def main(argv=None):
                 if rank == 0:  # progress, one line per timed layer
                     print(f"[{name} {mode}] {bname}: "
                           + (f"{row[bname + '_ms']:.2f} ms" if bname + "_ms" in row else "n/a"), flush=True)
-            pair = ("megakernel-torch-gemm", "megakernel-arrival")
-            if all(b + "_ms" in row for b in pair) and args.determinism_rounds > 0:
-                times = {b: [] for b in pair}
-                for _ in range(args.determinism_rounds):
-                    for b in pair:
-                        times[b].append(time_layer(layers[b], inputs, mode, args, dist))
-                med = {b: sorted(v)[len(v) // 2] for b, v in times.items()}
-                row["determinism"] = {"layout_ms": times[pair[0]], "arrival_ms": times[pair[1]],
-                                      "cost": med[pair[0]] / med[pair[1]] - 1}
+            for other, key, rounds in (("megakernel-arrival", "determinism", args.determinism_rounds),
+                                       ("megakernel-pipelined", "schedule", args.schedule_rounds)):
+                pair = ("megakernel-torch-gemm", other)
+                if all(b + "_ms" in row for b in pair) and rounds > 0:
+                    times = {b: [] for b in pair}
+                    for _ in range(rounds):
+                        for b in pair:
+                            times[b].append(time_layer(layers[b], inputs, mode, args, dist))
+                    med = {b: sorted(v)[len(v) // 2] for b, v in times.items()}
+                    if key == "determinism":
+                        row[key] = {"layout_ms": times[pair[0]], "arrival_ms": times[pair[1]],
+                                    "cost": med[pair[0]] / med[pair[1]] - 1}
+                    else:
+                        row[key] = {"sequential_ms": times[pair[0]], "pipelined_ms": times[pair[1]],
+                                    "speedup": med[pair[0]] / med[pair[1]], "num_chunks": args.pipeline_chunks}
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
             any_uni = layers.get("reference") or (ds_style[0] if ds_style else
                                                   build_layers(shape, E, ep, ["stock"], status)["stock"])
@@ -529,18 +550,21 @@ def main(argv=None):
 def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
-    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "autoep", "gemm alone",
+    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "autoep",
+            "gemm alone",
             "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
-        for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "autoep_ms",
+        for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
+                  "autoep_ms",
                   "gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
             cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
         if "autoep_why_not" in r:
             notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
-        ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms") if k in r]
+        ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms")
+                if k in r]
         best = min(ours) if ours else None
         cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
         cells.append(f"{r['autoep_ms'] / best:.2f}x" if best and "autoep_ms" in r else "-")
@@ -552,6 +576,12 @@ def print_table(results):
             print(f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
                   f"{'/'.join(f'{v:.2f}' for v in d['layout_ms'])} ms, arrival order "
                   f"{'/'.join(f'{v:.2f}' for v in d['arrival_ms'])} ms; medians, alternating)")
+    for r in results["rows"]:
+        if "schedule" in r:
+            d = r["schedule"]
+            print(f"pipelined ({d['num_chunks']} chunks) vs sequential, {r['shape']} {r['mode']}: "
+                  f"{d['speedup']:.3f}x (sequential {'/'.join(f'{v:.2f}' for v in d['sequential_ms'])} ms, "
+                  f"pipelined {'/'.join(f'{v:.2f}' for v in d['pipelined_ms'])} ms; medians, alternating)")
     for reason, where in notes.items():
         print(f"* autoep could not run ({', '.join(where)}): {reason}")
     if "autoep_note" in results:

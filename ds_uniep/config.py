@@ -12,7 +12,7 @@ Example::
         "backend": "auto",
         "deterministic": true,
         "max_tokens_per_rank": 8192,
-        "overlap": {"schedule": "fused", "num_comm_sms": 20},
+        "overlap": {"schedule": "pipelined", "num_chunks": 4},
         "compression": {"dispatch_dtype": "activation"},
         "autotune": {"enabled": false}
     }
@@ -44,10 +44,14 @@ class OverlapConfig(_Block):
     when rows move, never the order in which they are reduced."""
 
     schedule: Literal["sequential", "pipelined", "fused"] = Field(
-        "fused",
-        description="sequential: dispatch, then GEMMs, then combine, no overlap; pipelined: chunks of "
-        "rows on separate streams; fused: one persistent kernel whose GEMM tiles start as their rows arrive.")
-    num_chunks: int = Field(2, ge=1, le=64, description="Chunks per layer for the pipelined schedule.")
+        "sequential",
+        description="sequential: dispatch, then GEMMs, then combine, no overlap; pipelined (megakernel backend): "
+        "the local experts in num_chunks chunks, each chunk's output rows copied back to their sources by the copy "
+        "engines while the next chunk computes (and, in the backward, each chunk's input gradient while the "
+        "others' backward runs); fused (not built yet; runs sequential): one persistent kernel whose GEMM tiles "
+        "start as their rows arrive.")
+    num_chunks: int = Field(2, ge=1, le=64, description="Chunks of local experts for the pipelined schedule (at "
+                            "most one per local expert).")
     num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
                               "launches its dispatch and combine copy kernels with this many blocks when this is "
                               "set (in the block or by a tuning plan); left unset, the sequential schedule gives "
@@ -179,8 +183,8 @@ class UniEPConfig(_Block):
         "identical for every choice). torch stays the default while uniep is not faster inside the layer at every "
         "shape measured. HybridEP and expert tensor parallelism run on torch.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
-                                   description="Overlap schedule and kernel knobs (the tuning space; the current "
-                                   "megakernel backend runs dispatch, grouped GEMM and combine in sequence and reads "
+                                   description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
+                                   "backend runs the sequential or pipelined schedule and reads schedule, num_chunks, "
                                    "num_comm_sms and timeout_s; the other knobs wait for the fused schedule).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")

@@ -27,7 +27,8 @@ from . import backend as backend_mod
 from . import gating
 from .config import UniEPConfig
 from .env import logger
-from .experts import pack_experts, run_experts, stack_experts
+from .experts import pack_experts, run_experts, run_grouped, stack_experts
+from .pipelined import run_pipelined
 from .reference import ReferenceDispatcher
 from .tensor_parallel import even_sizes, run_tp_sharded_experts, tp_context, tp_gather, tp_slice
 
@@ -217,6 +218,18 @@ class UniEPMoE(MoE):
         if self._hybrid is None and not (tp > 1 and self.enable_expert_tensor_parallelism):
             # Stacked now, so that this host work is done by the time the dispatch's row count arrives.
             stacked = stack_experts(moe.experts.deepspeed_experts, x.dtype, x.device, cache=self._stack_cache)
+        if stacked is not None and self._pipelines(dispatcher):
+            # The pipelined schedule: the experts in chunks, each chunk's rows copied back while the
+            # next computes (ds_uniep.pipelined); the same bits as the sequential schedule.
+            experts, gemm = moe.experts.deepspeed_experts, self._expert_gemm(x.device)
+
+            def run_chunk(rows, counts, a, b):
+                part = experts[a:b]
+                return run_grouped(part, rows, counts, gemm,
+                                   stacked=stack_experts(part, x.dtype, x.device, cache=self._stack_cache))
+            output = run_pipelined(dispatcher, x, expert_idx, gates, self.uniep_config.overlap.num_chunks, run_chunk)
+            return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
+                                exp_counts)
         if isinstance(dispatcher, ReferenceDispatcher):
             # With drop_tokens the reference exchanges capacity-padded buffers, as DeepSpeed does.
             cap = int(capacity) if moe.gate.drop_tokens else None
@@ -232,8 +245,12 @@ class UniEPMoE(MoE):
             y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, grouped=stacked is not None,
                             gemm=self._expert_gemm(recv.device), stacked=stacked)
         output = dispatcher.combine(y, gates, handle)
-        if tp > 1:
-            output = tp_gather(output, sizes, tp_rank, tp_group)
+        return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux, exp_counts)
+
+    def _finish(self, output: Tensor, hidden_states: Tensor, tp_sizes, tp_rank, tp_group, l_aux, exp_counts):
+        """The combined tokens back in the input's shape (gathered over TP ranks), plus PR-MoE's residual."""
+        if tp_sizes is not None:
+            output = tp_gather(output, tp_sizes, tp_rank, tp_group)
         output = output.reshape(hidden_states.shape)
 
         if self.use_residual:
@@ -255,6 +272,18 @@ class UniEPMoE(MoE):
                 raise RuntimeError(f'{self.layer_name}: "expert_gemm": "uniep" cannot run on {device}: {why}')
             self._uniep_gemm_ok.add(device)
         return "uniep"
+
+    def _pipelines(self, dispatcher) -> bool:
+        """Whether this forward runs the pipelined schedule: asked for, on the megakernel, with
+        experts that run as grouped GEMMs (the caller checked that); said once where it cannot."""
+        if self.uniep_config.overlap.schedule != "pipelined" or isinstance(dispatcher, ReferenceDispatcher):
+            return False
+        why = dispatcher.pipelines()
+        if why and self.layer_name not in _SAID_NO_PIPELINE:
+            _SAID_NO_PIPELINE.add(self.layer_name)
+            logger.warning(f"{self.layer_name}: the pipelined schedule cannot run here ({why}); running the "
+                           "sequential one (the same results)")
+        return not why
 
     def _dispatcher(self, x: Tensor):
         key = x.device
@@ -418,23 +447,31 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
         raise ValueError(f"ep_size={ep_size} is larger than the world size {torch.distributed.get_world_size()}")
 
 
-_WAITING_KNOBS = ("schedule", "num_chunks", "roles", "tile_m", "tile_n", "stages", "signal_granularity")
-"""``uniep.overlap`` knobs of the pipelined and fused schedules, which are not built yet."""
+_FUSED_KNOBS = ("roles", "tile_m", "tile_n", "stages", "signal_granularity")
+"""``uniep.overlap`` knobs of the fused schedule, which is not built yet."""
 _SAID_WAITING = set()
+_SAID_NO_PIPELINE = set()
 
 
 def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str) -> None:
-    """Warn when the ``uniep`` block sets overlap knobs that nothing acts on yet (not for
-    ``"schedule": "sequential"``, which is what runs); once per process for each setting and backend,
-    naming the first layer that met it."""
-    knobs = [k for k in _WAITING_KNOBS if k in overlap.model_fields_set
-             and not (k == "schedule" and overlap.schedule == "sequential")]
+    """Warn when the ``uniep`` block sets overlap knobs that nothing acts on: the fused schedule's
+    (and ``"schedule": "fused"`` itself), and ``schedule``/``num_chunks`` of the pipelined schedule
+    on a backend other than the megakernel; once per process for each setting and backend, naming
+    the first layer that met it."""
+    pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
+    knobs = [k for k in _FUSED_KNOBS if k in overlap.model_fields_set]
+    if "schedule" in overlap.model_fields_set and overlap.schedule != "sequential" and not pipelined_here:
+        knobs.insert(0, "schedule")
+    if "num_chunks" in overlap.model_fields_set and not pipelined_here:
+        knobs.insert(1 if knobs[:1] == ["schedule"] else 0, "num_chunks")
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
     if knobs and (said, backend) not in _SAID_WAITING:
         _SAID_WAITING.add((said, backend))
         logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
-                       "dispatch, expert GEMMs and combine in sequence (the pipelined and fused schedules are not "
-                       "built yet); results are the same under every value. Said once for every layer.")
+                       "the sequential schedule" + (" or, on the megakernel, the pipelined one" if backend ==
+                                                    "megakernel" else "") +
+                       " (the fused schedule is not built yet); results are the same under every value. Said once "
+                       "for every layer.")
 
 
 def _comm_blocks(cfg: UniEPConfig) -> Optional[int]:

@@ -338,10 +338,13 @@ class NVLinkDispatcher:
         self._peers_may_read_source = False
         #: forward dispatches whose rows were received in place / copied out of staging
         self.direct_stats = {"in_place": 0, "copied": 0}
-        #: forward combines that pulled from the source regions / pushed rows back
-        self.combine_stats = {"pulled": 0, "pushed": 0}
+        #: forward combines that pulled from the source regions / pushed rows back / ran pipelined
+        self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self._num_recv_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # R of the exact-R form
+        # every rank's counts per expert, read with R (the pipelined schedule plans its copies by them)
+        self._counts_host = torch.zeros(ep_size, num_experts, dtype=torch.int64, pin_memory=True)
+        self._comm_stream = None  # the pipelined schedule's copy-engine stream, made on first use
         self.layer_id = next(_IDS)
         self._epochs = [0] * NUM_PHASES
         _REGISTRY[self.layer_id] = self
@@ -396,6 +399,7 @@ class NVLinkDispatcher:
             # R goes to the host as soon as the counts are known; the dispatch kernel is queued
             # before the host waits, so the device stays busy while the host reads R.
             self._num_recv_host.copy_(num_recv, non_blocking=True)
+            self._counts_host.copy_(counts_all, non_blocking=True)
             counted = torch.cuda.Event()
             counted.record()
         seg_base = row_out = None
@@ -492,11 +496,32 @@ class NVLinkDispatcher:
         self._barrier()
         return self._push_and_reduce(grad_recv, None, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
 
+    def pipelines(self) -> str:
+        """Why this dispatcher cannot run the pipelined schedule (``ds_uniep.pipelined``), or ""."""
+        if self.padded_recv:
+            return "padded_recv: the host does not read the counts"
+        if self.ordering != "layout":
+            return "arrival ordering (deterministic: false)"
+        if not self.gate_grad_on_experts:
+            return "gate_grad_on_experts=False"
+        return ""
+
+    def comm_stream(self) -> torch.cuda.Stream:
+        """The side stream of the pipelined schedule's copy-engine copies."""
+        if self._comm_stream is None:
+            self._comm_stream = torch.cuda.Stream(self.device)
+        return self._comm_stream
+
     def _combine_bwd(self, grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv):
         # grad_y is a dispatch of grad_out weighted by the gates, in the same layout;
-        # grad_gates[t, j] = <grad_out[t], y row of (t, j)>.
+        # grad_gates[t, j] = <grad_out[t], y row of (t, j)>. y: [R, M], or the pipelined
+        # schedule's chunks [(first row, rows)], which get grad_y as chunks too.
         self.check()
         self._barrier()
+        chunks = y if isinstance(y, list) else None
+        if chunks is not None and not self.gate_grad_on_experts:
+            raise ValueError(f"{self.layer_name}: the pipelined schedule forms the gate gradients on the experts' "
+                             "ranks (gate_grad_on_experts=True)")
         if not self.gate_grad_on_experts:
             return self._combine_bwd_at_sources(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv)
         # Unweighted grad_out rows travel to the experts, with the gates in this rank's gates
@@ -507,11 +532,19 @@ class NVLinkDispatcher:
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
                                self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup)
-        grad_y = y.new_empty(y.shape)
         e = self._next_epoch(2)
-        self.ext.combine_bwd_rows(y, num_recv, grad_y, self.bufs.descriptor, e_disp, e, *self._wait_args(),
-                                  self.num_blocks, self.dedup)
-        grad_gates = torch.empty(T, self.k, dtype=torch.float32, device=y.device)
+        if chunks is None:
+            chunks = [(0, y)]
+        rows = chunks[-1][0] + chunks[-1][1].shape[0]
+        grad_y = chunks[0][1].new_empty(rows, self.hidden_size)
+        grad_ys = []
+        for i, (r0, y_c) in enumerate(chunks):
+            grad_ys.append(grad_y[r0:r0 + y_c.shape[0]])
+            self.ext.combine_bwd_rows(y_c, num_recv, grad_ys[-1], self.bufs.descriptor, e_disp, e,
+                                      *self._wait_args(), self.num_blocks, self.dedup, r0, i == len(chunks) - 1)
+        if isinstance(y, list):
+            grad_y = grad_ys
+        grad_gates = torch.empty(T, self.k, dtype=torch.float32, device=grad_out.device)
         self.ext.gate_collect(expert_idx, self.num_experts, grad_gates, self.bufs.descriptor, e, *self._wait_args(),
                               min(self.num_blocks, max(1, -(-gates.numel() // 1024))))
         return grad_y, grad_gates

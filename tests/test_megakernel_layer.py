@@ -5,6 +5,7 @@ order and combine in slot order in fp32, so outputs agree bit for bit; the gate
 gradient is reduced in a different (fixed) order by each, so gradients agree to
 bf16 tolerance. Megakernel runs must be bitwise identical to each other. The
 arrival-ordered megakernel (``"deterministic": false``) must agree to bf16 tolerance.
+The pipelined schedule must equal the sequential one bit for bit, for every chunk count.
 """
 import pytest
 import torch
@@ -13,47 +14,55 @@ from conftest import needs_gpus
 from dist_utils import run_distributed
 
 
-def _compare(rank, world_size):
+def _run(rank, world_size, k, T, one_expert, backend, det=True, overlap=None):
+    """One forward and backward of a fresh layer (the same weights and inputs on every call):
+    [output, x.grad, every parameter's grad], and the layer."""
     from ds_uniep import SwiGLUExpert, UniEPMoE
     M, F = 256, 512
     E = 4 * world_size
     device = torch.device("cuda", rank)
-    for k in (1, 2, 6, 8):
-        for T, one_expert in ((1, False), (19, False), (4096, False), (4096, True)):
-            runs = {}
-            for backend, det in (("reference", True), ("megakernel", True), ("megakernel", True),
-                                 ("megakernel", False)):
-                torch.manual_seed(11)
-                layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
-                                 drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
-                                 config={"backend": backend, "max_tokens_per_rank": 4096, "deterministic": det,
-                                         "overlap": {"timeout_s": 5.0}})
-                with torch.no_grad():
-                    g = torch.Generator().manual_seed(100 + rank)
-                    for p in layer.deepspeed_moe.experts.parameters():
-                        p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
-                    if one_expert:  # every token's first choice is expert E-1
-                        layer.deepspeed_moe.gate.wg.weight[E - 1] += 50.0
-                layer = layer.to(device=device, dtype=torch.bfloat16)
-                layer.deepspeed_moe.gate.wg.float()
-                layer.set_deepspeed_parallelism()
-                gx = torch.Generator(device=device).manual_seed(rank)
-                x = torch.randn(T, M, device=device, generator=gx).abs().to(torch.bfloat16).requires_grad_(True)
-                gy = torch.randn(T, M, device=device, generator=gx).to(torch.bfloat16)
-                out, l_aux, _ = layer(x)
-                torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
-                assert layer.backend_name(device) == backend
-                res = [out, x.grad] + [p.grad for p in layer.parameters()]
-                runs.setdefault(backend if det else "arrival", []).append(res)
-            ref, (mk1, mk2), arrival = runs["reference"][0], runs["megakernel"], runs["arrival"][0]
-            where = f"rank {rank} k={k} T={T} one_expert={one_expert}"
-            assert torch.equal(mk1[0], ref[0]), f"{where}: forward output differs from the reference"
-            for i, (a, b, c) in enumerate(zip(ref, mk1, mk2)):
-                assert torch.equal(b, c), f"{where}: tensor {i} of the megakernel not bitwise repeatable"
-                for mine, what in ((b, "megakernel"), (arrival[i], "arrival-ordered megakernel")):
-                    rel = ((mine.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
-                    assert rel <= 1e-2, f"{where}: tensor {i} of the {what}: relative error {rel:.3e} against " \
-                                        "the reference"
+    torch.manual_seed(11)
+    layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
+                     drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                     config={"backend": backend, "max_tokens_per_rank": 4096, "deterministic": det,
+                             "overlap": dict(timeout_s=5.0, **(overlap or {}))})
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(100 + rank)
+        for p in layer.deepspeed_moe.experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
+        if one_expert:  # every token's first choice is expert E-1
+            layer.deepspeed_moe.gate.wg.weight[E - 1] += 50.0
+    layer = layer.to(device=device, dtype=torch.bfloat16)
+    layer.deepspeed_moe.gate.wg.float()
+    layer.set_deepspeed_parallelism()
+    gx = torch.Generator(device=device).manual_seed(rank)
+    x = torch.randn(T, M, device=device, generator=gx).abs().to(torch.bfloat16).requires_grad_(True)
+    gy = torch.randn(T, M, device=device, generator=gx).to(torch.bfloat16)
+    out, l_aux, _ = layer(x)
+    torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
+    assert layer.backend_name(device) == backend
+    return [out, x.grad] + [p.grad for p in layer.parameters()], layer
+
+
+CASES = [(k, T, one) for k in (1, 2, 6, 8) for T, one in ((1, False), (19, False), (4096, False), (4096, True))]
+
+
+def _compare(rank, world_size):
+    for k, T, one_expert in CASES:
+        runs = {}
+        for backend, det in (("reference", True), ("megakernel", True), ("megakernel", True),
+                             ("megakernel", False)):
+            res, _ = _run(rank, world_size, k, T, one_expert, backend, det)
+            runs.setdefault(backend if det else "arrival", []).append(res)
+        ref, (mk1, mk2), arrival = runs["reference"][0], runs["megakernel"], runs["arrival"][0]
+        where = f"rank {rank} k={k} T={T} one_expert={one_expert}"
+        assert torch.equal(mk1[0], ref[0]), f"{where}: forward output differs from the reference"
+        for i, (a, b, c) in enumerate(zip(ref, mk1, mk2)):
+            assert torch.equal(b, c), f"{where}: tensor {i} of the megakernel not bitwise repeatable"
+            for mine, what in ((b, "megakernel"), (arrival[i], "arrival-ordered megakernel")):
+                rel = ((mine.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+                assert rel <= 1e-2, f"{where}: tensor {i} of the {what}: relative error {rel:.3e} against " \
+                                    "the reference"
 
 
 @needs_gpus(2)
@@ -62,3 +71,26 @@ def test_megakernel_layer_matches_reference(world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare, world_size, backend="nccl")
+
+
+def _compare_schedules(rank, world_size):
+    for k, T, one_expert in CASES:
+        where = f"rank {rank} k={k} T={T} one_expert={one_expert}"
+        seq, _ = _run(rank, world_size, k, T, one_expert, "megakernel", overlap={"schedule": "sequential"})
+        for chunks in (1, 2, 3, 4, 4):  # 4 twice: run to run
+            res, layer = _run(rank, world_size, k, T, one_expert, "megakernel",
+                              overlap={"schedule": "pipelined", "num_chunks": chunks})
+            stats = next(iter(layer._dispatchers.values())).combine_stats
+            assert stats["pipelined"] == 1 and stats["pushed"] == 0, f"{where}: {stats}"
+            for i, (a, b) in enumerate(zip(seq, res)):
+                assert torch.equal(a, b), f"{where} chunks={chunks}: tensor {i} differs from the sequential schedule"
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pipelined_schedule_is_bitwise_the_sequential_one(world_size):
+    """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens, all tokens to one
+    expert, 1 to 4 chunks (one per local expert)."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_distributed(_compare_schedules, world_size, backend="nccl")

@@ -60,7 +60,17 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
 // every source's gates region; dedup: that dispatch was deduplicated.
 void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
                       const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
-                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup);
+                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup,
+                      int64_t row_begin, bool raise);
+// Slot-order sums as combine_reduce, reading the rows the pipelined schedule's copy-engine pushes
+// left in this rank's combine buffer in expert order: row dest_row[t, j] + mirror_off[e] ([E] int32).
+void combine_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_row, const torch::Tensor& mirror_off,
+                    const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
+                    const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                    const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+// Copy-engine copies on the current stream: table [n, 3] CPU int64 rows of (source address,
+// destination address, bytes); addresses may be peers' symmetric memory.
+void copy_segments(const torch::Tensor& table, int64_t device_index);
 // Arrival-ordered combine (not reproducible; the baseline that measures what the fixed order
 // costs): every row of y [R, M] is added, times its pair's gate from the source's gates region
 // when weighted, into its token's fp32 row of the source's accumulator (acc: kMaxRanks region
@@ -80,6 +90,8 @@ void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::T
 // signal_adapter.cpp
 void barrier(const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns, const torch::Tensor& error_record,
              int64_t layer_id, int64_t device_index);
+// Raise `phase` = epoch on every rank (after this stream's earlier work); no wait.
+void signal_raise(const std::vector<int64_t>& sym, int64_t phase, int64_t epoch, int64_t device_index);
 
 // gemm/gemm_adapter.cpp
 // op 0 (fwd): a = x [R, K], b = w [G, N, K] -> y [R, N]; op 1 (dgrad): a = dy [R, N], b = w -> dx [R, K];

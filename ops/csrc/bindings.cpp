@@ -14,6 +14,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "push and reduce in one kernel, by chunks of source tokens (same bits as push then reduce)");
   m.def("combine_pull", &uniep::combine_pull,
         "raise and wait for every rank's pull signal, then sum each token's rows read from the ranks' source regions");
+  m.def("combine_mirror", &uniep::combine_mirror,
+        "wait, then sum each token's k rows in slot order, read where the copy-engine pushes left them");
+  m.def("copy_segments", &uniep::copy_segments, "copy-engine copies of (source, destination, bytes) segments");
   m.def("gate_grad", &uniep::gate_grad, "wait, then grad_gates[t, j] = <grad_out[t], row of (t, j)>");
   m.def("combine_bwd_rows", &uniep::combine_bwd_rows,
         "backward of combine on the expert side: grad_y rows and each pair's gate gradient, sent to its source");
@@ -26,4 +29,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("grouped_mm_config_name", &uniep::grouped_mm_config_name, "name of a grouped GEMM tile configuration");
   // signal: entry barrier over the group
   m.def("barrier", &uniep::barrier, "signal every rank and wait for all of them");
+  m.def("signal_raise", &uniep::signal_raise, "raise a phase signal on every rank, no wait");
 }

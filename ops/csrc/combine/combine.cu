@@ -120,14 +120,29 @@ __device__ __forceinline__ void reduce_token(const Rows& rows, const int* __rest
   }
 }
 
-__device__ __forceinline__ CombRows comb_rows(const SymView& s) {
+__host__ __device__ __forceinline__ CombRows comb_rows(const SymView& s) {
   return CombRows{reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.comb_off), s.comb_row_bytes / 16};
 }
 
-// One warp per token, after every rank's whole push.
-template <typename T, bool kWeighted, int kSlots>
+// MirrorRows: this rank's combine buffer filled by the copy engines in expert order (the
+// pipelined schedule): the rows of this rank's pairs of expert e sit from mirror_base[e] on, in
+// the order of the destination's layout, so the row of (t, j) is dest_row[t, j] + off[e] with
+// off[e] = mirror_base[e] - (first row of this rank's pairs of e on the destination).
+struct MirrorRows {
+  const int4* base;
+  const int* dest_row;
+  const int* off;
+  int64_t row_vecs;
+  __device__ __forceinline__ int slot(int pair, int expert) const {
+    return __ldg(dest_row + pair) + __ldg(off + expert);
+  }
+  __device__ __forceinline__ int4 load(int code, int c) const { return __ldcg(base + code * row_vecs + c); }
+};
+
+// One warp per token, after every rank's whole push (kPhaseCombine); Rows: CombRows or MirrorRows.
+template <typename T, bool kWeighted, int kSlots, typename Rows>
 __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s, uint32_t epoch, WaitPolicy w,
-                                                                      const int* __restrict__ expert_idx,
+                                                                      Rows rows, const int* __restrict__ expert_idx,
                                                                       const float* __restrict__ weights,
                                                                       int num_tokens, int k, int hidden,
                                                                       int num_experts, T* __restrict__ out) {
@@ -135,7 +150,6 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s,
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
-  const CombRows rows = comb_rows(s);
   for (int t = warp; t < num_tokens; t += num_warps)
     reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t, k, hidden, num_experts, 0,
                                        hidden / Vec<T>::kElems, lane, out);
@@ -337,16 +351,17 @@ __global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint
 template <typename T>
 __global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
     SymView s, uint32_t dispatch_epoch, uint32_t epoch, WaitPolicy w, const int* __restrict__ num_recv,
-    int y_rows, int hidden, const T* __restrict__ y, T* __restrict__ grad_y, bool dedup) {
+    int row_begin, int y_rows, int hidden, const T* __restrict__ y, T* __restrict__ grad_y, bool dedup,
+    bool raise) {
   constexpr int kElems = Vec<T>::kElems;
   if (!block_wait_all(s, w, kPhaseDispatch, dispatch_epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
-  const int R = min(*num_recv, y_rows);
+  const int R = min(*num_recv, row_begin + y_rows);
   const int num_vecs = hidden / kElems;
   const int* meta = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.meta_off);
-  for (int r = warp; r < R; r += num_warps) {
+  for (int r = row_begin + warp; r < R; r += num_warps) {
     const int pair = __ldcg(meta + r);
     const int src = static_cast<int>(pair / s.pairs_per_rank);
     float* gate_word = reinterpret_cast<float*>(s.ptrs[src] + s.gates_off) + pair % s.pairs_per_rank;
@@ -358,8 +373,8 @@ __global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
     }
     const int4* g =
         reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(from) * s.recv_row_bytes);
-    const int4* yr = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r) * hidden);
-    int4* out = reinterpret_cast<int4*>(grad_y + static_cast<int64_t>(r) * hidden);
+    const int4* yr = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r - row_begin) * hidden);
+    int4* out = reinterpret_cast<int4*>(grad_y + static_cast<int64_t>(r - row_begin) * hidden);
     float partial = 0.0f;
     for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
       int4 gv[kUnroll], yv[kUnroll];
@@ -388,7 +403,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
     for (int off = 16; off >= 1; off /= 2) partial = __fadd_rn(partial, __shfl_xor_sync(0xffffffffu, partial, off));
     if (lane == 0) *gate_word = partial;
   }
-  signal_when_grid_done(s, status_words(s) + 3, kPhaseCombine, epoch);
+  if (raise) signal_when_grid_done(s, status_words(s) + 3, kPhaseCombine, epoch);
 }
 
 // Waits for kPhaseCombine of every rank, then reads the gate gradients the expert ranks left
@@ -499,7 +514,27 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
       UNIEP_SWITCH_SLOTS(k, kSlots, {
         combine_reduce_kernel<T, kWeighted, kSlots><<<num_blocks, kCopyThreads, 0, stream>>>(
-            sym, epoch, wait, expert_idx, weights, num_tokens, k, hidden, num_experts, static_cast<T*>(out));
+            sym, epoch, wait, comb_rows(sym), expert_idx, weights, num_tokens, k, hidden, num_experts,
+            static_cast<T*>(out));
+      });
+    });
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_combine_mirror(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                  const int* dest_row, const int* mirror_off, const int* expert_idx,
+                                  const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
+                                  int num_blocks, cudaStream_t stream) {
+  if (num_blocks <= 0 || k <= 0) return cudaErrorInvalidValue;
+  const CombRows comb = comb_rows(sym);
+  const MirrorRows rows{comb.base, dest_row, mirror_off, comb.row_vecs};
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
+      UNIEP_SWITCH_SLOTS(k, kSlots, {
+        combine_reduce_kernel<T, kWeighted, kSlots><<<num_blocks, kCopyThreads, 0, stream>>>(
+            sym, epoch, wait, rows, expert_idx, weights, num_tokens, k, hidden, num_experts, static_cast<T*>(out));
       });
     });
   });
@@ -561,14 +596,15 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
 }
 
 cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t dispatch_epoch, uint32_t epoch,
-                                    const WaitPolicy& wait, const int* num_recv, int y_rows, int hidden,
-                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream, bool dedup) {
-  if (num_blocks <= 0) return cudaErrorInvalidValue;
+                                    const WaitPolicy& wait, const int* num_recv, int row_begin, int y_rows,
+                                    int hidden, const void* y, void* grad_y, int num_blocks, cudaStream_t stream,
+                                    bool dedup, bool raise) {
+  if (num_blocks <= 0 || row_begin < 0) return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
-    combine_bwd_rows_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(sym, dispatch_epoch, epoch, wait, num_recv,
-                                                                        y_rows, hidden, static_cast<const T*>(y),
-                                                                        static_cast<T*>(grad_y), dedup);
+    combine_bwd_rows_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(
+        sym, dispatch_epoch, epoch, wait, num_recv, row_begin, y_rows, hidden, static_cast<const T*>(y),
+        static_cast<T*>(grad_y), dedup, raise);
   });
   return cudaGetLastError();
 }

@@ -35,6 +35,14 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
                                    int num_chunks, cudaStream_t stream);
 
+// As launch_combine_reduce, reading the row of (t, j) from this rank's combine buffer at
+// dest_row[t, j] + mirror_off[expert_idx[t, j]] (mirror_off [E] int32): the buffer the
+// pipelined schedule's copy-engine pushes fill in expert order (see MirrorRows).
+cudaError_t launch_combine_mirror(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
+                                  const int* dest_row, const int* mirror_off, const int* expert_idx,
+                                  const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
+                                  int num_blocks, cudaStream_t stream);
+
 // Raises kPhasePull on every rank and waits for every rank's, then out as launch_combine_reduce,
 // reading the row of (t, j) from rank d = expert_idx[t, j] / L's source region at row
 // dest_row[t, j]: source_ptrs[d] (kMaxRanks entries) is the base of rank d's region, rows of
@@ -56,12 +64,14 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
 // kPhaseDispatch of every rank, then for each of the first R = min(*num_recv, y_rows) received
 // rows r of pair (t, j): grad_y[r] = cast(gates[t, j] * float(row)) (the bits of a weighted
 // dispatch) and the source's gates word of the pair becomes <row, y[r]> (gate_grad's sum);
-// raises kPhaseCombine (epoch) on every rank. dedup: the dispatch was deduplicated (a row whose
-// dup word names another row reads that one).
+// raises kPhaseCombine (epoch) on every rank when `raise`. dedup: the dispatch was deduplicated
+// (a row whose dup word names another row reads that one). y and grad_y may hold only the rows
+// [row_begin, row_begin + y_rows) (chunks of the pipelined schedule: one launch per chunk, the
+// last one raising).
 cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t dispatch_epoch, uint32_t epoch,
-                                    const WaitPolicy& wait, const int* num_recv, int y_rows, int hidden,
-                                    const void* y, void* grad_y, int num_blocks, cudaStream_t stream,
-                                    bool dedup);
+                                    const WaitPolicy& wait, const int* num_recv, int row_begin, int y_rows,
+                                    int hidden, const void* y, void* grad_y, int num_blocks, cudaStream_t stream,
+                                    bool dedup, bool raise);
 
 // Waits for kPhaseCombine of every rank, then grad_gates[p] = this rank's gates word p for a kept
 // pair, 0 for a dropped one (p < num_pairs = T * k).

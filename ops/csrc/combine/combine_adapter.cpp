@@ -121,6 +121,46 @@ void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row
                                          c10::cuda::getCurrentCUDAStream()));
 }
 
+void combine_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_row, const torch::Tensor& mirror_off,
+                    const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
+                    const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                    const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  check_routing_and_out(expert_idx, out);
+  UNIEP_CHECK_INPUT(dest_row);
+  UNIEP_CHECK_INPUT(mirror_off);
+  UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
+  UNIEP_CHECK_DTYPE(mirror_off, torch::kInt32);
+  TORCH_CHECK(dest_row.sizes() == expert_idx.sizes(), "dest_row must have expert_idx's shape");
+  UNIEP_CHECK_SHAPE(mirror_off, num_experts);
+  const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(out.size(1) * static_cast<int64_t>(out.element_size()) == s.comb_row_bytes, "out rows are ",
+              out.size(1) * out.element_size(), " bytes, the combine buffer's ", s.comb_row_bytes);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  const float* wp = optional_weights(weights, expert_idx);
+  const c10::cuda::CUDAGuard guard(out.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_mirror(dtype_of(out), s, static_cast<uint32_t>(epoch), w,
+                                           dest_row.data_ptr<int>(), mirror_off.data_ptr<int>(),
+                                           expert_idx.data_ptr<int>(), wp, static_cast<int>(out.size(0)),
+                                           static_cast<int>(expert_idx.size(1)), static_cast<int>(out.size(1)),
+                                           static_cast<int>(num_experts), out.data_ptr(),
+                                           static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
+}
+
+void copy_segments(const torch::Tensor& table, int64_t device_index) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
+                  table.size(1) == 3 && table.is_contiguous(),
+              "table must be a contiguous CPU int64 [n, 3] tensor of (source address, destination address, bytes)");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* row = table.data_ptr<int64_t>();
+  for (int64_t i = 0; i < table.size(0); ++i, row += 3) {
+    TORCH_CHECK(row[0] != 0 && row[1] != 0 && row[2] >= 0, "copy_segments: bad segment ", i);
+    if (row[2] == 0) continue;
+    UNIEP_CHECK_LAUNCH(cudaMemcpyAsync(reinterpret_cast<void*>(row[1]), reinterpret_cast<const void*>(row[0]),
+                                       static_cast<size_t>(row[2]), cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
@@ -147,15 +187,17 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
 
 void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
                       const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
-                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup) {
+                      const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup,
+                      int64_t row_begin, bool raise) {
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(num_recv);
   UNIEP_CHECK_INPUT(grad_y);
   UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
   const SymView s = sym_from_descriptor(sym);
   const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
-  TORCH_CHECK(y.dim() == 2 && y.size(0) <= s.recv_rows, "y must be [R, M] with R <= R_max = ", s.recv_rows,
-              ", got ", y.sizes());
+  TORCH_CHECK(y.dim() == 2 && row_begin >= 0 && row_begin + y.size(0) <= s.recv_rows,
+              "y must be rows [row_begin, row_begin + rows) of at most R_max = ", s.recv_rows, ", got ", y.sizes(),
+              " from row ", row_begin);
   TORCH_CHECK(grad_y.sizes() == y.sizes() && grad_y.scalar_type() == y.scalar_type(),
               "grad_y must have y's shape and dtype");
   TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.recv_row_bytes, "y rows are ",
@@ -163,9 +205,10 @@ void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, tor
   const c10::cuda::CUDAGuard guard(y.device());
   UNIEP_CHECK_LAUNCH(launch_combine_bwd_rows(dtype_of(y), s, static_cast<uint32_t>(dispatch_epoch),
                                              static_cast<uint32_t>(epoch), w, num_recv.data_ptr<int>(),
-                                             static_cast<int>(y.size(0)), static_cast<int>(y.size(1)), y.data_ptr(),
-                                             grad_y.data_ptr(), static_cast<int>(num_blocks),
-                                             c10::cuda::getCurrentCUDAStream(), dedup));
+                                             static_cast<int>(row_begin), static_cast<int>(y.size(0)),
+                                             static_cast<int>(y.size(1)), y.data_ptr(), grad_y.data_ptr(),
+                                             static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream(), dedup,
+                                             raise));
 }
 
 void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::Tensor& grad_gates,

@@ -11,7 +11,19 @@ __global__ void barrier_kernel(SymView s, uint32_t epoch, WaitPolicy w) {
   block_wait_all(s, w, kPhaseBarrier, epoch);
 }
 
+__global__ void raise_kernel(SymView s, int phase, uint32_t epoch) {
+  if (poisoned(s)) return;
+  __threadfence_system();
+  if (threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, phase, epoch);
+}
+
 }  // namespace
+
+cudaError_t launch_raise(const SymView& sym, int phase, uint32_t epoch, cudaStream_t stream) {
+  if (phase < 0 || phase >= kNumPhases) return cudaErrorInvalidValue;
+  raise_kernel<<<1, 32, 0, stream>>>(sym, phase, epoch);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_barrier(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, cudaStream_t stream) {
   barrier_kernel<<<1, 32, 0, stream>>>(sym, epoch, wait);

@@ -12,4 +12,8 @@ namespace uniep {
 // Stream order makes it cover all earlier work of this rank on the stream.
 cudaError_t launch_barrier(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, cudaStream_t stream);
 
+// Raises `phase` = epoch on every rank after this stream's earlier work (copy-engine copies
+// included: they finish before the kernel starts); waits for nothing.
+cudaError_t launch_raise(const SymView& sym, int phase, uint32_t epoch, cudaStream_t stream);
+
 }  // namespace uniep

@@ -1,0 +1,108 @@
+"""The pipelined schedule's copy plan (``ds_uniep.pipelined.MirrorPlan``) on the CPU: every
+(expert, source) segment copied by the plan lands where the source's slot-order sum reads it.
+
+The copies are simulated in numpy on byte buffers: each rank's expert outputs are rows whose
+value names the (source, token, slot) pair, laid out as ``ds_uniep.layout`` places them; after
+every rank's chunks are "copied", each source reads the row of its pair (t, j) at
+``dest_row[t, j] + mirror_off[e]`` and must find its own pair id."""
+
+import numpy as np
+import pytest
+import torch
+
+from ds_uniep.layout import build_layout, expert_counts
+from ds_uniep.pipelined import MirrorPlan, _chunks
+
+ROW = 8  # bytes per simulated row: one int64 pair id
+
+
+def _routing(G, T, k, E, seed, skew=False):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(G):
+        if skew:  # every token of this rank to the first k experts: other experts get no rows
+            idx = torch.arange(k).repeat(T, 1)
+        else:
+            idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) if T else \
+                torch.empty(0, k, dtype=torch.long)
+        drop = torch.rand(idx.shape, generator=g) < 0.1
+        out.append(torch.where(drop, torch.full_like(idx, -1), idx))
+    return out
+
+
+def _simulate(G, T, k, E, num_chunks, seed, skew=False):
+    routing = _routing(G, T, k, E, seed, skew)
+    counts = torch.stack([expert_counts(r, E) for r in routing])
+    layouts = [build_layout(routing[r], counts, r) for r in range(G)]
+    L = E // G
+    cap = T * k
+    mirrors = np.full((G, cap), -1, dtype=np.int64)  # each rank's combine buffer, rows of ROW bytes
+    base = 1 << 20  # fake addresses: rank r's buffer at (r + 1) * base
+    bases = [(r + 1) * base for r in range(G)]
+    plans = [MirrorPlan(counts.numpy(), d, num_chunks, ROW, bases) for d in range(G)]
+    for d in range(G):
+        # the expert outputs of rank d, in its layout order: the pair id of each received row
+        R = int(layouts[d].local_expert_counts.sum())
+        rows = np.full(R, -1, dtype=np.int64)
+        for s in range(G):
+            lay = layouts[s]
+            for t in range(routing[s].shape[0]):
+                for j in range(k):
+                    e = int(routing[s][t, j])
+                    if e >= 0 and e // L == d:
+                        rows[int(lay.dest_row[t, j])] = s * cap + t * k + j
+        assert (rows >= 0).all()
+        plan = plans[d]
+        assert plan.rows == R
+        covered = 0
+        assert plan.chunks[0][2] == 0 and plan.chunks[-1][3] == R
+        for c, (a, b, r0, r1) in enumerate(plan.chunks):
+            if c:
+                assert plan.chunks[c - 1][1] == a and plan.chunks[c - 1][3] == r0
+            for src_row, dst, nbytes in plan.segments[c]:
+                owner, off = divmod(int(dst), base)
+                owner -= 1
+                n = int(nbytes) // ROW
+                assert 0 <= src_row and r0 + src_row + n <= r1
+                dst_row = off // ROW
+                assert (mirrors[owner, dst_row:dst_row + n] == -1).all(), "two segments overlap"
+                mirrors[owner, dst_row:dst_row + n] = rows[r0 + src_row:r0 + src_row + n]
+                covered += n
+        assert covered == R
+    for s in range(G):
+        off = plans[s].mirror_off
+        for t in range(routing[s].shape[0]):
+            for j in range(k):
+                e = int(routing[s][t, j])
+                if e >= 0:
+                    pos = int(layouts[s].dest_row[t, j]) + int(off[e])
+                    assert mirrors[s, pos] == s * cap + t * k + j
+    return plans
+
+
+@pytest.mark.parametrize("G,T,k,E", [(2, 19, 2, 4), (4, 33, 6, 16), (4, 1, 8, 32), (2, 0, 1, 2), (4, 40, 1, 8)])
+@pytest.mark.parametrize("num_chunks", [1, 2, 3, 8])
+def test_every_segment_lands_where_the_source_reads_it(G, T, k, E, num_chunks):
+    _simulate(G, T, k, E, num_chunks, seed=G * 100 + T + num_chunks)
+
+
+def test_experts_without_rows_and_all_tokens_to_few_experts():
+    for num_chunks in (2, 4):
+        plans = _simulate(4, 25, 2, 16, num_chunks, seed=7, skew=True)
+        assert all(len(p.chunks) == 1 for p in plans[1:])  # ranks 1-3 receive no rows: one empty chunk
+
+
+def test_chunks_cut_by_rows_and_never_empty():
+    assert _chunks(np.array([5, 5, 5, 5]), 2) == [(0, 2, 0, 10), (2, 4, 10, 20)]
+    assert _chunks(np.array([5, 5, 5, 5]), 4) == [(0, 1, 0, 5), (1, 2, 5, 10), (2, 3, 10, 15), (3, 4, 15, 20)]
+    assert _chunks(np.array([0, 0, 0]), 3) == [(0, 3, 0, 0)]
+    assert _chunks(np.array([9, 0, 0, 1]), 2) == [(0, 4, 0, 10)] or _chunks(np.array([9, 0, 0, 1]), 2) == \
+        [(0, 1, 0, 9), (1, 4, 9, 10)]
+    for counts in (np.array([0, 3, 0, 0, 4, 0]), np.array([1] * 16), np.array([0, 0, 7]), np.array([7, 0, 0])):
+        for n in (1, 2, 3, 5, 16):
+            ch = _chunks(counts, n)
+            assert ch[0][0] == 0 and ch[-1][1] == len(counts) and ch[-1][3] == counts.sum()
+            assert len(ch) <= max(1, n)
+            assert all(a < b for a, b, _, _ in ch)
+            assert all(r1 > r0 for _, _, r0, r1 in ch) or len(ch) == 1
+            assert all(ch[i][1] == ch[i + 1][0] and ch[i][3] == ch[i + 1][2] for i in range(len(ch) - 1))
