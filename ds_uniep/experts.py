@@ -211,7 +211,7 @@ def stack_experts(experts: Sequence[nn.Module], dtype: torch.dtype, device: torc
             if tensors[f"{projs[0]}.{what}"][0] is not None:
                 plans[gemm, what] = _stack_plan([[tensors[f"{p}.{what}"][g] for p in projs] for g in range(n)])
     if key is not None:
-        if len(cache) >= 8:  # parameters moved again and again: keep the newest few
+        if len(cache) >= 72:  # parameters moved again and again (chunks of the pipelined schedule: one each)
             cache.clear()
         cache[key] = plans
     return _stack_with(plans, lambda name, g: tensors[f"{name[0]}.{name[1]}"][g])
@@ -282,12 +282,13 @@ GEMMS = ("torch", "uniep")
 
 def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
                 params: Optional[Sequence[Dict[str, Tensor]]] = None,
-                stacked: Optional[StackedExperts] = None) -> Tensor:
+                stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None) -> Tensor:
     """All groups as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [G]`` rows per group; group ``g``
     runs expert ``experts[g]`` with its own parameters, or, given ``params`` (``G`` dicts of
     ``named_parameters`` form, e.g. gathered replicas), the module of ``experts[0]``'s kind with
     ``params[g]``; ``stacked``: those already stacked by :func:`stack_experts`. ``gemm``: one of
-    :data:`GEMMS` (the same GEMMs and elementwise ops on either)."""
+    :data:`GEMMS` (the same GEMMs and elementwise ops on either). ``offs``: the ``[G]`` int32 row ends
+    on the device when the caller has them (else computed from ``counts``)."""
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     if stacked is None:
@@ -298,7 +299,8 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     if groups != counts.numel():
         raise ValueError(f"{counts.numel()} row counts for {groups} expert groups")
     counts = counts.to(recv.device)
-    offs = torch.cumsum(counts, 0).to(torch.int32)
+    if offs is None:
+        offs = torch.cumsum(counts, 0).to(torch.int32)
 
     def linear(x, proj):
         return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm)

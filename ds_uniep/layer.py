@@ -223,9 +223,9 @@ class UniEPMoE(MoE):
             # next computes (ds_uniep.pipelined); the same bits as the sequential schedule.
             experts, gemm = moe.experts.deepspeed_experts, self._expert_gemm(x.device)
 
-            def run_chunk(rows, counts, a, b):
+            def run_chunk(rows, counts, offs, a, b):
                 part = experts[a:b]
-                return run_grouped(part, rows, counts, gemm,
+                return run_grouped(part, rows, counts, gemm, offs=offs,
                                    stacked=stack_experts(part, x.dtype, x.device, cache=self._stack_cache))
             output = run_pipelined(dispatcher, x, expert_idx, gates, self.uniep_config.overlap.num_chunks, run_chunk)
             return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,

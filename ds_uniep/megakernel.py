@@ -344,7 +344,7 @@ class NVLinkDispatcher:
         self._num_recv_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # R of the exact-R form
         # every rank's counts per expert, read with R (the pipelined schedule plans its copies by them)
         self._counts_host = torch.zeros(ep_size, num_experts, dtype=torch.int64, pin_memory=True)
-        self._comm_stream = None  # the pipelined schedule's copy-engine stream, made on first use
+        self._comm_streams = None  # the pipelined schedule's copy-engine streams, made on first use
         self.layer_id = next(_IDS)
         self._epochs = [0] * NUM_PHASES
         _REGISTRY[self.layer_id] = self
@@ -506,11 +506,11 @@ class NVLinkDispatcher:
             return "gate_grad_on_experts=False"
         return ""
 
-    def comm_stream(self) -> torch.cuda.Stream:
-        """The side stream of the pipelined schedule's copy-engine copies."""
-        if self._comm_stream is None:
-            self._comm_stream = torch.cuda.Stream(self.device)
-        return self._comm_stream
+    def comm_stream(self, dst: int) -> torch.cuda.Stream:
+        """The side stream of the pipelined schedule's copy-engine copies to rank ``dst``."""
+        if self._comm_streams is None:
+            self._comm_streams = [torch.cuda.Stream(self.device) for _ in range(self.ep_size)]
+        return self._comm_streams[dst]
 
     def _combine_bwd(self, grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv):
         # grad_y is a dispatch of grad_out weighted by the gates, in the same layout;

@@ -24,7 +24,7 @@ that run as grouped GEMMs; the layer falls back to the sequential schedule, sayi
 they do not.
 """
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -62,7 +62,10 @@ class MirrorPlan:
         self.rows = int(per_expert.sum())
         self.row_bytes = row_bytes
         self.chunks = _chunks(per_expert, num_chunks)
-        # per chunk: (row in the chunk, destination address, bytes) of each non-empty segment
+        #: each chunk's row ends per expert (grouped GEMM offsets), all chunks concatenated, int32
+        self.offs = np.concatenate([np.cumsum(per_expert[a:b]) for a, b, _, _ in self.chunks]).astype(np.int32)
+        # per chunk: (row in the chunk, destination address, bytes, destination rank) of each
+        # non-empty segment
         self.segments: List[np.ndarray] = []
         bases = np.asarray(list(bases), dtype=np.int64)
         for a, b, r0, _ in self.chunks:
@@ -70,15 +73,19 @@ class MirrorPlan:
             l_idx = l_idx + a
             n = mine[s_idx, l_idx]
             seg = np.stack([seg_start[s_idx, l_idx] - r0, bases[s_idx] + prefix[s_idx, rank * L + l_idx] * row_bytes,
-                            n * row_bytes], axis=1) if len(n) else np.zeros((0, 3), dtype=np.int64)
+                            n * row_bytes, s_idx], axis=1) if len(n) else np.zeros((0, 4), dtype=np.int64)
             self.segments.append(seg.astype(np.int64))
 
-    def table(self, chunk: int, rows: Tensor) -> Tensor:
-        """``[n, 3]`` CPU int64 (source address, destination address, bytes) of ``chunk``'s segments
-        read from ``rows`` (the chunk's rows, consecutive)."""
-        seg = self.segments[chunk].copy()
-        seg[:, 0] = rows.data_ptr() + seg[:, 0] * self.row_bytes
-        return torch.from_numpy(seg)
+    def tables(self, chunk: int, rows: Tensor) -> Dict[int, Tensor]:
+        """Per destination rank, ``[n, 3]`` CPU int64 (source address, destination address, bytes) of
+        ``chunk``'s segments read from ``rows`` (the chunk's rows, consecutive)."""
+        seg = self.segments[chunk]
+        src = rows.data_ptr() + seg[:, 0] * self.row_bytes
+        out = {}
+        for dst in np.unique(seg[:, 3]):
+            mask = seg[:, 3] == dst
+            out[int(dst)] = torch.from_numpy(np.stack([src[mask], seg[mask, 1], seg[mask, 2]], axis=1))
+        return out
 
 
 def _chunks(per_expert: np.ndarray, num_chunks: int) -> List[Tuple[int, int, int, int]]:
@@ -123,7 +130,13 @@ class PipelinedCall:
         d = self.d
         self.plan = MirrorPlan(counts, d.rank, self.num_chunks, d.bufs.comb_row_bytes,
                                [p + d.bufs.offsets["comb"] for p in d.bufs.descriptor[:d.ep_size]])
-        self.mirror_off = torch.from_numpy(self.plan.mirror_off).pin_memory().to(d.device, non_blocking=True)
+        host = torch.from_numpy(np.concatenate([self.plan.mirror_off, self.plan.offs])).pin_memory()
+        both = host.to(d.device, non_blocking=True)
+        self.mirror_off = both[:len(self.plan.mirror_off)]
+        self.offs, start = [], len(self.plan.mirror_off)
+        for a, b, _, _ in self.plan.chunks:
+            self.offs.append(both[start:start + b - a])
+            start += b - a
 
     def push(self, chunk: int, rows: Tensor, backward: bool) -> None:
         """Copy ``chunk``'s rows (forward: expert outputs; backward: input gradients) into their
@@ -135,11 +148,13 @@ class PipelinedCall:
         rows = rows.contiguous()
         ready = torch.cuda.Event()
         ready.record()
-        comm = d.comm_stream()
-        comm.wait_event(ready)
-        with torch.cuda.stream(comm):
-            d.ext.copy_segments(self.plan.table(chunk, rows), d.device.index)
-        rows.record_stream(comm)
+        # One stream per destination rank: copies to different ranks run on different copy engines.
+        for dst, table in self.plan.tables(chunk, rows).items():
+            comm = d.comm_stream(dst)
+            comm.wait_event(ready)
+            with torch.cuda.stream(comm):
+                d.ext.copy_segments(table, d.device.index)
+            rows.record_stream(comm)
         self.pushed[backward].add(chunk)
 
     def reduce(self, expert_idx: Tensor, dest_row: Tensor, weights: Optional[Tensor], dtype: torch.dtype) -> Tensor:
@@ -147,10 +162,18 @@ class PipelinedCall:
         token's k rows in slot order from this rank's combine buffer."""
         d = self.d
         e = d._next_epoch(_PHASE_COMBINE)
-        comm = d.comm_stream()
-        comm.wait_stream(torch.cuda.current_stream(d.device))
+        comm = d.comm_stream(d.rank)
+        compute = torch.cuda.current_stream(d.device)
+        comm.wait_stream(compute)
+        for dst in range(d.ep_size):  # every rank's copies, then the signal
+            if dst != d.rank:
+                comm.wait_stream(d.comm_stream(dst))
         with torch.cuda.stream(comm):
             d.ext.signal_raise(d.bufs.descriptor, _PHASE_COMBINE, e, d.device.index)
+        # The summing kernel waits on the device for every rank's signal, this rank's included: it
+        # starts only once this rank's own signal is up, or its waiting blocks could hold every SM
+        # while the signal's kernel waits for one.
+        compute.wait_stream(comm)
         out = torch.empty(expert_idx.shape[0], d.hidden_size, dtype=dtype, device=d.device)
         d.ext.combine_mirror(expert_idx, dest_row, self.mirror_off, weights, d.num_experts, out, d.bufs.descriptor, e,
                              *d._wait_args(), d.num_blocks)
@@ -224,9 +247,10 @@ class _CombineChunksFn(torch.autograd.Function):
 
 
 def run_pipelined(dispatcher, x: Tensor, expert_idx: Tensor, gates: Tensor, num_chunks: int,
-                  run_chunk: Callable[[Tensor, Tensor, int, int], Tensor]) -> Tensor:
+                  run_chunk: Callable[[Tensor, Tensor, Tensor, int, int], Tensor]) -> Tensor:
     """Dispatch ``x [T, M]`` by ``expert_idx [T, k]`` (-1 dropped), run the local experts chunk by
-    chunk (``run_chunk(rows, counts, first_expert, end_expert) -> outputs``), each chunk's outputs
+    chunk (``run_chunk(rows, counts, offs, first_expert, end_expert) -> outputs``; ``offs``: the
+    chunk's row ends per expert, int32 on the device), each chunk's outputs
     copied back to their sources while the next computes, and combine with ``gates [T, k]``."""
     d = dispatcher
     T, k = expert_idx.shape
@@ -238,7 +262,7 @@ def run_pipelined(dispatcher, x: Tensor, expert_idx: Tensor, gates: Tensor, num_
     *chunks, local_counts = _DispatchChunksFn.apply(x.contiguous(), idx, call)
     ys = []
     for c, ((a, b, _, _), rows) in enumerate(zip(call.plan.chunks, chunks)):
-        y = run_chunk(_PushBackFn.apply(rows, call, c), local_counts[a:b], a, b).contiguous()
+        y = run_chunk(_PushBackFn.apply(rows, call, c), local_counts[a:b], call.offs[c], a, b).contiguous()
         call.push(c, y.detach(), backward=False)
         ys.append(y)
     return _CombineChunksFn.apply(gates.float().contiguous(), call, *ys)

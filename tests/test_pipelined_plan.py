@@ -59,9 +59,16 @@ def _simulate(G, T, k, E, num_chunks, seed, skew=False):
         for c, (a, b, r0, r1) in enumerate(plan.chunks):
             if c:
                 assert plan.chunks[c - 1][1] == a and plan.chunks[c - 1][3] == r0
-            for src_row, dst, nbytes in plan.segments[c]:
+            tables = plan.tables(c, torch.empty(0))
+            assert sum(len(t) for t in tables.values()) == len(plan.segments[c])
+            for dst_rank, t in tables.items():  # one table per destination rank, addresses read from `rows`
+                assert all(int(a) // base - 1 == dst_rank for a in t[:, 1])
+            a_off = plan.offs[sum(b_ - a_ for a_, b_, _, _ in plan.chunks[:c]):][:b - a]
+            assert list(a_off) == list(np.cumsum(layouts[d].local_expert_counts.numpy()[a:b]))
+            for src_row, dst, nbytes, dst_rank in plan.segments[c]:
                 owner, off = divmod(int(dst), base)
                 owner -= 1
+                assert owner == dst_rank
                 n = int(nbytes) // ROW
                 assert 0 <= src_row and r0 + src_row + n <= r1
                 dst_row = off // ROW
