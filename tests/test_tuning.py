@@ -80,29 +80,39 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     shape = preset_shape("mixtral-like", 4)
     design = Space(shape, h200, 4)
     mk = design.for_backend("megakernel")
-    assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("num_comm_sms", "dispatch_dtype")
-    assert mk.fixed_knobs() == dict(schedule="sequential", num_chunks=1, roles="partitioned", tile_m=64, tile_n=64,
-                                    stages=2, signal_granularity="tile")
+    assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("schedule", "num_chunks", "num_comm_sms",
+                                                               "dispatch_dtype")
+    assert mk.fixed_knobs() == dict(roles="partitioned", tile_m=64, tile_n=64, stages=2, signal_granularity="tile")
     plans = mk.enumerate()
+    seq = [p for p in plans if p.schedule == "sequential"]
+    pipe = [p for p in plans if p.schedule == "pipelined"]
+    assert len(seq) + len(pipe) == len(plans)  # never the fused schedule, which is not built
     # Every SM count up to the whole GPU (the sequential copy kernels run alone), exact dispatch only.
-    assert [p.num_comm_sms for p in plans] == [16, 24, 32, 48, 64, 80, 96, 132]
-    assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16) == mk.baseline() for p in plans)
-    assert mk.baseline() in plans and len(mk.table()) == 16  # the 8 FP8 plans are rejected ...
-    assert all("numerics change not allowed" in r for _, r in mk.table() if r)
+    assert [p.num_comm_sms for p in seq] == [16, 24, 32, 48, 64, 80, 96, 132]
+    # Pipelined: 2 and 4 chunks, every SM count but the whole GPU (its copy kernels share the GPU).
+    assert sorted((p.num_chunks, p.num_comm_sms) for p in pipe) == [(c, n) for c in (2, 4) for n in
+                                                                     (16, 24, 32, 48, 64, 80, 96)]
+    assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1)
+               == mk.baseline() for p in plans)
+    assert mk.baseline() in plans and len(mk.table()) == 2 * (8 + 2 * 8)  # the FP8 plans are rejected ...
+    assert all("numerics change not allowed" in r or "SM budget" in r for _, r in mk.table() if r)
     allowed = Space(shape, h200, 4, allow_numerics_change=True, backend="megakernel")
-    assert len(allowed.enumerate()) == 16  # ... unless numerics may change
+    assert len(allowed.enumerate()) == 2 * len(plans)  # ... unless numerics may change
     # Capped by the GPU's SM count; FP8 rows need M divisible by 128 on the megakernel only.
     assert comm_sms_values(114) == (16, 24, 32, 48, 64, 80, 96, 114) and comm_sms_values(20) == (16, 20)
     odd = Shape(T=64, M=96, F=64, E=4, k=2)
     small = Space(odd, GPUInfo("small", 20, 96 * 1024), allow_numerics_change=True, backend="megakernel")
-    assert [(p.num_comm_sms, p.dispatch_dtype) for p in small.enumerate()] == [(16, "activation"),
-                                                                               (20, "activation")]
+    assert [(p.num_comm_sms, p.dispatch_dtype) for p in small.enumerate() if p.schedule == "sequential"] == [
+        (16, "activation"), (20, "activation")]
     assert "FP8 rows need the hidden size divisible by 128: M=96" in small.check(small.baseline().replace(
         dispatch_dtype="fp8_e4m3"))
     ref = Space(odd, GPUInfo("small", 20, 96 * 1024), allow_numerics_change=True, backend="reference")
     assert [p.dispatch_dtype for p in ref.enumerate()] == ["activation", "fp8_e4m3"]
-    # Projection: the configured plan runs as the space's point with the same acting knobs.
+    # Projection: the configured plan runs as the space's point with the same acting knobs (the fused
+    # schedule, not built, as the sequential one).
     assert mk.project(Plan(schedule="fused", num_comm_sms=20, tile_m=256)) == mk.baseline().replace(num_comm_sms=20)
+    assert mk.project(Plan(schedule="pipelined", num_chunks=4, tile_m=256)) == mk.baseline().replace(
+        schedule="pipelined", num_chunks=4, num_comm_sms=20)
     assert design.project(Plan(tile_m=256)) == Plan(tile_m=256)
     # The reference backend has no symmetric buffer: max_tokens_per_rank does not bind it.
     big = Shape(T=9000, M=64, F=64, E=8, k=2)
@@ -314,12 +324,13 @@ def test_autotune_block_parses_and_drives_tuning(tmp_path):
     calls = []
     r = tune_from_config(cfg, SHAPE, _fake_runner({}, calls), gpu=GPU, progress=False,
                          values=dict(num_comm_sms=(16, 32)))
-    # The megakernel acts on num_comm_sms and dispatch_dtype only: the configured pipelined plan runs
-    # as the sequential plan with its 16 communication SMs, and that is the default plan timed.
-    assert r.default_plan == Plan("sequential", 1, 16, **SMALL) and r.default_ms is not None
-    assert {(p.num_comm_sms, p.dispatch_dtype) for p in calls} == {(16, "activation"), (32, "activation"),
-                                                                  (16, "fp8_e4m3"), (32, "fp8_e4m3")}
-    assert {(p.schedule, p.tile_m, p.tile_n, p.stages) for p in calls} == {("sequential", 64, 64, 2)}
+    # The megakernel acts on the schedule, num_chunks, num_comm_sms and dispatch_dtype: the configured
+    # pipelined plan (4 chunks, 16 communication SMs, the baseline's tiles) is the default plan timed.
+    assert r.default_plan == Plan("pipelined", 4, 16, **SMALL) and r.default_ms is not None
+    assert {(p.schedule, p.num_chunks, p.num_comm_sms, p.dispatch_dtype) for p in calls} == {
+        (sched, c, n, dt) for sched, c in (("sequential", 1), ("pipelined", 2), ("pipelined", 4))
+        for n in (16, 32) for dt in ("activation", "fp8_e4m3")}
+    assert {(p.tile_m, p.tile_n, p.stages) for p in calls} == {(64, 64, 2)}
     assert len(calls) == 2 * len(set(calls))  # warmup 0, repeats 2
     assert os.path.dirname(r.cache_file) == str(tmp_path / "c")
     # max_tokens_per_rank sizes the buffer: a larger T cannot be tuned at all.

@@ -19,11 +19,12 @@ Two kinds of space:
   knobs that backend acts on today (:data:`ACTING_KNOBS`) are walked; every
   other knob is fixed at the sequential baseline's value (:meth:`Space.fixed_knobs`).
   This is what the tuner times, so it never spends time on plans that run the
-  same code. The megakernel backend runs dispatch, grouped GEMM and combine in
-  sequence and acts on ``num_comm_sms`` (the block count of its dispatch and
-  combine copy kernels) and ``dispatch_dtype``; ``schedule``, ``num_chunks``,
-  ``roles``, ``tile_m``, ``tile_n``, ``stages`` and ``signal_granularity``
-  become searchable when the fused schedule (own GEMM, tile-level overlap) lands.
+  same code. The megakernel backend acts on ``schedule`` (``sequential`` or
+  ``pipelined``: :data:`BUILT_SCHEDULES`), ``num_chunks`` (of the pipelined
+  schedule), ``num_comm_sms`` (the block count of its dispatch and combine copy
+  kernels) and ``dispatch_dtype``; ``roles``, ``tile_m``, ``tile_n``, ``stages``
+  and ``signal_granularity`` become searchable when the fused schedule (own GEMM,
+  tile-level overlap) lands.
   The reference backend acts on ``dispatch_dtype`` only.
 """
 
@@ -73,13 +74,20 @@ COMM_SMS_VALUES = (16, 24, 32, 48, 64, 80, 96, 132)
 """``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
 
 ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
-    "megakernel": ("num_comm_sms", "dispatch_dtype"),
+    "megakernel": ("schedule", "num_chunks", "num_comm_sms", "dispatch_dtype"),
     "reference": ("dispatch_dtype",),
 }
 """The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
-fixes the others at the sequential baseline's values: the megakernel launches its dispatch and
-combine copy kernels with ``num_comm_sms`` blocks and moves rows in ``dispatch_dtype``; the
-schedule, tile, stage, role and signal knobs wait for the fused schedule."""
+fixes the others at the sequential baseline's values: the megakernel runs the sequential or the
+pipelined schedule (``num_chunks`` chunks of experts, their rows moved back by copy engines),
+launches its dispatch and combine copy kernels with ``num_comm_sms`` blocks and moves rows in
+``dispatch_dtype``; the tile, stage, role and signal knobs wait for the fused schedule."""
+
+BUILT_SCHEDULES = ("sequential", "pipelined")
+"""The schedules the megakernel runs; a backend space walks these (``"fused"`` runs as sequential)."""
+
+BACKEND_CHUNKS = (2, 4)
+"""``num_chunks`` values a backend space walks for the pipelined schedule."""
 
 
 def comm_sms_values(num_sms: int) -> Tuple[int, ...]:
@@ -330,13 +338,18 @@ class Space:
         return {k: base[k] for k in DEFAULT_VALUES if k not in ACTING_KNOBS[self.backend]}
 
     def project(self, plan: Plan) -> Plan:
-        """``plan`` with the knobs the backend does not act on set to their fixed values: the plan that
-        runs the same code and is a point of this space (unchanged for the design space)."""
+        """``plan`` with the knobs the backend does not act on set to their fixed values (and a schedule
+        it does not run set to the sequential one, which is what runs): the plan that runs the same
+        code and is a point of this space (unchanged for the design space)."""
         fixed = self.fixed_knobs()
+        if self.backend is not None and "schedule" in ACTING_KNOBS[self.backend] and \
+                plan.schedule not in BUILT_SCHEDULES:
+            fixed["schedule"] = "sequential"
         return plan.replace(**fixed) if fixed else plan
 
     def _backend_values(self) -> Dict[str, Tuple[Any, ...]]:
-        walked = {"num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES}
+        walked = {"schedule": BUILT_SCHEDULES, "num_chunks": BACKEND_CHUNKS,
+                  "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES}
         out = {k: (v,) for k, v in self.fixed_knobs().items()}
         out.update({k: walked[k] for k in ACTING_KNOBS[self.backend]})
         return {k: out[k] for k in DEFAULT_VALUES}
@@ -398,8 +411,10 @@ class Space:
 
     @staticmethod
     def _comm_shares_sms(plan: Plan) -> bool:
-        """Whether communication holds whole SMs while the GEMM runs (so the GEMM gets the rest only)."""
-        return plan.schedule == "pipelined" or (plan.schedule == "fused" and plan.roles == "partitioned")
+        """Whether communication holds whole SMs while the GEMM runs (so the GEMM gets the rest only):
+        the fused schedule's partitioned roles. The pipelined schedule moves rows beside the GEMMs with
+        the copy engines; its dispatch kernels run alone."""
+        return plan.schedule == "fused" and plan.roles == "partitioned"
 
     def is_valid(self, plan: Plan) -> bool:
         return self.check(plan) is None
