@@ -218,7 +218,7 @@ class UniEPMoE(MoE):
         if self._hybrid is None and not (tp > 1 and self.enable_expert_tensor_parallelism):
             # Stacked now, so that this host work is done by the time the dispatch's row count arrives.
             stacked = stack_experts(moe.experts.deepspeed_experts, x.dtype, x.device, cache=self._stack_cache)
-        if stacked is not None and self._pipelines(dispatcher):
+        if self._pipelines(dispatcher, stacked is not None):
             # The pipelined schedule: the experts in chunks, each chunk's rows copied back while the
             # next computes (ds_uniep.pipelined); the same bits as the sequential schedule.
             experts, gemm = moe.experts.deepspeed_experts, self._expert_gemm(x.device)
@@ -273,12 +273,14 @@ class UniEPMoE(MoE):
             self._uniep_gemm_ok.add(device)
         return "uniep"
 
-    def _pipelines(self, dispatcher) -> bool:
+    def _pipelines(self, dispatcher, grouped: bool) -> bool:
         """Whether this forward runs the pipelined schedule: asked for, on the megakernel, with
-        experts that run as grouped GEMMs (the caller checked that); said once where it cannot."""
+        experts that run as grouped GEMMs (``grouped``); said once where it cannot."""
         if self.uniep_config.overlap.schedule != "pipelined" or isinstance(dispatcher, ReferenceDispatcher):
             return False
-        why = dispatcher.pipelines()
+        why = dispatcher.pipelines() if grouped else (
+            "the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
+            "expert tensor parallelism)")
         if why and self.layer_name not in _SAID_NO_PIPELINE:
             _SAID_NO_PIPELINE.add(self.layer_name)
             logger.warning(f"{self.layer_name}: the pipelined schedule cannot run here ({why}); running the "
