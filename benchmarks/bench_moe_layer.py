@@ -570,18 +570,21 @@ def print_table(results):
         cells.append(f"{r['autoep_ms'] / best:.2f}x" if best and "autoep_ms" in r else "-")
         cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
         print(" | ".join(cells))
-    for r in results["rows"]:
-        if "determinism" in r:
-            d = r["determinism"]
-            print(f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
-                  f"{'/'.join(f'{v:.2f}' for v in d['layout_ms'])} ms, arrival order "
-                  f"{'/'.join(f'{v:.2f}' for v in d['arrival_ms'])} ms; medians, alternating)")
-    for r in results["rows"]:
-        if "schedule" in r:
-            d = r["schedule"]
-            print(f"pipelined ({d['num_chunks']} chunks) vs sequential, {r['shape']} {r['mode']}: "
-                  f"{d['speedup']:.3f}x (sequential {'/'.join(f'{v:.2f}' for v in d['sequential_ms'])} ms, "
-                  f"pipelined {'/'.join(f'{v:.2f}' for v in d['pipelined_ms'])} ms; medians, alternating)")
+    def times(v):
+        return "/".join(f"{x:.2f}" for x in v)
+    for key in ("determinism", "schedule"):  # the alternating timings of two megakernel layers
+        for r in results["rows"]:
+            d = r.get(key)
+            if d is None:
+                continue
+            if key == "determinism":
+                what = (f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
+                        f"{times(d['layout_ms'])} ms, arrival order {times(d['arrival_ms'])} ms")
+            else:
+                what = (f"pipelined ({d['num_chunks']} chunks) vs sequential, {r['shape']} {r['mode']}: "
+                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, pipelined "
+                        f"{times(d['pipelined_ms'])} ms")
+            print(what + "; medians, alternating)")
     for reason, where in notes.items():
         print(f"* autoep could not run ({', '.join(where)}): {reason}")
     if "autoep_note" in results:
