@@ -276,11 +276,17 @@ class UniEPMoE(MoE):
     def _pipelines(self, dispatcher, grouped: bool) -> bool:
         """Whether this forward runs the pipelined schedule: asked for, on the megakernel, with
         experts that run as grouped GEMMs (``grouped``); said once where it cannot."""
-        if self.uniep_config.overlap.schedule != "pipelined" or isinstance(dispatcher, ReferenceDispatcher):
+        if self.uniep_config.overlap.schedule != "pipelined":
             return False
-        why = dispatcher.pipelines() if grouped else (
-            "the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
-            "expert tensor parallelism)")
+        if isinstance(dispatcher, ReferenceDispatcher):
+            if self._hybrid is None:
+                return False  # the reference backend: said once by _say_overlap_knobs_wait
+            why = "HybridEP moves tokens on the reference transport"
+        elif not grouped:
+            why = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP "
+                   "or expert tensor parallelism)")
+        else:
+            why = dispatcher.pipelines()
         if why and self.layer_name not in _SAID_NO_PIPELINE:
             _SAID_NO_PIPELINE.add(self.layer_name)
             logger.warning(f"{self.layer_name}: the pipelined schedule cannot run here ({why}); running the "

@@ -206,6 +206,8 @@ class _DispatchChunksFn(torch.autograd.Function):
                     g = torch.zeros(r1 - r0, call.d.hidden_size, dtype=call.d.dtype, device=call.d.device)
                 call.push(c, g, backward=True)
         grad_x = call.reduce(call.expert_idx, call.dest_row, None, call.d.dtype)
+        call.pushed[True].clear()  # a second backward (retain_graph) starts over, barrier included
+        call.barrier_done = False
         return grad_x, None, None
 
 
