@@ -16,6 +16,9 @@ STORE_GBPS_PER_SM = 353.0 / 8
 """Peer-store bandwidth one communicating SM sustains (8 blocks reached ~353 GB/s)."""
 LINK_GBPS = 370.0
 """Peer-store ceiling from all SMs."""
+COPY_SEGMENT_MS = 0.0106
+"""One copy-engine copy of an (expert, source) segment of the pipelined schedule (median of a
+forward's copies at dsv2lite-like on 4 H200s, ~0.4 MB each); copies to different ranks overlap."""
 LAUNCH_MS = 0.01
 SIGNAL_MS = 0.0005
 """Cost of one arrival signal wait/raise pair, spread over the GEMM blocks."""
@@ -55,8 +58,14 @@ def estimate_ms(plan: Plan, space: Space) -> float:
     if plan.schedule == "sequential":
         return gemm_ms + comm_ms + 4 * LAUNCH_MS
     if plan.schedule == "pipelined":
+        # The forward combine and the backward's gradient of dispatch (two of the four transfers) go
+        # back by copy engines, chunk by chunk beside the GEMMs; the last chunk's share stays exposed.
+        # The two dispatches run alone, as in the sequential schedule.
         c = plan.num_chunks
-        return max(gemm_ms, comm_ms) + min(gemm_ms, comm_ms) / c + 4 * c * LAUNCH_MS
+        push_bytes = s.T * s.k * off * 2 * row_bytes
+        segments = L * s.ep  # per push: one copy per (local expert, source), spread over ep - 1 streams
+        push_ms = max(push_bytes / (LINK_GBPS * 1e9) * 1e3, 2 * segments * COPY_SEGMENT_MS / max(1, s.ep - 1))
+        return (max(gemm_ms, push_ms) + push_ms / c + (nbytes - push_bytes) / bw * 1e3 + 4 * c * LAUNCH_MS)
     # fused: the GEMM starts when the first signal's rows have arrived.
     per_signal = {"tile": L * math.ceil(rows / plan.tile_m), "expert": L, "rank": max(1, s.ep)}
     num_signals = s.ep * per_signal[plan.signal_granularity]
