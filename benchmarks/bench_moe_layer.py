@@ -5,6 +5,7 @@
 Every rank runs the same layer on its own tokens; a run's time is the slowest
 rank's (ranks are lined up by a barrier before each run; gradients are set to
 None before each run, untimed, as after a training step's ``zero_grad``).
+fwd+bwd includes the input's gradient, as in a model whose earlier layers train.
 Baselines and bounds are measured in the same run:
 
 - stock: ``deepspeed.moe.layer.MoE`` (dropless, so it pads every expert to the largest count);
@@ -288,7 +289,10 @@ def time_layer(layer, inputs, mode, args, dist):
         # Gradients start empty in every run (outside the timed region), as in a training step
         # after zero_grad(set_to_none=True): no layer spends the run adding into old gradients.
         layer.zero_grad(set_to_none=True)
-        return inputs(run)
+        x, g = inputs(run)
+        # fwd+bwd computes the input's gradient too, as in a model whose earlier layers train: the
+        # first expert GEMM's dgrad and the backward of dispatch are part of every layer's run.
+        return x.detach().requires_grad_(mode == "fwdbwd"), g
     ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
     with ctx:
         r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=setup, sync=dist.barrier)
