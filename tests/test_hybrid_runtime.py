@@ -225,3 +225,36 @@ def _measured(rank, world_size):
 
 def test_auto_domain_size_with_measured_bandwidths_is_the_same_on_every_rank():
     run_distributed(_measured, 4)
+
+
+def _pipelined_asked(rank, world_size):
+    import logging
+
+    from ds_uniep import UniEPMoE
+    from ds_uniep.env import logger
+    from moe_models import MLP, distinct_experts
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger.addHandler(handler)
+    try:
+        outs = []
+        for overlap in ({}, {"schedule": "pipelined", "num_chunks": 2}):
+            torch.manual_seed(5)
+            layer = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=2, min_capacity=4,
+                             drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                             config={"backend": "reference", "hybrid": {"enabled": True, "domain_size": 2},
+                                     "overlap": overlap})
+            distinct_experts(layer, rank)
+            layer.set_deepspeed_parallelism()
+            outs.append(_fwd_bwd_pair([layer], rank, torch.float32)[0])
+    finally:
+        logger.removeHandler(handler)
+    said = [r.getMessage() for r in records if "pipelined schedule cannot run here" in r.getMessage()]
+    assert len(said) == 1 and "HybridEP moves tokens on the reference transport" in said[0], said
+    for i, (a, b) in enumerate(zip(*outs)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"rank {rank}: tensor {i} differs"
+
+
+def test_pipelined_schedule_asked_with_hybrid_ep_says_why_and_runs_the_sequential_one():
+    run_distributed(_pipelined_asked, 4)
