@@ -66,8 +66,6 @@ MEGAKERNEL_CONFIGS = {
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
 }
 
-PIPELINE_CHUNKS = [4]  # --pipeline-chunks, set by main()
-
 AUTOEP_NOTE = (
     "AutoEPMoELayer (DeepSpeed's AutoEP) built standalone from a Mixtral-style block (gate + ModuleList of "
     "w1/w2/w3 experts, spec from AutoEP's 'mixtral' preset: softmax scores, weights applied after the experts) "
@@ -264,8 +262,6 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
             if name.startswith("megakernel") and not status[0]:
                 continue
             config = copy.deepcopy(MEGAKERNEL_CONFIGS.get(name, {"backend": name}))
-            if name == "megakernel-pipelined":
-                config["overlap"]["num_chunks"] = PIPELINE_CHUNKS[0]
             layer = UniEPMoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep,
                              k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
                              top2_2nd_expert_sampling=False, config=config)
@@ -451,7 +447,7 @@ def print_autotune(auto):
 
 def main(argv=None):
     args = parse_args(argv)
-    PIPELINE_CHUNKS[0] = args.pipeline_chunks
+    MEGAKERNEL_CONFIGS["megakernel-pipelined"]["overlap"]["num_chunks"] = args.pipeline_chunks
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import deepspeed
     import deepspeed.comm as dist

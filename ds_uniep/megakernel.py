@@ -385,7 +385,9 @@ class NVLinkDispatcher:
                                      f"buffers were sized for k = {self.k}")
 
     # ------------------------------------------------------------------ raw steps (no autograd)
-    def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor] = None):
+    def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor] = None,
+                      host_counts: bool = False):
+        # host_counts: also bring every rank's counts to the host (``_counts_host``) with R.
         self.check()
         e_counts = self._next_epoch(0)
         self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
@@ -399,7 +401,8 @@ class NVLinkDispatcher:
             # R goes to the host as soon as the counts are known; the dispatch kernel is queued
             # before the host waits, so the device stays busy while the host reads R.
             self._num_recv_host.copy_(num_recv, non_blocking=True)
-            self._counts_host.copy_(counts_all, non_blocking=True)
+            if host_counts:
+                self._counts_host.copy_(counts_all, non_blocking=True)
             counted = torch.cuda.Event()
             counted.record()
         seg_base = row_out = None
@@ -518,10 +521,7 @@ class NVLinkDispatcher:
         # schedule's chunks [(first row, rows)], which get grad_y as chunks too.
         self.check()
         self._barrier()
-        chunks = y if isinstance(y, list) else None
-        if chunks is not None and not self.gate_grad_on_experts:
-            raise ValueError(f"{self.layer_name}: the pipelined schedule forms the gate gradients on the experts' "
-                             "ranks (gate_grad_on_experts=True)")
+        chunks = y if isinstance(y, list) else None  # pipelines() holds gate_grad_on_experts for chunks
         if not self.gate_grad_on_experts:
             return self._combine_bwd_at_sources(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv)
         # Unweighted grad_out rows travel to the experts, with the gates in this rank's gates
@@ -567,6 +567,16 @@ class NVLinkDispatcher:
         return grad_y, grad_gates
 
     # ------------------------------------------------------------------ the protocol
+    def checked_inputs(self, x: Tensor, expert_idx: Tensor) -> Tuple[Tensor, Tensor]:
+        """(x contiguous, expert_idx as contiguous int32 on x's device), after checking both against
+        the buffers' sizes, the hidden size and the activation dtype."""
+        T, k = expert_idx.shape
+        self._check_tokens(T, k)
+        if x.shape != (T, self.hidden_size) or x.dtype != self.dtype:
+            raise ValueError(f"{self.layer_name}: x must be [{T}, {self.hidden_size}] {self.dtype}, got "
+                             f"{tuple(x.shape)} {x.dtype}")
+        return x.contiguous(), expert_idx.to(device=x.device, dtype=torch.int32).contiguous()
+
     def dispatch(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor] = None
                  ) -> Tuple[Tensor, Tensor, NVLinkHandle]:
         """x ``[T, M]`` activation dtype, expert_idx ``[T, k]`` int (-1 dropped) ->
@@ -574,19 +584,15 @@ class NVLinkDispatcher:
         ``gates [T, k]``: the weights the following :meth:`combine` gets; needed (only) with
         arrival ordering, which stages them for the expert ranks."""
         T, k = expert_idx.shape
-        self._check_tokens(T, k)
-        if x.shape != (T, self.hidden_size) or x.dtype != self.dtype:
-            raise ValueError(f"{self.layer_name}: x must be [{T}, {self.hidden_size}] {self.dtype}, got "
-                             f"{tuple(x.shape)} {x.dtype}")
+        x, idx = self.checked_inputs(x, expert_idx)
         staged = None
         if self.ordering == "arrival":
             if gates is None or gates.shape != (T, k):
                 raise ValueError(f"{self.layer_name}: arrival ordering needs the gates [{T}, {k}] at dispatch, got "
                                  f"{None if gates is None else tuple(gates.shape)}")
             staged = gates.detach().to(device=x.device, dtype=torch.float32).contiguous()
-        idx = expert_idx.to(device=x.device, dtype=torch.int32).contiguous()
         recv, local_counts, dest_row, recv_pair, num_recv, counts_all = _DispatchFn.apply(
-            x.contiguous(), idx, staged, self.layer_id)
+            x, idx, staged, self.layer_id)
         handle = NVLinkHandle(expert_idx=idx, dest_row=dest_row, recv_pair=recv_pair, num_recv=num_recv,
                               counts_all=counts_all, local_expert_counts=local_counts)
         return recv, local_counts, handle

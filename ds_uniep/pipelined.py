@@ -104,10 +104,7 @@ def _chunks(per_expert: np.ndarray, num_chunks: int) -> List[Tuple[int, int, int
     for a, b in zip(bounds[:-1], bounds[1:]):
         r0 = int(ends[a - 1]) if a else 0
         r1 = int(ends[b - 1])
-        if chunks and r1 == r0:  # no rows: join the previous chunk
-            pa, _, pr0, _ = chunks.pop()
-            chunks.append((pa, b, pr0, r1))
-        elif chunks and chunks[-1][2] == chunks[-1][3]:
+        if chunks and (r1 == r0 or chunks[-1][2] == chunks[-1][3]):  # this or the previous one has no rows
             pa, _, pr0, _ = chunks.pop()
             chunks.append((pa, b, pr0, r1))
         else:
@@ -187,10 +184,9 @@ class _DispatchChunksFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, expert_idx, call):
         d = call.d
-        recv, local_counts, dest_row, recv_pair, num_recv, counts_all = d._dispatch_fwd(x, expert_idx, None)
+        recv, local_counts, dest_row, recv_pair, num_recv, _ = d._dispatch_fwd(x, expert_idx, None, host_counts=True)
         call.setup(d._counts_host.numpy().copy())
         call.expert_idx, call.dest_row, call.recv_pair, call.num_recv = expert_idx, dest_row, recv_pair, num_recv
-        call.counts_all = counts_all
         ctx.call = call
         chunks = tuple(recv[r0:r1] for _, _, r0, r1 in call.plan.chunks)
         ctx.mark_non_differentiable(local_counts)
@@ -254,14 +250,9 @@ def run_pipelined(dispatcher, x: Tensor, expert_idx: Tensor, gates: Tensor, num_
     chunk (``run_chunk(rows, counts, offs, first_expert, end_expert) -> outputs``; ``offs``: the
     chunk's row ends per expert, int32 on the device), each chunk's outputs
     copied back to their sources while the next computes, and combine with ``gates [T, k]``."""
-    d = dispatcher
-    T, k = expert_idx.shape
-    d._check_tokens(T, k)
-    if x.shape != (T, d.hidden_size) or x.dtype != d.dtype:
-        raise ValueError(f"{d.layer_name}: x must be [{T}, {d.hidden_size}] {d.dtype}, got {tuple(x.shape)} {x.dtype}")
-    idx = expert_idx.to(device=x.device, dtype=torch.int32).contiguous()
-    call = PipelinedCall(d, num_chunks)
-    *chunks, local_counts = _DispatchChunksFn.apply(x.contiguous(), idx, call)
+    x, idx = dispatcher.checked_inputs(x, expert_idx)
+    call = PipelinedCall(dispatcher, num_chunks)
+    *chunks, local_counts = _DispatchChunksFn.apply(x, idx, call)
     ys = []
     for c, ((a, b, _, _), rows) in enumerate(zip(call.plan.chunks, chunks)):
         y = run_chunk(_PushBackFn.apply(rows, call, c), local_counts[a:b], call.offs[c], a, b).contiguous()
