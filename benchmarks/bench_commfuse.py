@@ -12,7 +12,11 @@ Per op, in one run: GEMM alone, collective alone, unfused (collective then
 GEMM, or GEMM then collective), ``torch.ops.symm_mem`` fused op, and CommFuse
 per transport (``p2p``: NCCL send/recv; ``copy_engine``: copies into peers'
 symmetric buffers), schedule and chunk count (chunks apply to ``p2p`` only),
-named ``cf.<transport>.<schedule>.c<chunks>``. Exposed communication = time - GEMM alone, as a
+named ``cf.<transport>.<schedule>.c<chunks>``. Where the copy-engine transport runs, two floors
+that no schedule of it can beat: ``gemm_blocks`` (the G block GEMMs CommFuse splits the GEMM
+into, no communication) and ``gemm_beside_copies`` (the whole GEMM while the same bytes are
+copied into the peers' symmetric buffers on a side stream, nothing waiting on anything: what the
+GEMM costs beside the transfers). Exposed communication = time - GEMM alone, as a
 fraction of the collective-alone time. Times are the slowest rank's median; the variants take
 turns run by run (``timing.bench_interleaved``), so a drift of the clocks weighs on all alike.
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
@@ -145,7 +149,43 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
         for key, t, s, c in _commfuse_points(a, gloo):
             out[key] = (lambda x, w, s=s, c=c, t=t: matmul_reduce_scatter_impl(
                 x, w, group, s, c, out_sizes=sizes, transport=t)[0], inputs)
+    if "copy_engine" in a.transports and not gloo:
+        out.update(_floors(op, a, G, group, device, dtype, rnd))
     return out
+
+
+def _floors(op, a, G, group, device, dtype, rnd):
+    """``{name: (fn, setup)}``: the copy-engine transport's floors (see the module doc)."""
+    from ds_uniep.commfuse.copy_engine import _workspace
+    from ds_uniep.commfuse.ops import side_stream
+    H, F, T = a.hidden, a.ffn // G, a.tokens
+    rank = dist.get_rank(group)
+    # All-gather moves x's row blocks [T/G, H], reduce-scatter partials of the same shape.
+    K, N = (H, F) if op == "all_gather_matmul" else (F, H)
+    inputs = rotating(lambda i: (rnd(T, K), rnd(K, N)), a.pool)
+    block_rows = T // G
+    ws = _workspace(group, device, G * block_rows * H * torch.empty(0, dtype=dtype).element_size())
+    block = rnd(block_rows, H)
+    out = torch.empty(T, N, dtype=dtype, device=device)
+
+    def blocks(x, w):
+        for b in range(G):
+            torch.matmul(x[b * block_rows:(b + 1) * block_rows], w, out=out[b * block_rows:(b + 1) * block_rows])
+        return out
+
+    def beside(x, w):
+        compute = torch.cuda.current_stream(device)
+        comm = side_stream(device, compute)
+        comm.wait_stream(compute)
+        torch.matmul(x, w, out=out)
+        with torch.cuda.stream(comm):
+            for d in range(1, G):  # the same peers in the same order as the ring's copies
+                p = (rank + d) % G
+                ws.view(p, (G, block_rows, H), dtype)[rank].copy_(block)
+        compute.wait_stream(comm)
+        return out
+
+    return {"gemm_blocks": (blocks, inputs), "gemm_beside_copies": (beside, inputs)}
 
 
 def _slowest(value, device):
@@ -162,7 +202,7 @@ def _checks(op, variants, G, group, gloo, points):
     ref = fn0(*args).float().clone()
     out = {}
     for name, (fn, _) in variants.items():
-        if name in ("unfused", "gemm_alone", "comm_alone"):
+        if name in ("unfused", "gemm_alone", "comm_alone", "gemm_blocks", "gemm_beside_copies"):
             continue
         try:
             out[name] = (fn(*args).float() - ref).abs().max().item()
@@ -295,7 +335,7 @@ def main(argv=None):
             if t is None:
                 continue
             r["speedup_vs_unfused"] = t_unf / t if t_unf else None
-            if name not in ("gemm_alone", "comm_alone") and t_gemm is not None and t_comm:
+            if name not in ("gemm_alone", "comm_alone", "gemm_blocks") and t_gemm is not None and t_comm:
                 r["exposed_comm_ms"] = t - t_gemm
                 r["exposed_frac_of_unfused_comm"] = (t - t_gemm) / t_comm
         try:

@@ -17,8 +17,11 @@ Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
 order first); the megakernel dispatch receiving in place (its direct region) and
 through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
 default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS and the
-pulling combine from source regions with one and two blocks per SM, each checked bitwise
-against the default).
+pulling combine from source regions with one and two blocks per SM, and the copy-engine
+combine of the pipelined schedule in one chunk (each (expert, source) segment copied into its
+source's combine buffer by cudaMemcpyAsync, one stream per destination, then the slot-order
+sum; it needs the exact-R dispatch, whose host sync comes before it and is not timed), each
+checked bitwise against the default).
 """
 import argparse
 import json
@@ -155,6 +158,7 @@ def main():
     G, rank, dev = dist.get_world_size(), dist.get_rank(), torch.device("cuda", local)
     from ds_uniep.config import UniEPConfig
     from ds_uniep.megakernel import NVLinkDispatcher
+    from ds_uniep.pipelined import PipelinedCall
 
     T, M, k = a.tokens, a.hidden, a.topk
     E = max(32 * G // 4, k, G)
@@ -226,7 +230,7 @@ def main():
             y = state["recv"]
             put("combine", lambda: disp.combine(y, gates, h))
             default = (disp.combine_chunks, disp.combine_reduce_blocks)
-            first = disp.combine(y, gates, h)
+            first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
             for chunks, reducers in COMBINE_VARIANTS:
                 disp.combine_chunks, disp.combine_reduce_blocks = chunks, reducers
@@ -252,6 +256,25 @@ def main():
         disp = state = None  # frees them; the closures above ran already
         torch.cuda.empty_cache()
 
+    # The copy-engine combine: an exact-R dispatch (its counts read on the host), then the segments of
+    # the received rows copied back into their sources' combine buffers and summed in slot order.
+    cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T})
+    disp = NVLinkDispatcher("bench.copy_engine", E, G, M, k, torch.bfloat16, cfg)
+    y, _, dest_row, _, _, _ = disp._dispatch_fwd(x, idx, None, host_counts=True)
+    call = PipelinedCall(disp, 1)
+    call.setup(disp._counts_host.numpy().copy())
+
+    def ce_combine():
+        call.push(0, y, backward=False)
+        return call.reduce(idx, dest_row, gates, torch.bfloat16)
+
+    put("combine_ce", ce_combine)
+    results["combine_ce_bitwise_equal"] = bool(torch.equal(ce_combine(), combine_first))
+    results["combine_ce_segments"] = int(sum(len(s) for s in call.plan.segments))
+    disp.check(synchronize=True)
+    disp = call = y = None
+    torch.cuda.empty_cache()
+
     def gbps(ms, nbytes=payload):
         return nbytes / (ms * 1e-3) / 1e9
 
@@ -265,7 +288,8 @@ def main():
             ("dispatch bf16 stores only", "bf16_dispatch_stores", dedup_off_rank),
             ("dispatch fp8 (layout+stores+copy-out)", "fp8_dispatch", off_rank),
             ("dispatch fp8 stores only", "fp8_dispatch_stores", off_rank),
-            ("combine bf16 (chunked push+reduce)", "combine", off_rank)]
+            ("combine bf16 (chunked push+reduce)", "combine", off_rank),
+            ("combine bf16 (copy engines, then reduce)", "combine_ce", off_rank)]
     rows = [(label, results[f"{key}_ms"], results[f"{key}_queued_ms"], nbytes) for label, key, nbytes in rows]
     print(f"rank {rank}: host ms to launch: dispatch bf16 {results['bf16_dispatch_host_ms']:.3f}, combine "
           f"{results['combine_host_ms']:.3f}, pulling combine {results['combine_pull_host_ms']:.3f}, NCCL "
@@ -292,7 +316,9 @@ def main():
               f"{dedup_off_rank / 2**20:.0f} MiB; peer copy {results['peer_copy_GBps']:.0f} GB/s")
         print("combine variants bitwise equal to the default:",
               all(v["bitwise_equal"] for v in results["combine_variants"].values()),
-              "; pulling combine:", results["combine_pull_bitwise_equal"], results["combine_stats"])
+              "; pulling combine:", results["combine_pull_bitwise_equal"], results["combine_stats"],
+              "; copy-engine combine:", results["combine_ce_bitwise_equal"],
+              f"({results['combine_ce_segments']} segment copies)")
         print("forward dispatches received in place / copied out:",
               {n: results[f"{n}_direct_stats"] for n in ("bf16", "bf16_staging", "fp8")})
         print("launched: timing starts with the first launch (host launch time included); queued: the "
