@@ -106,6 +106,41 @@ def _check_fixed_order(me, G, device, transport="auto"):
             f"rank-order sum {schedule} {transport}: {out[0, 0]}"
 
 
+def _check_back_to_back(me, G, device, calls=12):
+    """Copy-engine calls queued back to back (no host sync between them), all-gather and
+    reduce-scatter in turn on the one workspace, with the ranks pulled apart by GPU spins of
+    different lengths: no call may copy into a peer's buffer while that peer still reads it, so
+    every result equals its reference. Returns how many calls differed."""
+    from ds_uniep.commfuse import (all_gather_matmul, matmul_reduce_scatter, ref_all_gather_matmul,
+                                   ref_matmul_reduce_scatter)
+    schedules = ("ring", "bidirectional_ring", "local_first")
+    K, N, rows = 2048, 1024, 1024
+    cases, refs = [], []
+    for i in range(calls):  # inputs and references first: nothing below waits for the host
+        schedule = schedules[(i // 2) % 3]
+        lf = schedule == "local_first"
+        seed = 9000 + 100 * i
+        if i % 2 == 0:
+            xs = [_rand((rows, K), seed + r, torch.bfloat16, device) for r in range(G)]
+            w = _rand((K, N), seed + 50 + me, torch.bfloat16, device)
+            cases.append((all_gather_matmul, xs[me], w, schedule))
+            refs.append(ref_all_gather_matmul(xs, w, me if lf else None))
+        else:
+            xs = [_rand((rows * G, K), seed + r, torch.bfloat16, device) for r in range(G)]
+            ws = [_rand((K, N), seed + 50 + r, torch.bfloat16, device) for r in range(G)]
+            cases.append((matmul_reduce_scatter, xs[me], ws[me], schedule))
+            refs.append(ref_matmul_reduce_scatter(xs, ws, local_first=lf)[me])
+    torch.cuda.synchronize(device)
+    outs = []
+    for i, (op, x, w, schedule) in enumerate(cases):
+        if (i + me) % 3 == 0:
+            torch.cuda._sleep(1_000_000 * (1 + me))  # this rank reaches this call late
+        sizes = {"shard_sizes": [rows] * G} if op is all_gather_matmul else {}  # no size exchange (a host sync)
+        outs.append(op(x, w, schedule=schedule, transport="copy_engine", **sizes))
+    torch.cuda.synchronize(device)
+    return sum(not torch.equal(o, r) for o, r in zip(outs, refs))
+
+
 # --------------------------------------------------------------------------- parallel linears
 def _check_linears(me, G, device, dtype):
     from ds_uniep.commfuse import ColumnParallelLinear, RowParallelLinear
@@ -296,6 +331,7 @@ def _body(rank, G, device_kind, bench_out=None):
                                                for s in ("ring", "bidirectional_ring", "local_first")]):
             _check_ops(rank, G, device, dtype, schedule, 1, 5000 + 1000 * i, transport="copy_engine")
         _check_fixed_order(rank, G, device, "copy_engine")
+        assert _check_back_to_back(rank, G, device) == 0, "back-to-back copy-engine calls differ from references"
     else:
         from ds_uniep.commfuse import all_gather_matmul
         x = torch.ones(2, 3)

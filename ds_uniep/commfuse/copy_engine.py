@@ -6,8 +6,7 @@ as a device-to-device copy into the peer's symmetric buffer (torch symmetric
 memory over NVLink), which the copy engines execute without SMs, and a
 stream-ordered signal tells the peer that the block is there:
 
-* all-gather + GEMM: a barrier (every peer has finished reading its buffer in
-  the previous call), then this rank copies its block to ``me+1, me+2, ...``
+* all-gather + GEMM: this rank copies its block to ``me+1, me+2, ...``
   in turn, signalling each peer after its copy. The compute stream multiplies
   the local block first, then blocks ``me-1, me-2, ...`` in arrival order,
   each behind the wait for its signal. One GEMM per block, the same call as
@@ -24,10 +23,18 @@ stream-ordered signal tells the peer that the block is there:
   peers' rows, copies each run's partials to their owners as soon as it is
   done, and computes its own partial last.
 
-Buffers: one symmetric workspace per (group, device), grown collectively when
-a call needs more (every rank asks for the same size: all-gather needs
-``T * K``, reduce-scatter ``G * max(out_sizes) * N`` elements). Signals use
-channel 1 of the workspace's signal pad, barriers channel 0.
+Buffers: one symmetric workspace per (group, device) in two halves, grown
+collectively when a call needs more (every rank asks for the same size:
+all-gather needs ``T * K``, reduce-scatter ``G * max(out_sizes) * N`` elements
+per half). Calls on a workspace use its halves in turn, so no call waits for
+its peers before copying into their buffers: a peer last read the half this
+call writes two calls ago, and it had finished that call before it signalled
+this rank in the previous one (its copies of a call start behind everything
+its compute stream holds, every call waits for every peer's signal, and this
+rank's copies start behind its own compute stream, so behind that wait).
+Signals use channel 1 of the workspace's signal pad; a signal is set only
+once the peer has taken the previous one (torch's ``put_signal`` waits for
+the slot to be free), so consecutive calls never lose one.
 """
 from typing import Dict, List, Sequence, Tuple
 
@@ -38,28 +45,37 @@ from ..symm import rendezvous
 from .ops import ordered_sum, side_stream
 
 _DATA_CHANNEL = 1
-_BARRIER_CHANNEL = 0
 _ALIGN_ELEMS = 128
+_HALF_ALIGN_BYTES = 256
 
 _workspaces: Dict[Tuple[str, int], "_Workspace"] = {}
 _unavailable: Dict[Tuple[str, int], str] = {}
 
 
 class _Workspace:
-    """A symmetric byte buffer of one group on one device, with views of every peer's copy."""
+    """A symmetric byte buffer of one group on one device in two halves of ``half_bytes``, with
+    views of every peer's copy."""
 
-    def __init__(self, group, device: torch.device, nbytes: int):
+    def __init__(self, group, device: torch.device, half_bytes: int):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.nbytes = nbytes
-        self.buf = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        self.half_bytes = half_bytes
+        self.buf = symm_mem.empty(2 * half_bytes, dtype=torch.uint8, device=device)
         self.handle = rendezvous(self.buf, group)
+        self.calls = 0
         self._views: Dict[tuple, torch.Tensor] = {}
 
-    def view(self, peer: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        key = (peer, tuple(shape), dtype)
+    def next_half(self) -> int:
+        """The byte offset of the half this call uses (the halves take turns, call by call)."""
+        offset = (self.calls % 2) * self.half_bytes
+        self.calls += 1
+        return offset
+
+    def view(self, peer: int, shape: Sequence[int], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        """``peer``'s buffer from byte ``offset`` on (a half's start) as ``shape`` of ``dtype``."""
+        key = (peer, tuple(shape), dtype, offset)
         v = self._views.get(key)
         if v is None:
-            v = self.handle.get_buffer(peer, list(shape), dtype)
+            v = self.handle.get_buffer(peer, list(shape), dtype, offset // _element_bytes(dtype))
             self._views[key] = v
         return v
 
@@ -89,13 +105,15 @@ def available(group, device: torch.device) -> Tuple[bool, str]:
 
 
 def _workspace(group, device: torch.device, nbytes: int) -> _Workspace:
-    """The group's workspace, grown (collectively: every rank asks for the same size) when too small."""
+    """The group's workspace with halves of at least ``nbytes``, grown (collectively: every rank
+    asks for the same size) when too small."""
     key = _group_key(group, device)
     ws = _workspaces.get(key)
-    if ws is None or ws.nbytes < nbytes:
+    nbytes = -(-nbytes // _HALF_ALIGN_BYTES) * _HALF_ALIGN_BYTES
+    if ws is None or ws.half_bytes < nbytes:
         if ws is not None:
             torch.cuda.current_stream(device).synchronize()
-        size = max(nbytes, 2 * ws.nbytes if ws is not None else 0)
+        size = max(nbytes, 2 * ws.half_bytes if ws is not None else 0)
         try:
             ws = _Workspace(group, device, size)
         except RuntimeError as e:
@@ -121,7 +139,8 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
     device, dtype = x_shard.device, x_shard.dtype
     out = torch.empty(T, N, dtype=torch.result_type(x_shard, w), device=device)
     ws = _workspace(group, device, T * K * _element_bytes(dtype))
-    mine = ws.view(me, (T, K), dtype)
+    half = ws.next_half()
+    mine = ws.view(me, (T, K), dtype, half)
     compute = torch.cuda.current_stream(device)
     comm = side_stream(device, compute)
     comm.wait_stream(compute)  # before the local GEMM is queued: the copies do not wait for it
@@ -137,12 +156,11 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
 
     gemm(0, x_shard, me)  # queued first, so the GPU starts on it while the copies are being issued
     with torch.cuda.stream(comm):
-        ws.handle.barrier(_BARRIER_CHANNEL)
         for i, d in enumerate(order):
             p = (me + d) % G
             t0 = timeline.mark(comm) if timeline else None
             if shard_sizes[me]:
-                rows(ws.view(p, (T, K), dtype), me).copy_(x_shard)
+                rows(ws.view(p, (T, K), dtype, half), me).copy_(x_shard)
             ws.handle.put_signal(p, _DATA_CHANNEL)
             if timeline:
                 timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
@@ -189,7 +207,8 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
     dtype = torch.result_type(x, w)
     t_max = _round_up(max(out_sizes))
     ws = _workspace(group, device, G * t_max * N * _element_bytes(dtype))
-    mine = ws.view(me, (G, t_max, N), dtype)
+    half = ws.next_half()
+    mine = ws.view(me, (G, t_max, N), dtype, half)
     compute = torch.cuda.current_stream(device)
     comm = side_stream(device, compute)
     comm.wait_stream(compute)
@@ -201,11 +220,9 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
             timeline.entries.append(("gemm", step, t0, timeline.mark(compute)))
         return p
 
-    with torch.cuda.stream(comm):
-        ws.handle.barrier(_BARRIER_CHANNEL)
     sent = []
     if runs is not None:
-        _send_runs(x, w, runs, out_sizes, offs, me, G, t_max, N, dtype, ws, compute, comm, timeline, sent)
+        _send_runs(x, w, runs, out_sizes, offs, me, G, t_max, N, dtype, ws, half, compute, comm, timeline, sent)
         order = []
     for i, d in enumerate(order):
         dst = (me + d) % G
@@ -216,7 +233,7 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
         with torch.cuda.stream(comm):
             t0 = timeline.mark(comm) if timeline else None
             if out_sizes[dst]:
-                ws.view(dst, (G, t_max, N), dtype)[me, :out_sizes[dst]].copy_(p)
+                ws.view(dst, (G, t_max, N), dtype, half)[me, :out_sizes[dst]].copy_(p)
             ws.handle.put_signal(dst, _DATA_CHANNEL)
             if timeline:
                 timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
@@ -237,7 +254,7 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
     return out
 
 
-def _send_runs(x, w, runs, out_sizes, offs, me, G, t_max, N, dtype, ws, compute, comm, timeline, sent):
+def _send_runs(x, w, runs, out_sizes, offs, me, G, t_max, N, dtype, ws, half, compute, comm, timeline, sent):
     """``local_first`` reduce-scatter: one GEMM per run of the peers' rows, each followed (on the
     side stream) by the copies of its partials into their owners' slots and the owners' signals.
     Peers with no rows get their signal after the last run."""
@@ -253,7 +270,8 @@ def _send_runs(x, w, runs, out_sizes, offs, me, G, t_max, N, dtype, ws, compute,
         with torch.cuda.stream(comm):
             t0 = timeline.mark(comm) if timeline else None
             for j in blocks:
-                ws.view(j, (G, t_max, N), dtype)[me, :out_sizes[j]].copy_(p[offs[j] - r0:offs[j] - r0 + out_sizes[j]])
+                ws.view(j, (G, t_max, N), dtype, half)[me, :out_sizes[j]].copy_(
+                    p[offs[j] - r0:offs[j] - r0 + out_sizes[j]])
                 ws.handle.put_signal(j, _DATA_CHANNEL)
                 signalled.add(j)
             if timeline:
