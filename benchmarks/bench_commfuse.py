@@ -12,7 +12,10 @@ Per op, in one run: GEMM alone, collective alone, unfused (collective then
 GEMM, or GEMM then collective), ``torch.ops.symm_mem`` fused op, and CommFuse
 per transport (``p2p``: NCCL send/recv; ``copy_engine``: copies into peers'
 symmetric buffers), schedule and chunk count (chunks apply to ``p2p`` only),
-named ``cf.<transport>.<schedule>.c<chunks>``. Where the copy-engine transport runs, two floors
+named ``cf.<transport>.<schedule>.c<chunks>``. On CUDA every variant is timed twice: launched
+(each run after a host barrier, so the ranks' launch skew counts) and queued (each run after a
+GPU spin and a GPU-side barrier, so every GPU starts at once with the run's launches queued, as
+in a training step whose launches run ahead). Where the copy-engine transport runs, two floors
 that no schedule of it can beat: ``gemm_blocks`` (the G block GEMMs CommFuse splits the GEMM
 into, no communication) and ``gemm_beside_copies`` (the whole GEMM while the same bytes are
 copied into the peers' symmetric buffers on a side stream, nothing waiting on anything: what the
@@ -38,7 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from timing import bench_interleaved, rotating  # noqa: E402
+from timing import bench_interleaved, queued_start, rotating  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -59,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--pool", type=int, default=3, help="fresh input sets cycled through the runs")
     p.add_argument("--skip-symm-mem", action="store_true", help="do not time torch.ops.symm_mem")
+    p.add_argument("--queue-spin-ms", type=float, default=3.0,
+                   help="queued timing (CUDA): GPU spin ahead of each run, longer than any variant takes to launch")
     p.add_argument("--out", default="bench_out/commfuse", help="directory for the JSON and the PNG")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes, 1 warm-up, 2 repeats, gloo on CPU: checks the script, times nothing useful")
@@ -186,6 +191,29 @@ def _floors(op, a, G, group, device, dtype, rnd):
         return out
 
     return {"gemm_blocks": (blocks, inputs), "gemm_beside_copies": (beside, inputs)}
+
+
+def _collect(timed, device):
+    """Per variant: the slowest rank's median, rank 0's runs, and against the unfused and GEMM-alone
+    times of the same mode: speed-up and exposed communication."""
+    res = {}
+    for name, r in timed.items():
+        err = r.get("error")
+        r = None if err else r
+        slow = _slowest(None if r is None else r["median_ms"], device)
+        res[name] = {"median_ms": slow, "rank0": r, "error": err}
+        if r is not None and "late_runs" in r:
+            res[name]["late_runs"] = int(_slowest(r["late_runs"], device))
+    t_gemm, t_comm, t_unf = (res[k]["median_ms"] for k in ("gemm_alone", "comm_alone", "unfused"))
+    for name, r in res.items():
+        t = r["median_ms"]
+        if t is None:
+            continue
+        r["speedup_vs_unfused"] = t_unf / t if t_unf else None
+        if name not in ("gemm_alone", "comm_alone", "gemm_blocks") and t_gemm is not None and t_comm:
+            r["exposed_comm_ms"] = t - t_gemm
+            r["exposed_frac_of_unfused_comm"] = (t - t_gemm) / t_comm
+    return res
 
 
 def _slowest(value, device):
@@ -318,31 +346,26 @@ def main(argv=None):
         sync = (lambda: dist.barrier(group=group))  # noqa: E731
     else:
         sync = (lambda: dist.barrier(group=group, device_ids=[device.index]))  # noqa: E731
+    modes = {"launched": None}
+    if device.type == "cuda":
+        modes["queued"] = queued_start(a.queue_spin_ms, group)
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
         variants = _variants(op, a, G, group, device, dtype, gloo, symm)
-        res = {}
-        # Variants take turns, so a drift of the clocks over the run weighs on all of them alike.
-        timed = bench_interleaved(variants, a.warmup, a.repeats, sync=sync, cuda=device.type == "cuda",
-                                  on_error=lambda n, e: rank == 0 and traceback.print_exception(e))
-        for name, r in timed.items():
-            err = r.get("error")
-            r = None if err else r
-            slow = _slowest(None if r is None else r["median_ms"], device)
-            res[name] = {"median_ms": slow, "rank0": r, "error": err}
-        t_gemm, t_comm, t_unf = (res[k]["median_ms"] for k in ("gemm_alone", "comm_alone", "unfused"))
-        for name, r in res.items():
-            t = r["median_ms"]
-            if t is None:
-                continue
-            r["speedup_vs_unfused"] = t_unf / t if t_unf else None
-            if name not in ("gemm_alone", "comm_alone", "gemm_blocks") and t_gemm is not None and t_comm:
-                r["exposed_comm_ms"] = t - t_gemm
-                r["exposed_frac_of_unfused_comm"] = (t - t_gemm) / t_comm
+        per_mode = {}
+        for mode, before in modes.items():
+            # Variants take turns, so a drift of the clocks over the run weighs on all of them alike.
+            timed = bench_interleaved(variants, a.warmup, a.repeats, sync=sync, cuda=device.type == "cuda",
+                                      on_error=lambda n, e: rank == 0 and traceback.print_exception(e),
+                                      before=before)
+            per_mode[mode] = _collect(timed, device)
+        res = per_mode["launched"]
         try:
             checks = _checks(op, variants, G, group, gloo, _commfuse_points(a, gloo))
         except Exception as e:  # noqa: BLE001
             checks = {"error": f"{type(e).__name__}: {e}"}
         results["ops"][op] = {"times": res, "checks": checks}
+        if "queued" in per_mode:
+            results["ops"][op]["times_queued"] = per_mode["queued"]
         for _, t, s, c in _commfuse_points(a, gloo):
             if c != (a.num_chunks[0] if t == "p2p" else 1):
                 continue
@@ -364,21 +387,31 @@ def main(argv=None):
             json.dump(results, f, indent=1, default=str)
         print(f"\nCommFuse, {G} ranks, {results['device']}, H={a.hidden} F={a.ffn} T={a.tokens} {a.dtype}; "
               f"slowest rank's median of {a.repeats}; symm_mem: {results['symm_mem']}")
-        print(f"{'op':<22} {'variant':<34} {'ms':>9} {'vs unfused':>10} {'exposed/comm':>12}  check")
+        print("launched: each run starts after a host barrier (the ranks' launch skew counts); queued: after a "
+              f"{a.queue_spin_ms:g} ms GPU spin and a GPU-side barrier (the GPU work alone, launches queued ahead)")
+        head = f"{'ms':>9} {'vs unf.':>8} {'exposed':>8}"
+        print(f"{'op':<22} {'variant':<34} {head} |{head}  check")
+
+        def cells(r):
+            if r is None or r["median_ms"] is None:
+                return f"{'failed':>9} {'':>8} {'':>8}"
+            sp, ex = r.get("speedup_vs_unfused"), r.get("exposed_frac_of_unfused_comm")
+            late = "*" if r.get("late_runs") else ""
+            return (f"{r['median_ms']:8.3f}{late:1s} {'' if sp is None else f'{sp:7.2f}x':>8} "
+                    f"{'' if ex is None else f'{100 * ex:7.1f}%':>8}")
+
         for op, d in results["ops"].items():
+            queued = d.get("times_queued", {})
             for name, r in d["times"].items():
-                t = r["median_ms"]
-                if t is None:
-                    print(f"{op:<22} {name:<34} {'failed':>9}  {r['error']}")
-                    continue
-                sp = r.get("speedup_vs_unfused")
-                ex = r.get("exposed_frac_of_unfused_comm")
                 chk = d["checks"].get(name, "")
                 bit = d["checks"].get(name + "_bitwise_vs_reference")
                 chk = (f"max|d|={chk:.3g}" if isinstance(chk, float) else str(chk)) + \
                     ("" if bit is None else f" bitwise={bit}")
-                print(f"{op:<22} {name:<34} {t:9.3f} {'' if sp is None else f'{sp:9.2f}x':>10} "
-                      f"{'' if ex is None else f'{100 * ex:11.1f}%':>12}  {chk}")
+                if r["median_ms"] is None:
+                    chk = f"{r['error']} {chk}"
+                print(f"{op:<22} {name:<34} {cells(r)} |{cells(queued.get(name)) if queued else ''}  {chk}")
+        if any(r.get("late_runs") for d in results["ops"].values() for r in d.get("times_queued", {}).values()):
+            print("*: some queued runs started before their launches ended (raise --queue-spin-ms)")
         print(f"timeline: {png}; JSON: {os.path.join(a.out, 'commfuse_results.json')}")
     dist.barrier(group=group)
     return results

@@ -32,6 +32,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from timing import device_barrier, spin_cycles_per_ms
+
 
 # Combine variants timed beside the default (combine_chunks, combine_reduce_blocks); every one must
 # give the default's bits. (0, None): push, then reduce, as two kernels.
@@ -40,41 +42,10 @@ COMBINE_VARIANTS = [(0, None), (8, None), (32, None), (64, None), (16, 66)]
 PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
 
-_SLEEP_CYCLES_PER_MS = []
-
-
-def _sleep_cycles_per_ms(device):
-    """Calibrates torch.cuda._sleep: spin cycles per millisecond on this GPU."""
-    if not _SLEEP_CYCLES_PER_MS:
-        cycles = 2_000_000
-        torch.cuda._sleep(cycles)  # warm-up
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        torch.cuda._sleep(cycles)
-        e.record()
-        e.synchronize()
-        _SLEEP_CYCLES_PER_MS.append(cycles / s.elapsed_time(e))
-    return _SLEEP_CYCLES_PER_MS[0]
-
-
 def _median_over_ranks(times, device):
     t = torch.tensor(times, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank bounds a collective step
     return statistics.median(t.tolist())
-
-
-_DEVICE_BARRIER = []
-
-
-def _device_barrier(device):
-    """A barrier between the GPUs themselves (torch symmetric memory's, on the current stream):
-    every GPU leaves it within a signal's latency of the others."""
-    if not _DEVICE_BARRIER:
-        from torch.distributed import _symmetric_memory as symm_mem
-        from ds_uniep.symm import rendezvous
-        buf = symm_mem.empty(64, dtype=torch.uint8, device=device)
-        _DEVICE_BARRIER.append((buf, rendezvous(buf, dist.group.WORLD)))
-    _DEVICE_BARRIER[0][1].barrier(0)
 
 
 def timed(fn, iters, warmup, device):
@@ -104,8 +75,8 @@ def timed(fn, iters, warmup, device):
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if mode == "queued":
-                torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms(device)))
-                _device_barrier(device)
+                torch.cuda._sleep(int(sleep_ms * spin_cycles_per_ms()))
+                device_barrier()
             start.record()
             fn()
             end.record()
