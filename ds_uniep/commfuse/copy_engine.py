@@ -7,14 +7,10 @@ memory over NVLink), which the copy engines execute without SMs, and a
 stream-ordered signal tells the peer that the block is there:
 
 * all-gather + GEMM: this rank copies its block to ``me+1, me+2, ...``
-  in turn, signalling each peer after its copy. The local block is multiplied
-  first, then blocks ``me-1, me-2, ...`` in arrival order, each behind the
-  wait for its signal. One GEMM per block, the same call as the reference, so
-  the result stays bitwise equal to it. The GEMMs alternate between two
-  streams (the compute stream and a second GEMM lane), so a GEMM whose rows
-  are there starts on the SMs the one before it leaves idle in its last wave
-  of tiles: a block of T/G rows rarely fills its last wave, and the whole
-  GEMM would not have paid for that at every block.
+  in turn, signalling each peer after its copy. The compute stream multiplies
+  the local block first, then blocks ``me-1, me-2, ...`` in arrival order,
+  each behind the wait for its signal. One GEMM per block, the same call as
+  the reference, so the result stays bitwise equal to it.
 * GEMM + reduce-scatter: the partial of rank ``me+1``'s rows first, copied to
   it while the partial of ``me+2``'s rows is computed, and so on; this rank's
   own partial last, so the last copy hides behind it. Partials are then added
@@ -147,25 +143,18 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
     mine = ws.view(me, (T, K), dtype, half)
     compute = torch.cuda.current_stream(device)
     comm = side_stream(device, compute)
-    lanes = (compute, side_stream(device, compute, "gemm"))
-    for s in (comm, lanes[1]):
-        s.wait_stream(compute)  # before the local GEMM is queued: neither waits for it
+    comm.wait_stream(compute)  # before the local GEMM is queued: the copies do not wait for it
 
     def rows(t, b):
         return t[offs[b]:offs[b] + shard_sizes[b]]
 
-    def gemm(step, a, out_rows, waits=()):
-        # GEMM ``step`` on lane step % 2, behind the signals of the blocks it reads
-        lane = lanes[step % 2]
-        with torch.cuda.stream(lane):
-            for src in waits:
-                ws.handle.wait_signal(src, _DATA_CHANNEL)
-            t0 = timeline.mark(lane) if timeline else None
-            mm_into(a, w, out_rows)
-            if timeline:
-                timeline.entries.append(("gemm", step, t0, timeline.mark(lane)))
+    def gemm(step, a, b):
+        t0 = timeline.mark(compute) if timeline else None
+        mm_into(a, w, rows(out, b))
+        if timeline:
+            timeline.entries.append(("gemm", step, t0, timeline.mark(compute)))
 
-    gemm(0, x_shard, rows(out, me))  # queued first, so the GPU starts on it while the copies are being issued
+    gemm(0, x_shard, me)  # queued first, so the GPU starts on it while the copies are being issued
     with torch.cuda.stream(comm):
         for i, d in enumerate(order):
             p = (me + d) % G
@@ -178,7 +167,12 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
     x_shard.record_stream(comm)
     if runs is not None:
         for i, (r0, n, blocks) in enumerate(runs):
-            gemm(i + 1, mine[r0:r0 + n], out[r0:r0 + n], blocks)
+            for src in blocks:
+                ws.handle.wait_signal(src, _DATA_CHANNEL)
+            t0 = timeline.mark(compute) if timeline else None
+            mm_into(mine[r0:r0 + n], w, out[r0:r0 + n])
+            if timeline:
+                timeline.entries.append(("gemm", i + 1, t0, timeline.mark(compute)))
         # Every peer signals, empty blocks included, and each signal is waited for once.
         in_runs = {b for _, _, blocks in runs for b in blocks}
         for src in range(G):
@@ -187,10 +181,8 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
     else:
         for i, d in enumerate(order):
             src = (me - d) % G
-            gemm(i + 1, rows(mine, src), rows(out, src), (src, ))
-    # The compute stream takes in the second lane (its GEMMs and signal waits): what follows,
-    # and the next call's copies, come after them.
-    compute.wait_stream(lanes[1])
+            ws.handle.wait_signal(src, _DATA_CHANNEL)
+            gemm(i + 1, rows(mine, src), src)
     x_full = None
     if keep_full:
         # Kept for the weight gradient: the next call may overwrite the workspace.

@@ -74,10 +74,9 @@ _CUDA_ALIGN = 256
 _comm_streams = {}
 
 
-def side_stream(device: torch.device, compute, role: str = "comm") -> "torch.cuda.Stream":
-    """The side stream of ``role`` paired with the compute stream ``compute`` (one per pair and role,
-    reused): ``"comm"`` for transfers, ``"gemm"`` for the copy-engine all-gather's second GEMM lane."""
-    key = (device.index, compute.cuda_stream, role)
+def side_stream(device: torch.device, compute) -> "torch.cuda.Stream":
+    """The transfer stream paired with the compute stream ``compute`` (one per pair, reused)."""
+    key = (device.index, compute.cuda_stream)
     if key not in _comm_streams:
         _comm_streams[key] = torch.cuda.Stream(device=device)
     return _comm_streams[key]
