@@ -56,13 +56,16 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import bench, rotating  # noqa: E402
 
-BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined", "megakernel-arrival",
-            "autoep"]
+BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
+            "megakernel-pipelined-sm", "megakernel-arrival", "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
     "megakernel-pipelined": {"backend": "megakernel", "expert_gemm": "torch",
                              "overlap": {"schedule": "pipelined", "num_chunks": 4}},
+    # ds_uniep's GEMM on the SMs num_comm_sms leaves, chunk rows copied back by SM stores
+    "megakernel-pipelined-sm": {"backend": "megakernel", "expert_gemm": "uniep",
+                                "overlap": {"schedule": "pipelined", "num_chunks": 4}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
 }
 
@@ -92,7 +95,11 @@ def parse_args(argv=None):
     p.add_argument("--determinism-rounds", type=int, default=3,
                    help="alternating timings of megakernel-torch-gemm and megakernel-arrival for the cost of "
                    "determinism (medians; default 3)")
-    p.add_argument("--pipeline-chunks", type=int, default=4, help="num_chunks of megakernel-pipelined (default 4)")
+    p.add_argument("--pipeline-chunks", type=int, default=4,
+                   help="num_chunks of megakernel-pipelined and megakernel-pipelined-sm (default 4)")
+    p.add_argument("--pipeline-comm-sms", type=int, default=None,
+                   help="num_comm_sms of megakernel-pipelined-sm: its copy blocks; its GEMM gets the other SMs "
+                        "(default: the config's)")
     p.add_argument("--schedule-rounds", type=int, default=3,
                    help="alternating timings of megakernel-torch-gemm (sequential) and megakernel-pipelined "
                    "(medians; default 3)")
@@ -447,7 +454,10 @@ def print_autotune(auto):
 
 def main(argv=None):
     args = parse_args(argv)
-    MEGAKERNEL_CONFIGS["megakernel-pipelined"]["overlap"]["num_chunks"] = args.pipeline_chunks
+    for name in ("megakernel-pipelined", "megakernel-pipelined-sm"):
+        MEGAKERNEL_CONFIGS[name]["overlap"]["num_chunks"] = args.pipeline_chunks
+    if args.pipeline_comm_sms:
+        MEGAKERNEL_CONFIGS["megakernel-pipelined-sm"]["overlap"]["num_comm_sms"] = args.pipeline_comm_sms
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import deepspeed
     import deepspeed.comm as dist
@@ -499,9 +509,11 @@ def main(argv=None):
                 if rank == 0:  # progress, one line per timed layer
                     print(f"[{name} {mode}] {bname}: "
                           + (f"{row[bname + '_ms']:.2f} ms" if bname + "_ms" in row else "n/a"), flush=True)
-            for other, key, rounds in (("megakernel-arrival", "determinism", args.determinism_rounds),
-                                       ("megakernel-pipelined", "schedule", args.schedule_rounds)):
-                pair = ("megakernel-torch-gemm", other)
+            for base, other, key, rounds in (
+                    ("megakernel-torch-gemm", "megakernel-arrival", "determinism", args.determinism_rounds),
+                    ("megakernel-torch-gemm", "megakernel-pipelined", "schedule", args.schedule_rounds),
+                    ("megakernel", "megakernel-pipelined-sm", "schedule_sm", args.schedule_rounds)):
+                pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
                     times = {b: [] for b in pair}
                     for _ in range(rounds):
@@ -550,21 +562,21 @@ def main(argv=None):
 def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
-    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "autoep",
-            "gemm alone",
+    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
+            "autoep", "gemm alone",
             "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
         for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
-                  "autoep_ms",
+                  "megakernel-pipelined-sm_ms", "autoep_ms",
                   "gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
             cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
         if "autoep_why_not" in r:
             notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
-        ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms")
-                if k in r]
+        ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
+                               "megakernel-pipelined-sm_ms") if k in r]
         best = min(ours) if ours else None
         cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
         cells.append(f"{r['autoep_ms'] / best:.2f}x" if best and "autoep_ms" in r else "-")
@@ -572,7 +584,7 @@ def print_table(results):
         print(" | ".join(cells))
     def times(v):
         return "/".join(f"{x:.2f}" for x in v)
-    for key in ("determinism", "schedule"):  # the alternating timings of two megakernel layers
+    for key in ("determinism", "schedule", "schedule_sm"):  # the alternating timings of two megakernel layers
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
@@ -581,7 +593,8 @@ def print_table(results):
                 what = (f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
                         f"{times(d['layout_ms'])} ms, arrival order {times(d['arrival_ms'])} ms")
             else:
-                what = (f"pipelined ({d['num_chunks']} chunks) vs sequential, {r['shape']} {r['mode']}: "
+                gemm = "ds_uniep's GEMM, SM copies" if key == "schedule_sm" else "torch's GEMM, copy engines"
+                what = (f"pipelined ({d['num_chunks']} chunks; {gemm}) vs sequential, {r['shape']} {r['mode']}: "
                         f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, pipelined "
                         f"{times(d['pipelined_ms'])} ms")
             print(what + "; medians, alternating)")

@@ -59,13 +59,13 @@ class _AddGroupBias(torch.autograd.Function):
 
 
 def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, counts: Tensor,
-                    gemm: str = "torch") -> Tensor:
+                    gemm: str = "torch", sm_count: int = 0) -> Tensor:
     """Rows of group ``l`` of ``x [R, K]`` times ``w[l].T`` (``w [L, N, K]``, nn.Linear's layout), plus
     ``bias[l]`` (``[L, N]``); ``offs``: ``[L]`` int32 ends. ``gemm``: ``torch._grouped_mm`` or ds_uniep's
-    grouped GEMM (see :data:`GEMMS`)."""
+    grouped GEMM (see :data:`GEMMS`; ``sm_count``: the SMs it uses, 0 for all)."""
     if gemm == "uniep":
         from .gemm import grouped_linear
-        y = grouped_linear(x, w, offs)
+        y = grouped_linear(x, w, offs, sm_count=sm_count)
     else:  # viewed as [L, K, N]: the column-major B operand grouped_mm takes
         y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if bias is not None:
@@ -282,13 +282,17 @@ GEMMS = ("torch", "uniep")
 
 def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
                 params: Optional[Sequence[Dict[str, Tensor]]] = None,
-                stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None) -> Tensor:
+                stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None,
+                sm_count: int = 0) -> Tensor:
     """All groups as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [G]`` rows per group; group ``g``
     runs expert ``experts[g]`` with its own parameters, or, given ``params`` (``G`` dicts of
     ``named_parameters`` form, e.g. gathered replicas), the module of ``experts[0]``'s kind with
     ``params[g]``; ``stacked``: those already stacked by :func:`stack_experts`. ``gemm``: one of
     :data:`GEMMS` (the same GEMMs and elementwise ops on either). ``offs``: the ``[G]`` int32 row ends
-    on the device when the caller has them (else computed from ``counts``)."""
+    on the device when the caller has them (else computed from ``counts``). ``sm_count``: the SMs
+    ds_uniep's GEMM uses, forward and backward (0: all; the same bits); only with ``gemm="uniep"``."""
+    if sm_count and gemm != "uniep":
+        raise ValueError(f"sm_count applies to ds_uniep's grouped GEMM (gemm='uniep'), not {gemm!r}")
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     if stacked is None:
@@ -303,7 +307,7 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
         offs = torch.cumsum(counts, 0).to(torch.int32)
 
     def linear(x, proj):
-        return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm)
+        return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count)
     if stacked.kind is SwiGLUExpert:
         return linear(swiglu(linear(recv, "w13")), "w2")
     return linear(F.gelu(linear(recv, "fc1")), "fc2")

@@ -186,25 +186,28 @@ class _GroupedLinear(torch.autograd.Function):
     """``y = x @ w[g]^T`` per group; backward is a dgrad and a wgrad grouped GEMM."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str]) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str], sm_count: int) -> Tensor:
         ctx.save_for_backward(x, w, offs)
-        ctx.configs = configs
-        return grouped_mm(x, w, offs, "fwd", configs["fwd"])
+        ctx.configs, ctx.sm_count = configs, sm_count
+        return grouped_mm(x, w, offs, "fwd", configs["fwd"], sm_count)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, w, offs = ctx.saved_tensors
         grad = grad.contiguous()
-        dx = grouped_mm(grad, w, offs, "dgrad", ctx.configs["dgrad"]) if ctx.needs_input_grad[0] else None
-        dw = grouped_mm(grad, x, offs, "wgrad", ctx.configs["wgrad"]) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None
+        sm = ctx.sm_count
+        dx = grouped_mm(grad, w, offs, "dgrad", ctx.configs["dgrad"], sm) if ctx.needs_input_grad[0] else None
+        dw = grouped_mm(grad, x, offs, "wgrad", ctx.configs["wgrad"], sm) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
 
 
-def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping[str, str]] = None) -> Tensor:
+def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping[str, str]] = None,
+                   sm_count: int = 0) -> Tensor:
     """Rows of group g of ``x [R, K]`` times ``w[g]^T`` (``w: [G, N, K]``), with autograd.
 
     ``offs``: ``[G]`` int32 cumulative row counts on ``x``'s device, ``offs[-1] == R``.
     ``configs``: tile configuration per op (missing ops take :data:`DEFAULT_CONFIGS`).
+    ``sm_count``: SMs the forward and backward GEMMs use (0: all; else even), the same bits.
     """
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError(f"grouped_linear takes bf16 x and w, got {x.dtype} and {w.dtype}")
@@ -218,4 +221,4 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
             raise ValueError(f"grouped_linear: configs names unknown op {op!r} (ops: {tuple(OPS)})")
         if config != "auto":
             parse_config(config)
-    return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged)
+    return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged, int(sm_count))

@@ -28,7 +28,7 @@ from . import gating
 from .config import UniEPConfig
 from .env import logger
 from .experts import pack_experts, run_experts, run_grouped, stack_experts
-from .pipelined import run_pipelined
+from .pipelined import pipeline_partition, run_pipelined
 from .reference import ReferenceDispatcher
 from .tensor_parallel import even_sizes, run_tp_sharded_experts, tp_context, tp_gather, tp_slice
 
@@ -222,12 +222,16 @@ class UniEPMoE(MoE):
             # The pipelined schedule: the experts in chunks, each chunk's rows copied back while the
             # next computes (ds_uniep.pipelined); the same bits as the sequential schedule.
             experts, gemm = moe.experts.deepspeed_experts, self._expert_gemm(x.device)
+            # ds_uniep's GEMM leaves num_comm_sms SMs to SM-store copies; torch's takes every SM, so
+            # its chunks' rows travel on the copy engines.
+            copy_blocks, sm_count = pipeline_partition(gemm, self.uniep_config.overlap.num_comm_sms, x.device)
 
             def run_chunk(rows, counts, offs, a, b):
                 part = experts[a:b]
-                return run_grouped(part, rows, counts, gemm, offs=offs,
+                return run_grouped(part, rows, counts, gemm, offs=offs, sm_count=sm_count,
                                    stacked=stack_experts(part, x.dtype, x.device, cache=self._stack_cache))
-            output = run_pipelined(dispatcher, x, expert_idx, gates, self.uniep_config.overlap.num_chunks, run_chunk)
+            output = run_pipelined(dispatcher, x, expert_idx, gates, self.uniep_config.overlap.num_chunks, run_chunk,
+                                   copy_blocks)
             return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
                                 exp_counts)
         if isinstance(dispatcher, ReferenceDispatcher):

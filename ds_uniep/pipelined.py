@@ -8,6 +8,11 @@ computes. In the backward the same happens with the gradient of dispatch: each c
 gradient is copied to its sources as soon as that chunk's backward GEMMs have produced it, while
 the other chunks' backward runs.
 
+Two ways to copy: by the copy engines (``cudaMemcpyAsync`` per segment, one stream per
+destination rank; the default, as torch's grouped GEMM takes every SM), or, with ``copy_blocks``
+set, by SM stores from one kernel of ``copy_blocks`` blocks per chunk, for a caller whose GEMMs
+leave that many SMs free (ds_uniep's grouped GEMM with ``sm_count``). Same bytes, same places.
+
 Where the rows land. The rows of expert e from source s are consecutive in the expert rank's
 layout (``layout.py``: an expert's rows by source rank, then token), so each (expert, source)
 segment is one copy. Source s keeps them in its combine buffer in expert order: its pairs of
@@ -115,9 +120,10 @@ def _chunks(per_expert: np.ndarray, num_chunks: int) -> List[Tuple[int, int, int
 class PipelinedCall:
     """One forward (and its backward) of a layer under the pipelined schedule."""
 
-    def __init__(self, dispatcher, num_chunks: int):
+    def __init__(self, dispatcher, num_chunks: int, copy_blocks: int = 0):
         self.d = dispatcher
         self.num_chunks = num_chunks
+        self.copy_blocks = copy_blocks  # 0: copy engines; else SM stores from this many blocks
         self.plan: Optional[MirrorPlan] = None
         self.mirror_off: Optional[Tensor] = None
         self.pushed = {False: set(), True: set()}
@@ -145,8 +151,18 @@ class PipelinedCall:
         rows = rows.contiguous()
         ready = torch.cuda.Event()
         ready.record()
+        tables = self.plan.tables(chunk, rows)
+        if self.copy_blocks:  # one kernel stores every segment, on this rank's copy stream
+            comm = d.comm_stream(d.rank)
+            comm.wait_event(ready)
+            with torch.cuda.stream(comm):
+                if tables:
+                    d.ext.copy_segments_sm(torch.cat(list(tables.values())), self.copy_blocks, d.device.index)
+            rows.record_stream(comm)
+            self.pushed[backward].add(chunk)
+            return
         # One stream per destination rank: copies to different ranks run on different copy engines.
-        for dst, table in self.plan.tables(chunk, rows).items():
+        for dst, table in tables.items():
             comm = d.comm_stream(dst)
             comm.wait_event(ready)
             with torch.cuda.stream(comm):
@@ -244,14 +260,33 @@ class _CombineChunksFn(torch.autograd.Function):
         return (grad_gates, None) + tuple(grad_ys)
 
 
+def partition(gemm: str, num_comm_sms: int, sms: int) -> Tuple[int, int]:
+    """``(copy_blocks, gemm_sm_count)`` of the pipelined schedule on a GPU of ``sms`` SMs: with
+    ds_uniep's grouped GEMM (``gemm == "uniep"``), SM-store copies from ``num_comm_sms`` blocks and
+    the GEMMs on the SMs left (an even count: its kernels run 2-CTA clusters); with torch's GEMM,
+    which takes every SM, or where fewer than 2 SMs would be left, ``(0, 0)``: copy engines, all SMs."""
+    gemm_sms = (sms - num_comm_sms) // 2 * 2
+    if gemm != "uniep" or num_comm_sms < 1 or gemm_sms < 2:
+        return 0, 0
+    return num_comm_sms, gemm_sms
+
+
+def pipeline_partition(gemm: str, num_comm_sms: int, device: torch.device) -> Tuple[int, int]:
+    """:func:`partition` for ``device``'s SM count."""
+    if gemm != "uniep":
+        return 0, 0
+    return partition(gemm, num_comm_sms, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 def run_pipelined(dispatcher, x: Tensor, expert_idx: Tensor, gates: Tensor, num_chunks: int,
-                  run_chunk: Callable[[Tensor, Tensor, Tensor, int, int], Tensor]) -> Tensor:
+                  run_chunk: Callable[[Tensor, Tensor, Tensor, int, int], Tensor], copy_blocks: int = 0) -> Tensor:
     """Dispatch ``x [T, M]`` by ``expert_idx [T, k]`` (-1 dropped), run the local experts chunk by
     chunk (``run_chunk(rows, counts, offs, first_expert, end_expert) -> outputs``; ``offs``: the
     chunk's row ends per expert, int32 on the device), each chunk's outputs
-    copied back to their sources while the next computes, and combine with ``gates [T, k]``."""
+    copied back to their sources while the next computes, and combine with ``gates [T, k]``.
+    ``copy_blocks``: copy by SM stores from this many blocks instead of the copy engines."""
     x, idx = dispatcher.checked_inputs(x, expert_idx)
-    call = PipelinedCall(dispatcher, num_chunks)
+    call = PipelinedCall(dispatcher, num_chunks, copy_blocks)
     *chunks, local_counts = _DispatchChunksFn.apply(x, idx, call)
     ys = []
     for c, ((a, b, _, _), rows) in enumerate(zip(call.plan.chunks, chunks)):

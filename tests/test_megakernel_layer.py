@@ -14,7 +14,7 @@ from conftest import needs_gpus
 from dist_utils import run_distributed
 
 
-def _make(rank, world_size, k, backend, det=True, overlap=None):
+def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch"):
     """A layer with the same weights on every call (bf16 experts, fp32 gate)."""
     from ds_uniep import SwiGLUExpert, UniEPMoE
     M, F = 256, 512
@@ -23,6 +23,7 @@ def _make(rank, world_size, k, backend, det=True, overlap=None):
     layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                      config={"backend": backend, "max_tokens_per_rank": 4096, "deterministic": det,
+                             "expert_gemm": expert_gemm,
                              "overlap": dict(timeout_s=5.0, **(overlap or {}))})
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + rank)
@@ -107,6 +108,21 @@ def _compare_schedules(rank, world_size):
                     assert torch.equal(a, b), f"{where}: tensor {i} differs from the sequential schedule"
             stats = next(iter(layer._dispatchers.values())).combine_stats
             assert stats["pipelined"] == len(cases) and stats["pushed"] == 0, f"k={k} chunks={chunks}: {stats}"
+    # ds_uniep's GEMM: the pipelined schedule's chunks run it on the SMs num_comm_sms leaves, and
+    # their rows travel by SM stores; the bits are still the sequential schedule's (on all SMs).
+    for k in (2, 8):
+        cases = [(T, one) for kk, T, one in CASES if kk == k]
+        seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep")
+        want = [_step(seq, rank, T, one) for T, one in cases]
+        del seq
+        for chunks, sms in ((1, 20), (2, 20), (4, 32), (4, 32)):
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep",
+                          overlap={"schedule": "pipelined", "num_chunks": chunks, "num_comm_sms": sms})
+            for (T, one_expert), expected in zip(cases, want):
+                where = f"rank {rank} k={k} T={T} one_expert={one_expert} chunks={chunks} uniep GEMM, SM copies"
+                res = _step(layer, rank, T, one_expert)
+                for i, (a, b) in enumerate(zip(expected, res)):
+                    assert torch.equal(a, b), f"{where}: tensor {i} differs from the sequential schedule"
 
 
 @needs_gpus(2)

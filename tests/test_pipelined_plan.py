@@ -112,3 +112,11 @@ def test_chunks_cut_by_rows_and_never_empty():
             assert all(a < b for a, b, _, _ in ch)
             assert all(r1 > r0 for _, _, r0, r1 in ch) or len(ch) == 1
             assert all(ch[i][1] == ch[i + 1][0] and ch[i][3] == ch[i + 1][2] for i in range(len(ch) - 1))
+
+
+def test_partition_gives_the_gemm_the_sms_the_copies_leave():
+    from ds_uniep.pipelined import partition
+    assert partition("uniep", 20, 132) == (20, 112)
+    assert partition("uniep", 21, 132) == (21, 110)  # an even count for 2-CTA clusters
+    assert partition("uniep", 131, 132) == (0, 0)  # under 2 SMs left: copy engines, every SM
+    assert partition("torch", 20, 132) == (0, 0)  # torch's GEMM takes every SM: copy engines

@@ -71,6 +71,7 @@ void combine_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_r
 // Copy-engine copies on the current stream: table [n, 3] CPU int64 rows of (source address,
 // destination address, bytes); addresses may be peers' symmetric memory.
 void copy_segments(const torch::Tensor& table, int64_t device_index);
+void copy_segments_sm(const torch::Tensor& table, int64_t num_blocks, int64_t device_index);
 // Arrival-ordered combine (not reproducible; the baseline that measures what the fixed order
 // costs): every row of y [R, M] is added, times its pair's gate from the source's gates region
 // when weighted, into its token's fp32 row of the source's accumulator (acc: kMaxRanks region

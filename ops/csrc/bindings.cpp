@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_mirror", &uniep::combine_mirror,
         "wait, then sum each token's k rows in slot order, read where the copy-engine pushes left them");
   m.def("copy_segments", &uniep::copy_segments, "copy-engine copies of (source, destination, bytes) segments");
+  m.def("copy_segments_sm", &uniep::copy_segments_sm, "SM-store copies of (source, destination, bytes) segments");
   m.def("gate_grad", &uniep::gate_grad, "wait, then grad_gates[t, j] = <grad_out[t], row of (t, j)>");
   m.def("combine_bwd_rows", &uniep::combine_bwd_rows,
         "backward of combine on the expert side: grad_y rows and each pair's gate gradient, sent to its source");

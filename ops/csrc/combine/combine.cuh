@@ -91,4 +91,12 @@ cudaError_t launch_combine_atomic(DType dtype, const void* y, const int* recv_pa
 cudaError_t launch_acc_cast(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait, float* acc,
                             int num_tokens, int hidden, void* out, int num_blocks, cudaStream_t stream);
 
+// Segments copied by SM stores (16-byte vectors, grid-stride, `num_blocks` blocks of kCopyThreads):
+// dst[i][0, bytes[i]) = src[i][0, bytes[i]) for i < n (n <= kMaxSmSegments; every address and byte
+// count a multiple of 16; destinations may be peers' buffers). Each block fences at system scope
+// before it ends, so a signal raised after the kernel on the same stream covers the stores.
+constexpr int kMaxSmSegments = 128;
+cudaError_t launch_copy_segments_sm(int n, const char* const* src, char* const* dst, const int64_t* bytes,
+                                    int num_blocks, cudaStream_t stream);
+
 }  // namespace uniep

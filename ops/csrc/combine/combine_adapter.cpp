@@ -161,6 +161,33 @@ void copy_segments(const torch::Tensor& table, int64_t device_index) {
   }
 }
 
+void copy_segments_sm(const torch::Tensor& table, int64_t num_blocks, int64_t device_index) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
+                  table.size(1) == 3 && table.is_contiguous(),
+              "table must be a contiguous CPU int64 [n, 3] tensor of (source address, destination address, bytes)");
+  TORCH_CHECK(num_blocks > 0, "copy_segments_sm: num_blocks must be positive");
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t* row = table.data_ptr<int64_t>();
+  const int64_t n = table.size(0);
+  for (int64_t start = 0; start < n; start += kMaxSmSegments) {
+    const int m = static_cast<int>(std::min<int64_t>(kMaxSmSegments, n - start));
+    std::vector<const char*> src(m);
+    std::vector<char*> dst(m);
+    std::vector<int64_t> bytes(m);
+    for (int i = 0; i < m; ++i) {
+      const int64_t* r = row + 3 * (start + i);
+      TORCH_CHECK(r[0] != 0 && r[1] != 0 && r[2] >= 0 && (r[0] | r[1] | r[2]) % 16 == 0,
+                  "copy_segments_sm: segment addresses and sizes must be non-null multiples of 16 bytes");
+      src[i] = reinterpret_cast<const char*>(r[0]);
+      dst[i] = reinterpret_cast<char*>(r[1]);
+      bytes[i] = r[2];
+    }
+    UNIEP_CHECK_LAUNCH(launch_copy_segments_sm(m, src.data(), dst.data(), bytes.data(),
+                                               static_cast<int>(num_blocks), stream));
+  }
+}
+
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
