@@ -65,7 +65,7 @@ MEGAKERNEL_CONFIGS = {
                              "overlap": {"schedule": "pipelined", "num_chunks": 4}},
     # ds_uniep's GEMM on the SMs num_comm_sms leaves, chunk rows copied back by SM stores
     "megakernel-pipelined-sm": {"backend": "megakernel", "expert_gemm": "uniep",
-                                "overlap": {"schedule": "pipelined", "num_chunks": 4}},
+                                "overlap": {"schedule": "pipelined", "num_chunks": 4, "num_comm_sms": 20}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
 }
 
@@ -99,7 +99,7 @@ def parse_args(argv=None):
                    help="num_chunks of megakernel-pipelined and megakernel-pipelined-sm (default 4)")
     p.add_argument("--pipeline-comm-sms", type=int, default=None,
                    help="num_comm_sms of megakernel-pipelined-sm: its copy blocks; its GEMM gets the other SMs "
-                        "(default: the config's)")
+                        "(default 20)")
     p.add_argument("--schedule-rounds", type=int, default=3,
                    help="alternating timings of megakernel-torch-gemm (sequential) and megakernel-pipelined "
                    "(medians; default 3)")

@@ -55,7 +55,9 @@ class OverlapConfig(_Block):
     num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
                               "launches its dispatch and combine copy kernels with this many blocks when this is "
                               "set (in the block or by a tuning plan); left unset, the sequential schedule gives "
-                              "them one block per SM.")
+                              "them one block per SM. Set, with the pipelined schedule and expert_gemm 'uniep', the "
+                              "chunks' rows are copied back by SM stores from this many blocks while the GEMMs run "
+                              "on the other SMs (unset, or with torch's GEMM: by the copy engines).")
     roles: Literal["partitioned", "interleaved"] = Field(
         "partitioned",
         description="partitioned: whole SMs communicate while others compute; interleaved: communication "

@@ -222,9 +222,10 @@ class UniEPMoE(MoE):
             # The pipelined schedule: the experts in chunks, each chunk's rows copied back while the
             # next computes (ds_uniep.pipelined); the same bits as the sequential schedule.
             experts, gemm = moe.experts.deepspeed_experts, self._expert_gemm(x.device)
-            # ds_uniep's GEMM leaves num_comm_sms SMs to SM-store copies; torch's takes every SM, so
-            # its chunks' rows travel on the copy engines.
-            copy_blocks, sm_count = pipeline_partition(gemm, self.uniep_config.overlap.num_comm_sms, x.device)
+            # With ds_uniep's GEMM and num_comm_sms set (in the block or by a tuning plan), the GEMMs
+            # leave that many SMs to SM-store copies; else the chunks' rows travel on the copy engines
+            # and the GEMMs take every SM (torch's always do).
+            copy_blocks, sm_count = pipeline_partition(gemm, _comm_blocks(self.uniep_config) or 0, x.device)
 
             def run_chunk(rows, counts, offs, a, b):
                 part = experts[a:b]

@@ -115,11 +115,13 @@ def _compare_schedules(rank, world_size):
         seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep")
         want = [_step(seq, rank, T, one) for T, one in cases]
         del seq
-        for chunks, sms in ((1, 20), (2, 20), (4, 32), (4, 32)):
-            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep",
-                          overlap={"schedule": "pipelined", "num_chunks": chunks, "num_comm_sms": sms})
+        for chunks, sms in ((1, 20), (2, 20), (4, 32), (4, 32), (2, None)):  # None: copy engines, every SM
+            overlap = {"schedule": "pipelined", "num_chunks": chunks}
+            if sms is not None:
+                overlap["num_comm_sms"] = sms
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap)
             for (T, one_expert), expected in zip(cases, want):
-                where = f"rank {rank} k={k} T={T} one_expert={one_expert} chunks={chunks} uniep GEMM, SM copies"
+                where = f"rank {rank} k={k} T={T} one_expert={one_expert} chunks={chunks} uniep GEMM, copy SMs {sms}"
                 res = _step(layer, rank, T, one_expert)
                 for i, (a, b) in enumerate(zip(expected, res)):
                     assert torch.equal(a, b), f"{where}: tensor {i} differs from the sequential schedule"

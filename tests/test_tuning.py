@@ -30,6 +30,21 @@ def small_space(**kw):
 
 
 # ---------------------------------------------------------------------- space
+def test_pipelined_on_the_uniep_gemm_leaves_the_gemm_the_other_sms():
+    """With ds_uniep's GEMM the pipelined schedule's copies hold num_comm_sms SMs beside the GEMMs:
+    the SM budget applies, and the cost model gives the GEMM the rest; with torch's it does not."""
+    from ds_uniep.tuning import estimate_ms
+    plan = Plan(schedule="pipelined", num_chunks=2, num_comm_sms=96)
+    uniep = Space(SHAPE, GPU, 2, 8192, False, expert_gemm="uniep")
+    torch_gemm = Space(SHAPE, GPU, 2, 8192, False)
+    assert "SM budget exceeded: the GEMM is left 36 of 132" in (uniep.check(plan) or "")
+    assert torch_gemm.check(plan) is None
+    small = Plan(schedule="pipelined", num_chunks=2, num_comm_sms=16)
+    assert estimate_ms(small, uniep) > estimate_ms(small, torch_gemm)
+    assert Space.from_config({"expert_gemm": "uniep"}, SHAPE, GPU).expert_gemm == "uniep"
+    assert uniep.for_backend("megakernel").expert_gemm == "uniep"
+
+
 def test_each_rejection_reason_is_hit_by_a_plan():
     space = Space(SHAPE, GPU, 2, max_tokens_per_rank=8192, allow_numerics_change=False)
     cases = {

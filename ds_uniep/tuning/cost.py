@@ -36,7 +36,7 @@ def estimate_ms(plan: Plan, space: Space) -> float:
     padded_rows = math.ceil(rows / plan.tile_m) * plan.tile_m
     flops = 3 * 2 * 3 * L * padded_rows * s.M * s.F
     gemm_sms = g.num_sms
-    if Space._comm_shares_sms(plan):
+    if space.comm_shares_sms(plan):
         gemm_sms -= plan.num_comm_sms
     tiles = L * math.ceil(rows / plan.tile_m) * math.ceil(2 * s.F / plan.tile_n)
     waves = math.ceil(tiles / max(1, gemm_sms))

@@ -293,7 +293,7 @@ class Space:
 
     def __init__(self, shape: Shape, gpu: GPUInfo, ep: Optional[int] = None, max_tokens_per_rank: int = 8192,
                  allow_numerics_change: bool = False, values: Optional[Mapping[str, Sequence[Any]]] = None,
-                 backend: Optional[str] = None, dispatch_dtype: str = "activation"):
+                 backend: Optional[str] = None, dispatch_dtype: str = "activation", expert_gemm: str = "torch"):
         if ep is not None and ep != shape.ep:
             raise ValueError(f"Space: ep={ep} disagrees with the shape's ep={shape.ep}")
         unknown = set(values or {}) - set(DEFAULT_VALUES)
@@ -303,6 +303,9 @@ class Space:
             raise ValueError(f"Space: backend must be None or one of {', '.join(ACTING_KNOBS)}, got {backend!r}")
         _one_of("dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
         self.dispatch_dtype = dispatch_dtype
+        #: the layer's grouped GEMM: with "uniep" the pipelined schedule's GEMMs leave num_comm_sms SMs
+        #: to its copies (ds_uniep.pipelined.partition)
+        self.expert_gemm = expert_gemm
         self.shape = shape
         self.gpu = gpu
         self.ep = shape.ep
@@ -317,12 +320,13 @@ class Space:
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
         kw.setdefault("dispatch_dtype", cfg.compression.dispatch_dtype)
+        kw.setdefault("expert_gemm", cfg.expert_gemm)
         return cls(shape, gpu, shape.ep, cfg.max_tokens_per_rank, cfg.autotune.allow_numerics_change, **kw)
 
     def for_backend(self, backend: Optional[str]) -> "Space":
         """The same shape, GPU and settings, walking what ``backend`` acts on (None: the design space)."""
         return Space(self.shape, self.gpu, self.ep, self.max_tokens_per_rank, self.allow_numerics_change,
-                     backend=backend, dispatch_dtype=self.dispatch_dtype)
+                     backend=backend, dispatch_dtype=self.dispatch_dtype, expert_gemm=self.expert_gemm)
 
     # ------------------------------------------------------------------ knobs
     def acting_knobs(self) -> Tuple[str, ...]:
@@ -383,7 +387,7 @@ class Space:
                 reasons.append(f"SM budget exceeded: num_comm_sms={plan.num_comm_sms} > {g.num_sms} SMs on {g.name}")
         elif plan.num_comm_sms >= g.num_sms:
             reasons.append(f"SM budget exceeded: num_comm_sms={plan.num_comm_sms} >= {g.num_sms} SMs on {g.name}")
-        elif self._comm_shares_sms(plan) and g.num_sms - plan.num_comm_sms < self.min_gemm_sms():
+        elif self.comm_shares_sms(plan) and g.num_sms - plan.num_comm_sms < self.min_gemm_sms():
             reasons.append(f"SM budget exceeded: the GEMM is left {g.num_sms - plan.num_comm_sms} of {g.num_sms} "
                            f"SMs, fewer than {self.min_gemm_sms()} ({MIN_GEMM_SM_FRACTION:.0%})")
         rows = _round_up(s.rows_per_expert, ROW_ROUNDING)
@@ -409,11 +413,13 @@ class Space:
                            "explore it)")
         return "; ".join(reasons) if reasons else None
 
-    @staticmethod
-    def _comm_shares_sms(plan: Plan) -> bool:
+    def comm_shares_sms(self, plan: Plan) -> bool:
         """Whether communication holds whole SMs while the GEMM runs (so the GEMM gets the rest only):
-        the fused schedule's partitioned roles. The pipelined schedule moves rows beside the GEMMs with
-        the copy engines; its dispatch kernels run alone."""
+        the fused schedule's partitioned roles, and the pipelined schedule on ds_uniep's GEMM (SM-store
+        copies beside it). On torch's GEMM the pipelined schedule moves rows with the copy engines;
+        its dispatch kernels run alone."""
+        if plan.schedule == "pipelined":
+            return self.expert_gemm == "uniep"
         return plan.schedule == "fused" and plan.roles == "partitioned"
 
     def is_valid(self, plan: Plan) -> bool:
