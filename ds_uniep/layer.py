@@ -472,11 +472,9 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str) -> None:
     on a backend other than the megakernel; once per process for each setting and backend, naming
     the first layer that met it."""
     pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
-    knobs = [k for k in _FUSED_KNOBS if k in overlap.model_fields_set]
-    if "schedule" in overlap.model_fields_set and overlap.schedule != "sequential" and not pipelined_here:
-        knobs.insert(0, "schedule")
-    if "num_chunks" in overlap.model_fields_set and not pipelined_here:
-        knobs.insert(1 if knobs[:1] == ["schedule"] else 0, "num_chunks")
+    knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set and not pipelined_here
+             and not (k == "schedule" and overlap.schedule == "sequential")]
+    knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set]
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
     if knobs and (said, backend) not in _SAID_WAITING:
         _SAID_WAITING.add((said, backend))

@@ -521,7 +521,6 @@ class NVLinkDispatcher:
         # schedule's chunks [(first row, rows)], which get grad_y as chunks too.
         self.check()
         self._barrier()
-        chunks = y if isinstance(y, list) else None  # pipelines() holds gate_grad_on_experts for chunks
         if not self.gate_grad_on_experts:
             return self._combine_bwd_at_sources(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv)
         # Unweighted grad_out rows travel to the experts, with the gates in this rank's gates
@@ -533,8 +532,7 @@ class NVLinkDispatcher:
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
                                self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup)
         e = self._next_epoch(2)
-        if chunks is None:
-            chunks = [(0, y)]
+        chunks = y if isinstance(y, list) else [(0, y)]  # pipelines() holds gate_grad_on_experts for chunks
         rows = chunks[-1][0] + chunks[-1][1].shape[0]
         grad_y = chunks[0][1].new_empty(rows, self.hidden_size)
         grad_ys = []

@@ -152,21 +152,17 @@ class PipelinedCall:
         ready = torch.cuda.Event()
         ready.record()
         tables = self.plan.tables(chunk, rows)
+        dev = d.device.index
         if self.copy_blocks:  # one kernel stores every segment, on this rank's copy stream
-            comm = d.comm_stream(d.rank)
-            comm.wait_event(ready)
-            with torch.cuda.stream(comm):
-                if tables:
-                    d.ext.copy_segments_sm(torch.cat(list(tables.values())), self.copy_blocks, d.device.index)
-            rows.record_stream(comm)
-            self.pushed[backward].add(chunk)
-            return
-        # One stream per destination rank: copies to different ranks run on different copy engines.
-        for dst, table in tables.items():
+            jobs = [(d.rank, lambda: d.ext.copy_segments_sm(torch.cat(list(tables.values())), self.copy_blocks,
+                                                            dev))] if tables else []
+        else:  # one stream per destination rank: copies to different ranks run on different copy engines
+            jobs = [(dst, lambda t=table: d.ext.copy_segments(t, dev)) for dst, table in tables.items()]
+        for dst, copy in jobs:
             comm = d.comm_stream(dst)
             comm.wait_event(ready)
             with torch.cuda.stream(comm):
-                d.ext.copy_segments(table, d.device.index)
+                copy()
             rows.record_stream(comm)
         self.pushed[backward].add(chunk)
 

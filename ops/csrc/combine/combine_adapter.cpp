@@ -1,10 +1,19 @@
 // Combine family: tensor checks, dtype, device guard and stream for the combine launchers.
+#include <algorithm>
+
 #include "../adapters.h"
 #include "../host_utils.h"
 #include "combine.cuh"
 
 namespace uniep {
 namespace {
+
+// The segment tables of copy_segments and copy_segments_sm.
+void check_segment_table(const torch::Tensor& table) {
+  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
+                  table.size(1) == 3 && table.is_contiguous(),
+              "table must be a contiguous CPU int64 [n, 3] tensor of (source address, destination address, bytes)");
+}
 
 // expert_idx [T, k] int32 and out [T, M], on the device: what every summing launcher reads and writes.
 void check_routing_and_out(const torch::Tensor& expert_idx, const torch::Tensor& out) {
@@ -147,9 +156,7 @@ void combine_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_r
 }
 
 void copy_segments(const torch::Tensor& table, int64_t device_index) {
-  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
-                  table.size(1) == 3 && table.is_contiguous(),
-              "table must be a contiguous CPU int64 [n, 3] tensor of (source address, destination address, bytes)");
+  check_segment_table(table);
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t* row = table.data_ptr<int64_t>();
@@ -162,9 +169,7 @@ void copy_segments(const torch::Tensor& table, int64_t device_index) {
 }
 
 void copy_segments_sm(const torch::Tensor& table, int64_t num_blocks, int64_t device_index) {
-  TORCH_CHECK(table.device().is_cpu() && table.scalar_type() == torch::kInt64 && table.dim() == 2 &&
-                  table.size(1) == 3 && table.is_contiguous(),
-              "table must be a contiguous CPU int64 [n, 3] tensor of (source address, destination address, bytes)");
+  check_segment_table(table);
   TORCH_CHECK(num_blocks > 0, "copy_segments_sm: num_blocks must be positive");
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
