@@ -15,12 +15,15 @@ symmetric buffers), schedule and chunk count (chunks apply to ``p2p`` only),
 named ``cf.<transport>.<schedule>.c<chunks>``. On CUDA every variant is timed twice: launched
 (each run after a host barrier, so the ranks' launch skew counts) and queued (each run after a
 GPU spin and a GPU-side barrier, so every GPU starts at once with the run's launches queued, as
-in a training step whose launches run ahead). Where the copy-engine transport runs, two floors
-that no schedule of it can beat: ``gemm_blocks`` (the G block GEMMs CommFuse splits the GEMM
-into, no communication) and ``gemm_beside_copies`` (the whole GEMM while the same bytes are
-copied into the peers' symmetric buffers on a side stream, nothing waiting on anything: what the
-GEMM costs beside the transfers). Exposed communication = time - GEMM alone, as a
-fraction of the collective-alone time. Times are the slowest rank's median; the variants take
+in a training step whose launches run ahead). Where the copy-engine transport runs, floors
+that its schedules cannot beat: ``gemm_blocks`` (the G block GEMMs the ring schedules split the
+GEMM into, no communication), ``gemm_local_first`` (all-gather: the GEMMs ``local_first`` splits
+it into on this rank: its own block, then each run of the others' rows), ``sum_alone``
+(reduce-scatter: the rank-order fp32 sum of the G partials, which follows the last GEMM) and
+``gemm_beside_copies`` (the whole GEMM while the same bytes are copied into the peers' symmetric
+buffers on a side stream, nothing waiting on anything: what the
+GEMM costs beside the transfers). Exposed communication = time - GEMM alone (for
+``sum_alone``: its time), as a fraction of the collective-alone time. Times are the slowest rank's median; the variants take
 turns run by run (``timing.bench_interleaved``), so a drift of the clocks weighs on all alike.
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
 step: transfers on the side stream, GEMMs and adds on the compute stream) to
@@ -162,7 +165,7 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
 def _floors(op, a, G, group, device, dtype, rnd):
     """``{name: (fn, setup)}``: the copy-engine transport's floors (see the module doc)."""
     from ds_uniep.commfuse.copy_engine import _workspace
-    from ds_uniep.commfuse.ops import side_stream
+    from ds_uniep.commfuse.ops import ordered_sum, side_stream
     H, F, T = a.hidden, a.ffn // G, a.tokens
     rank = dist.get_rank(group)
     # All-gather moves x's row blocks [T/G, H], reduce-scatter partials of the same shape.
@@ -190,7 +193,26 @@ def _floors(op, a, G, group, device, dtype, rnd):
         compute.wait_stream(comm)
         return out
 
-    return {"gemm_blocks": (blocks, inputs), "gemm_beside_copies": (beside, inputs)}
+    floors = {"gemm_blocks": (blocks, inputs), "gemm_beside_copies": (beside, inputs)}
+    if op == "all_gather_matmul":
+        from ds_uniep.commfuse.ops import _remote_runs
+        runs = [(rank * block_rows, block_rows)] + [(r0, n) for r0, n, _ in _remote_runs([block_rows] * G, rank)]
+
+        def local_first_gemms(x, w):
+            for r0, n in runs:
+                torch.matmul(x[r0:r0 + n], w, out=out[r0:r0 + n])
+            return out
+
+        floors["gemm_local_first"] = (local_first_gemms, inputs)
+    else:
+        parts = rotating(lambda i: tuple(rnd(block_rows, N) for _ in range(G)), a.pool)
+        floors["sum_alone"] = (lambda *p: ordered_sum(list(p)), parts)
+    return floors
+
+
+def _is_bare(name):
+    """Floors that run only part of the op (some of its GEMMs, or its sum): not checked."""
+    return name in ("gemm_blocks", "gemm_local_first", "sum_alone")
 
 
 def _collect(timed, device):
@@ -210,9 +232,10 @@ def _collect(timed, device):
         if t is None:
             continue
         r["speedup_vs_unfused"] = t_unf / t if t_unf else None
-        if name not in ("gemm_alone", "comm_alone", "gemm_blocks") and t_gemm is not None and t_comm:
-            r["exposed_comm_ms"] = t - t_gemm
-            r["exposed_frac_of_unfused_comm"] = (t - t_gemm) / t_comm
+        if name not in ("gemm_alone", "comm_alone") and t_gemm is not None and t_comm:
+            # sum_alone runs after the last GEMM, so all of it is exposed.
+            r["exposed_comm_ms"] = t if name == "sum_alone" else t - t_gemm
+            r["exposed_frac_of_unfused_comm"] = r["exposed_comm_ms"] / t_comm
     return res
 
 
@@ -230,7 +253,7 @@ def _checks(op, variants, G, group, gloo, points):
     ref = fn0(*args).float().clone()
     out = {}
     for name, (fn, _) in variants.items():
-        if name in ("unfused", "gemm_alone", "comm_alone", "gemm_blocks", "gemm_beside_copies"):
+        if name in ("unfused", "gemm_alone", "comm_alone", "gemm_beside_copies") or _is_bare(name):
             continue
         try:
             out[name] = (fn(*args).float() - ref).abs().max().item()

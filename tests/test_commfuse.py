@@ -380,3 +380,44 @@ def test_two_ranks_nccl():
 @needs_gpus(4)
 def test_four_ranks_nccl():
     run_distributed(_body, 4, "cuda", backend="nccl")
+
+
+def _sum_inputs(n_parts, shape, dtype, device):
+    # Self-identifying and wide-ranging, so a changed addition order changes the rounded bits.
+    g = torch.Generator().manual_seed(7)
+    return [((torch.randn(shape, generator=g) * 10.0 ** (i % 4 - 2)) + i).to(device=device, dtype=dtype)
+            for i in range(n_parts)]
+
+
+def _sum_by_steps(parts):
+    acc = parts[0].to(torch.float32, copy=True)
+    for p in parts[1:]:
+        acc.add_(p)
+    return acc.to(parts[0].dtype)
+
+
+def test_ordered_sum_rejects_mismatched_parts():
+    from ds_uniep.commfuse.ops import ordered_sum
+    with pytest.raises(ValueError, match="every part must have the shape"):
+        ordered_sum([torch.zeros(3, 2), torch.zeros(2, 3)])
+    parts = _sum_inputs(3, (5, 7), torch.bfloat16, "cpu")
+    assert torch.equal(ordered_sum(parts), _sum_by_steps(parts))
+
+
+@needs_gpus(1)
+def test_ordered_sum_on_cuda_adds_in_list_order():
+    """The one-pass CUDA kernel gives the bits of fp32 adds in list order and one cast; a sum in another
+    order gives other bits on these inputs (so the check can fail)."""
+    from ds_uniep.commfuse import ops
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for n_parts in (2, 3, 4, 8):
+            for shape in ((1,), (19, 33), (2048, 4099 + n_parts)):
+                parts = _sum_inputs(n_parts, shape, dtype, "cuda")
+                want = _sum_by_steps(parts)
+                got = ops.ordered_sum(parts)
+                strided = ops.ordered_sum([torch.stack([p, p], -1)[..., 0] for p in parts])
+                assert got.dtype == dtype and torch.equal(got, want), (dtype, n_parts, shape)
+                assert torch.equal(strided, want), ("strided", dtype, n_parts, shape)
+        parts = _sum_inputs(4, (2048, 4096), dtype, "cuda")
+        assert not torch.equal(_sum_by_steps(parts), _sum_by_steps(parts[::-1])), dtype
+    assert not ops._SUM_FALLBACK[0], "the one-pass kernel fell back to step-by-step adds"

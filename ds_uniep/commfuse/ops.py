@@ -339,6 +339,9 @@ def ordered_sum(parts: List[torch.Tensor]) -> torch.Tensor:
     ``acc = p0.float(); acc += p1; ...; acc.to(p0.dtype)``, in one pass over the inputs where the
     elementwise compiler is available (else exactly those steps)."""
     dtype = parts[0].dtype
+    if any(p.shape != parts[0].shape or p.dtype != dtype or p.device != parts[0].device for p in parts):
+        raise ValueError("ordered_sum: every part must have the shape, dtype and device of the first; got "
+                         f"{[(tuple(p.shape), p.dtype, str(p.device)) for p in parts]}")
     if len(parts) > 1 and parts[0].is_cuda and dtype in (torch.bfloat16, torch.float16, torch.float32) \
             and len(parts) <= 8 and not _SUM_FALLBACK[0]:
         try:
