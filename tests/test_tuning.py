@@ -32,15 +32,24 @@ def small_space(**kw):
 # ---------------------------------------------------------------------- space
 def test_pipelined_on_the_uniep_gemm_leaves_the_gemm_the_other_sms():
     """With ds_uniep's GEMM the pipelined schedule's copies hold num_comm_sms SMs beside the GEMMs:
-    the SM budget applies, and the cost model gives the GEMM the rest; with torch's it does not."""
+    the SM budget applies, and the cost model gives the GEMM the rest and prices the copies as SM
+    stores; with torch's GEMM it does neither (the copy engines move the rows)."""
     from ds_uniep.tuning import estimate_ms
     plan = Plan(schedule="pipelined", num_chunks=2, num_comm_sms=96)
     uniep = Space(SHAPE, GPU, 2, 8192, False, expert_gemm="uniep")
     torch_gemm = Space(SHAPE, GPU, 2, 8192, False)
     assert "SM budget exceeded: the GEMM is left 36 of 132" in (uniep.check(plan) or "")
     assert torch_gemm.check(plan) is None
-    small = Plan(schedule="pipelined", num_chunks=2, num_comm_sms=16)
-    assert estimate_ms(small, uniep) > estimate_ms(small, torch_gemm)
+    # 32 and 64 SMs both saturate the peer stores: only the GEMM's share of the SMs differs.
+    fewer, more = (Plan(schedule="pipelined", num_chunks=2, num_comm_sms=n) for n in (32, 64))
+    assert estimate_ms(more, uniep) > estimate_ms(fewer, uniep)
+    assert estimate_ms(more, torch_gemm) == estimate_ms(fewer, torch_gemm)
+    # Many small (expert, source) segments and little GEMM work: the copy engines pay per segment,
+    # the SM stores only by the bytes.
+    many = Shape(T=64, M=1024, F=64, E=64, k=2, ep=4)
+    sm_copies = estimate_ms(fewer, Space(many, GPU, 4, 8192, False, expert_gemm="uniep"))
+    ce_copies = estimate_ms(fewer, Space(many, GPU, 4, 8192, False))
+    assert sm_copies < 0.5 * ce_copies, (sm_copies, ce_copies)
     assert Space.from_config({"expert_gemm": "uniep"}, SHAPE, GPU).expert_gemm == "uniep"
     assert uniep.for_backend("megakernel").expert_gemm == "uniep"
 

@@ -59,12 +59,17 @@ def estimate_ms(plan: Plan, space: Space) -> float:
         return gemm_ms + comm_ms + 4 * LAUNCH_MS
     if plan.schedule == "pipelined":
         # The forward combine and the backward's gradient of dispatch (two of the four transfers) go
-        # back by copy engines, chunk by chunk beside the GEMMs; the last chunk's share stays exposed.
+        # back chunk by chunk beside the GEMMs; the last chunk's share stays exposed.
         # The two dispatches run alone, as in the sequential schedule.
+        # On ds_uniep's GEMM with SM stores (comm_shares_sms), num_comm_sms SMs store every segment
+        # of a chunk in one launch beside the GEMM on the other SMs (gemm_ms counts those only).
         c = plan.num_chunks
         push_bytes = s.T * s.k * off * 2 * row_bytes
-        segments = L * s.ep  # per push: one copy per (local expert, source), spread over ep - 1 streams
-        push_ms = max(push_bytes / (LINK_GBPS * 1e9) * 1e3, 2 * segments * COPY_SEGMENT_MS / max(1, s.ep - 1))
+        if space.comm_shares_sms(plan):
+            push_ms = push_bytes / bw * 1e3
+        else:
+            segments = L * s.ep  # per push: one copy per (local expert, source), spread over ep - 1 streams
+            push_ms = max(push_bytes / (LINK_GBPS * 1e9) * 1e3, 2 * segments * COPY_SEGMENT_MS / max(1, s.ep - 1))
         return (max(gemm_ms, push_ms) + push_ms / c + (nbytes - push_bytes) / bw * 1e3 + 4 * c * LAUNCH_MS)
     # fused: the GEMM starts when the first signal's rows have arrived.
     per_signal = {"tile": L * math.ceil(rows / plan.tile_m), "expert": L, "rank": max(1, s.ep)}
