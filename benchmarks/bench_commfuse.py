@@ -21,9 +21,9 @@ GEMM into, no communication), ``gemm_local_first`` (all-gather: the GEMMs ``loca
 it into on this rank: its own block, then each run of the others' rows), ``sum_alone``
 (reduce-scatter: the rank-order fp32 sum of the G partials, which follows the last GEMM) and
 ``gemm_beside_copies`` (the whole GEMM while the same bytes are copied into the peers' symmetric
-buffers on a side stream, nothing waiting on anything: what the
-GEMM costs beside the transfers). Exposed communication = time - GEMM alone (for
-``sum_alone``: its time), as a fraction of the collective-alone time. Times are the slowest rank's median; the variants take
+buffers on a side stream, nothing waiting on anything: what the GEMM costs beside the
+transfers). Exposed communication = time - GEMM alone (for ``sum_alone``: its time), as a
+fraction of the collective-alone time. Times are the slowest rank's median; the variants take
 turns run by run (``timing.bench_interleaved``), so a drift of the clocks weighs on all alike.
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
 step: transfers on the side stream, GEMMs and adds on the compute stream) to
