@@ -176,10 +176,13 @@ def _floors(op, a, G, group, device, dtype, rnd):
     block = rnd(block_rows, H)
     out = torch.empty(T, N, dtype=dtype, device=device)
 
-    def blocks(x, w):
-        for b in range(G):
-            torch.matmul(x[b * block_rows:(b + 1) * block_rows], w, out=out[b * block_rows:(b + 1) * block_rows])
-        return out
+    def gemms_over(runs):
+        """One GEMM per ``(first row, rows)`` run, into ``out``'s same rows."""
+        def run(x, w):
+            for r0, n in runs:
+                torch.matmul(x[r0:r0 + n], w, out=out[r0:r0 + n])
+            return out
+        return run
 
     def beside(x, w):
         compute = torch.cuda.current_stream(device)
@@ -193,17 +196,12 @@ def _floors(op, a, G, group, device, dtype, rnd):
         compute.wait_stream(comm)
         return out
 
-    floors = {"gemm_blocks": (blocks, inputs), "gemm_beside_copies": (beside, inputs)}
+    floors = {"gemm_blocks": (gemms_over([(b * block_rows, block_rows) for b in range(G)]), inputs),
+              "gemm_beside_copies": (beside, inputs)}
     if op == "all_gather_matmul":
         from ds_uniep.commfuse.ops import _remote_runs
         runs = [(rank * block_rows, block_rows)] + [(r0, n) for r0, n, _ in _remote_runs([block_rows] * G, rank)]
-
-        def local_first_gemms(x, w):
-            for r0, n in runs:
-                torch.matmul(x[r0:r0 + n], w, out=out[r0:r0 + n])
-            return out
-
-        floors["gemm_local_first"] = (local_first_gemms, inputs)
+        floors["gemm_local_first"] = (gemms_over(runs), inputs)
     else:
         parts = rotating(lambda i: tuple(rnd(block_rows, N) for _ in range(G)), a.pool)
         floors["sum_alone"] = (lambda *p: ordered_sum(list(p)), parts)

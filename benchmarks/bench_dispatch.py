@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from timing import device_barrier, spin_cycles_per_ms
+from timing import queued_start
 
 
 # Combine variants timed beside the default (combine_chunks, combine_reduce_blocks); every one must
@@ -75,8 +75,7 @@ def timed(fn, iters, warmup, device):
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             if mode == "queued":
-                torch.cuda._sleep(int(sleep_ms * spin_cycles_per_ms()))
-                device_barrier()
+                queued_start(sleep_ms)()
             start.record()
             fn()
             end.record()
