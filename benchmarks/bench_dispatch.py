@@ -35,9 +35,11 @@ import torch.distributed as dist
 from timing import queued_start
 
 
-# Combine variants timed beside the default (combine_chunks, combine_reduce_blocks); every one must
-# give the default's bits. (0, None): push, then reduce, as two kernels.
-COMBINE_VARIANTS = [(0, None), (8, None), (32, None), (64, None), (16, 66)]
+# Combine variants timed beside the default (combine_chunks, combine_reduce_blocks,
+# combine_push_lead); every one must give the default's bits. (0, None, _): push, then reduce,
+# as two kernels; lead 0: each pushing block gathers and pushes a chunk's rows at a time.
+COMBINE_VARIANTS = [(0, None, 0), (16, None, 0), (16, None, 2), (16, None, 4), (8, None, 0), (8, None, 2),
+                    (32, None, 0), (32, None, 2), (16, 66, 0)]
 # Pulling combine variants: (result key, blocks per SM). The first is the dispatcher's default.
 PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
@@ -199,17 +201,17 @@ def main():
         if name == "bf16":
             y = state["recv"]
             put("combine", lambda: disp.combine(y, gates, h))
-            default = (disp.combine_chunks, disp.combine_reduce_blocks)
+            default = (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead)
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
-            for chunks, reducers in COMBINE_VARIANTS:
-                disp.combine_chunks, disp.combine_reduce_blocks = chunks, reducers
+            for chunks, reducers, lead in COMBINE_VARIANTS:
+                disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
-                results["combine_variants"][f"{chunks}/{reducers}"] = {"chunks": chunks, "reduce_blocks": reducers,
-                                                                      "ms": ms, "queued_ms": queued_ms,
-                                                                      "bitwise_equal": same}
-            disp.combine_chunks, disp.combine_reduce_blocks = default
+                results["combine_variants"][f"{chunks}/{reducers}/{lead}"] = {
+                    "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "ms": ms,
+                    "queued_ms": queued_ms, "bitwise_equal": same}
+            disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = default
             # Pulling: the expert outputs sit in every rank's source region, each source reads its rows.
             src = disp.combine_source(y.shape[0])
             src.copy_(y)
@@ -264,7 +266,8 @@ def main():
     print(f"rank {rank}: host ms to launch: dispatch bf16 {results['bf16_dispatch_host_ms']:.3f}, combine "
           f"{results['combine_host_ms']:.3f}, pulling combine {results['combine_pull_host_ms']:.3f}, NCCL "
           f"{results['nccl_a2a_host_ms']:.3f}")
-    rows += [(f"combine bf16 ({v['chunks']} chunks, {v['reduce_blocks'] or 'default'} reduce blocks)"
+    rows += [(f"combine bf16 ({v['chunks']} chunks, {v['reduce_blocks'] or 'default'} reduce blocks, "
+              f"{'lead ' + str(v['push_lead']) if v['push_lead'] else 'by chunk'})"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)
              for v in results["combine_variants"].values()]
     rows += [(f"combine bf16 (pull, {blocks} block{'s' if blocks > 1 else ''} per SM)", results[f"{key}_ms"],

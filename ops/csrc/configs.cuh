@@ -41,6 +41,10 @@ enum SignalPhase : int {
 constexpr int kMaxCombineChunks = 64;
 // A chunk's rows are moved and summed in segments of this many 16-byte vectors per row.
 constexpr int kCombineSegVecs = 128;
+// A pushing block of the chunked combine sorts its rows by chunk in at most this much dynamic
+// shared memory (one int per row, at most 48 KiB without opting in); a larger share pushes
+// chunk by chunk instead (the same bits).
+constexpr int kMaxSortedListBytes = 48 * 1024;
 
 // Threads of the copy kernels; one warp moves one row (or one token's k rows).
 constexpr int kCopyThreads = 512;

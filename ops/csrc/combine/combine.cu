@@ -185,43 +185,173 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_pull_kernel(SymView s
                                        hidden / Vec<T>::kElems, lane, out);
 }
 
-// Push and reduce in one kernel, by chunks of source tokens. Blocks [0, P) push: for chunk
-// c = 0, 1, ... each block gathers the rows of its slice of y whose source token lies in chunk
-// c (of whichever source) into a shared list and its warps store them, segment by segment,
-// into the sources' combine buffers; the last block to finish chunk c fences and raises the
-// chunk's flag on every rank. Blocks [P, gridDim.x) reduce: for each of this rank's chunks in
-// order they wait for the flags of all ranks, then sum the chunk's tokens (segments of rows
-// spread over all reducing warps) as combine_reduce_kernel does, so the bits are the same.
-// Pushing blocks wait for nothing, and have the lower block indices, so they always run. Two
-// blocks fit on an SM (launch bounds), so with one pushing and one reducing block per SM both
-// roles use every SM.
+// One segment (kCombineSegVecs vectors) of expert-output row `row` stored into its source's
+// combine buffer at the pair's slot, by one warp.
+template <typename T>
+__device__ __forceinline__ void push_segment(const T* __restrict__ y, const int* __restrict__ recv_pair,
+                                             const SymView& s, int row, int seg, int num_vecs, int hidden,
+                                             int lane) {
+  const int pair = __ldg(recv_pair + row);
+  const int src = static_cast<int>(pair / s.pairs_per_rank);
+  const int64_t slot = pair % s.pairs_per_rank;
+  int4* dst = reinterpret_cast<int4*>(s.ptrs[src] + s.comb_off + slot * s.comb_row_bytes);
+  const int4* in = reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * hidden);
+  const int c_end = min(num_vecs, (seg + 1) * kCombineSegVecs);
+  constexpr int kUnrollSeg = kCombineSegVecs / 32;
+  int4 v[kUnrollSeg];
+#pragma unroll
+  for (int u = 0; u < kUnrollSeg; ++u) {
+    const int cv = seg * kCombineSegVecs + lane + 32 * u;
+    if (cv < c_end) v[u] = __ldg(in + cv);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnrollSeg; ++u) {
+    const int cv = seg * kCombineSegVecs + lane + 32 * u;
+    if (cv < c_end) dst[cv] = v[u];
+  }
+}
+
+// The signalling warp of a pushing block, once the block's rows of chunk c are stored (and
+// ordered before this call): a system fence, then the block that arrives last at the chunk's
+// counter raises the chunk's flag on every rank.
+__device__ __forceinline__ void signal_chunk_pushed(const SymView& s, int c, int pushing_blocks, int lane,
+                                                    uint32_t epoch) {
+  bool last = false;
+  if (lane == 0) {
+    __threadfence_system();
+    uint32_t* counter = chunk_counter(s, c);
+    last = atomicAdd(counter, 1u) == static_cast<uint32_t>(pushing_blocks - 1);
+    if (last) {
+      *counter = 0;
+      __threadfence_system();  // every block's rows (seen through the counter) before the flags
+    }
+  }
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last && lane < s.num_ranks) st_release_sys(chunk_flag(s, lane, c, s.rank), epoch);
+}
+
+// Push and reduce in one kernel, by chunks of source tokens. Blocks [0, P) push, blocks
+// [P, gridDim.x) reduce: for each of this rank's chunks in order they wait for the flags of all
+// ranks, then sum the chunk's tokens (segments of rows spread over all reducing warps) as
+// combine_reduce_kernel does, so the bits are the same. In a pushing block warps 0..14 push
+// and warp 15 signals: once the block's rows of chunk c are stored it fences and, in the block
+// that finishes the chunk last, raises the chunk's flag on every rank, so no pushing warp stalls
+// on a fence. Pushing blocks wait for nothing, and have the lower block indices, so they always
+// run. Two blocks fit on an SM (launch bounds), so with one pushing and one reducing block per
+// SM both roles use every SM.
+//
+// Which rows a pushing block stores, in what order:
+// - sorted (list_cap > 0): the block owns granules b, b + P, b + 2P, ... of kPushGranule rows
+//   of y (so every block's rows go to every source), sorts them by chunk once in shared memory
+//   (list_cap ints of dynamic shared memory) and its warps stream through the sorted segments
+//   without a barrier between chunks; each warp counts the segments it stored per chunk, and the
+//   signalling warp raises chunk c once the count reaches the block's segments of c. A warp
+//   starts on chunk c only once chunk c - push_lead is signalled: a chunk's flag waits for the
+//   signalling warp's fence, and pushing far ahead would leave the sums of many chunks to the end.
+// - by chunk (list_cap == 0): for chunk c = 0, 1, ... the block gathers the rows of its slices
+//   of y whose source token lies in chunk c into a shared list and its warps store them; the
+//   pushing warps meet at a barrier after each slice.
+// Any order gives the same bits: a row's bytes and where they land do not depend on it.
+constexpr int kPushGranule = 8;
+
 template <typename T, bool kWeighted, int kSlots>
 __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
     int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
-    T* __restrict__ out) {
+    int list_cap, int push_lead, T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
+  constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
+  constexpr int kPushThreads = kPushWarps * 32;
+  static_assert(kMaxCombineChunks <= 64, "the chunk scan takes two counts per lane");
+  extern __shared__ int sorted_rows[];
   __shared__ int list[kCopyThreads];
   __shared__ int list_len;
   __shared__ int flag_shared;
+  __shared__ int chunk_begin[kMaxCombineChunks + 1];
+  __shared__ int chunk_fill[kMaxCombineChunks];
+  __shared__ int chunk_done[kMaxCombineChunks];
+  __shared__ int chunks_signalled;
   if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int num_vecs = hidden / kElems;
   const int segs = (num_vecs + kCombineSegVecs - 1) / kCombineSegVecs;
   const int P = gridDim.x - reduce_blocks;
+  if (blockIdx.x < P && list_cap > 0) {
+    const int R = min(*num_recv, y_rows);
+    // This block's share: granules b, b + P, b + 2P, ... of y's R rows (<= list_cap rows).
+    const int64_t granules = (static_cast<int64_t>(R) + kPushGranule - 1) / kPushGranule;
+    const int mine = granules > blockIdx.x ? static_cast<int>((granules - 1 - blockIdx.x) / P + 1) * kPushGranule : 0;
+    auto row_at = [&](int i) {
+      return (static_cast<int64_t>(blockIdx.x) + static_cast<int64_t>(P) * (i / kPushGranule)) * kPushGranule +
+             i % kPushGranule;
+    };
+    auto chunk_of = [&](int64_t r) {
+      return static_cast<int>(__ldg(recv_pair + r) % s.pairs_per_rank / k / chunk_tokens);
+    };
+    for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) chunk_fill[c] = chunk_done[c] = 0;
+    if (threadIdx.x == 0) chunks_signalled = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < mine; i += blockDim.x) {
+      const int64_t r = row_at(i);
+      if (r < R) atomicAdd(&chunk_fill[chunk_of(r)], 1);
+    }
+    __syncthreads();
+    if (warp == 0) {  // exclusive scan of the chunk counts, two per lane
+      const int a = 2 * lane < num_chunks ? chunk_fill[2 * lane] : 0;
+      const int b = 2 * lane + 1 < num_chunks ? chunk_fill[2 * lane + 1] : 0;
+      int incl = a + b;
+#pragma unroll
+      for (int off = 1; off < 32; off *= 2) {
+        const int up = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += up;
+      }
+      const int excl = incl - a - b;
+      if (2 * lane < num_chunks) chunk_begin[2 * lane] = chunk_fill[2 * lane] = excl;
+      if (2 * lane + 1 < num_chunks) chunk_begin[2 * lane + 1] = chunk_fill[2 * lane + 1] = excl + a;
+      if (lane == 31) chunk_begin[num_chunks] = incl;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < mine; i += blockDim.x) {
+      const int64_t r = row_at(i);
+      if (r < R) sorted_rows[atomicAdd(&chunk_fill[chunk_of(r)], 1)] = static_cast<int>(r);  // any order
+    }
+    __syncthreads();
+    if (warp < kPushWarps) {
+      const int items = chunk_begin[num_chunks] * segs;
+      int c = 0;
+      for (int item = warp; item < items; item += kPushWarps) {
+        const int at = item / segs;
+        if (at >= chunk_begin[c + 1]) {
+          while (at >= chunk_begin[c + 1]) ++c;
+          while (*reinterpret_cast<volatile int*>(&chunks_signalled) + push_lead <= c) __nanosleep(64);
+        }
+        push_segment<T>(y, recv_pair, s, sorted_rows[at], item % segs, num_vecs, hidden, lane);
+        __syncwarp();  // the lanes' stores before lane 0's release below
+        if (lane == 0) {
+          __threadfence_block();
+          atomicAdd(&chunk_done[c], 1);
+        }
+      }
+    } else {
+      for (int c = 0; c < num_chunks; ++c) {
+        if (lane == 0) {
+          const int need = (chunk_begin[c + 1] - chunk_begin[c]) * segs;
+          while (*reinterpret_cast<volatile int*>(&chunk_done[c]) < need) __nanosleep(32);
+          __threadfence_block();
+        }
+        __syncwarp();
+        signal_chunk_pushed(s, c, P, lane, epoch);
+        if (lane == 0) atomicExch(&chunks_signalled, c + 1);
+      }
+    }
+    return;
+  }
   if (blockIdx.x < P) {
-    // Warps 0..14 push, gathering a chunk's rows of their slices of y into a shared list; warp
-    // 15 signals. After a chunk the pushing warps arrive at a named
-    // barrier and go straight on to the next chunk; the signalling warp waits there, fences
-    // (the barrier makes the pushed rows part of that fence) and, in the block that finishes
-    // the chunk last, raises its flag on every rank. So no pushing warp stalls on a fence.
     // Barriers: 1 the pushing warps' list; 2 + c % 2 chunk c pushed (pushers arrive, the
     // signaller waits); 4 + c % 2 chunk c signalled (the signaller arrives, pushers wait before
     // arriving for chunk c + 2, so a barrier is never reused early).
-    constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
-    constexpr int kPushThreads = kPushWarps * 32;
     if (warp < kPushWarps) {
       const int R = min(*num_recv, y_rows);
       for (int c = 0; c < num_chunks; ++c) {
@@ -236,28 +366,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
           }
           named_barrier_sync(1, kPushThreads);
           const int items = list_len * segs;
-          for (int item = warp; item < items; item += kPushWarps) {
-            const int row = list[item / segs];
-            const int seg = item % segs;
-            const int pair = __ldg(recv_pair + row);
-            const int src = static_cast<int>(pair / s.pairs_per_rank);
-            const int64_t slot = pair % s.pairs_per_rank;
-            int4* dst = reinterpret_cast<int4*>(s.ptrs[src] + s.comb_off + slot * s.comb_row_bytes);
-            const int4* in = reinterpret_cast<const int4*>(y + static_cast<int64_t>(row) * hidden);
-            const int c_end = min(num_vecs, (seg + 1) * kCombineSegVecs);
-            constexpr int kUnrollSeg = kCombineSegVecs / 32;
-            int4 v[kUnrollSeg];
-#pragma unroll
-            for (int u = 0; u < kUnrollSeg; ++u) {
-              const int cv = seg * kCombineSegVecs + lane + 32 * u;
-              if (cv < c_end) v[u] = __ldg(in + cv);
-            }
-#pragma unroll
-            for (int u = 0; u < kUnrollSeg; ++u) {
-              const int cv = seg * kCombineSegVecs + lane + 32 * u;
-              if (cv < c_end) dst[cv] = v[u];
-            }
-          }
+          for (int item = warp; item < items; item += kPushWarps)
+            push_segment<T>(y, recv_pair, s, list[item / segs], item % segs, num_vecs, hidden, lane);
           named_barrier_sync(1, kPushThreads);  // the list is refilled next
         }
         if (c >= 2) named_barrier_sync(4 + c % 2, kCopyThreads);
@@ -266,19 +376,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
       for (int c = max(0, num_chunks - 2); c < num_chunks; ++c) named_barrier_sync(4 + c % 2, kCopyThreads);
     } else {
       for (int c = 0; c < num_chunks; ++c) {
-        named_barrier_sync(2 + c % 2, kCopyThreads);
-        bool last = false;
-        if (lane == 0) {
-          __threadfence_system();
-          uint32_t* counter = chunk_counter(s, c);
-          last = atomicAdd(counter, 1u) == static_cast<uint32_t>(P - 1);
-          if (last) {
-            *counter = 0;
-            __threadfence_system();  // every block's rows (seen through the counter) before the flags
-          }
-        }
-        last = __shfl_sync(0xffffffffu, last, 0);
-        if (last && lane < s.num_ranks) st_release_sys(chunk_flag(s, lane, c, s.rank), epoch);
+        named_barrier_sync(2 + c % 2, kCopyThreads);  // the barrier makes the pushed rows part of the fence
+        signal_chunk_pushed(s, c, P, lane, epoch);
         named_barrier_arrive(4 + c % 2, kCopyThreads);
       }
     }
@@ -545,17 +644,23 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, cudaStream_t stream) {
+                                   int num_chunks, int push_lead, cudaStream_t stream) {
   if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 ||
-      num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens)
+      num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens || push_lead < 0)
     return cudaErrorInvalidValue;
+  // A sorting block's share of y's rows: whole granules, every num_blocks-th one.
+  const int64_t granules = (static_cast<int64_t>(y_rows) + kPushGranule - 1) / kPushGranule;
+  const int64_t list_cap = push_lead > 0 ? (granules + num_blocks - 1) / num_blocks * kPushGranule : 0;
+  const int cap = list_cap * static_cast<int64_t>(sizeof(int)) > kMaxSortedListBytes ? 0 : static_cast<int>(list_cap);
+  const size_t smem = static_cast<size_t>(cap) * sizeof(int);
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
       UNIEP_SWITCH_SLOTS(k, kSlots, {
-        combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, 0, stream>>>(
+        combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
-            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, static_cast<T*>(out));
+            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead,
+            static_cast<T*>(out));
       });
     });
   });
