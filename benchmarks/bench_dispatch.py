@@ -36,10 +36,12 @@ from timing import queued_start
 
 
 # Combine variants timed beside the default (combine_chunks, combine_reduce_blocks,
-# combine_push_lead); every one must give the default's bits. (0, None, _): push, then reduce,
-# as two kernels; lead 0: each pushing block gathers and pushes a chunk's rows at a time.
-COMBINE_VARIANTS = [(0, None, 0), (16, None, 0), (16, None, 2), (16, None, 4), (8, None, 0), (8, None, 2),
-                    (32, None, 0), (32, None, 2), (16, 66, 0)]
+# combine_push_lead, pushing blocks as a share of num_blocks (one per SM)); every one must give
+# the default's bits. (0, None, _, _): push, then reduce, as two kernels; lead 0: each pushing
+# block gathers and pushes a chunk's rows at a time; None: the dispatcher's default.
+COMBINE_VARIANTS = [(0, None, 0, 1), (16, None, 0, 1), (16, None, 2, 1), (16, None, 2, 1 / 2),
+                    (16, None, 2, 1 / 4), (16, None, 4, None), (8, None, 2, None), (32, None, 2, None),
+                    (16, None, 0, 1 / 2)]
 # Pulling combine variants: (result key, blocks per SM). The first is the dispatcher's default.
 PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
@@ -201,17 +203,21 @@ def main():
         if name == "bf16":
             y = state["recv"]
             put("combine", lambda: disp.combine(y, gates, h))
-            default = (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead)
+            default = (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
+                       disp.combine_push_blocks)
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
-            for chunks, reducers, lead in COMBINE_VARIANTS:
+            for chunks, reducers, lead, share in COMBINE_VARIANTS:
+                pushers = round(share * disp.num_blocks) if share else default[3]
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
+                disp.combine_push_blocks = pushers
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
-                results["combine_variants"][f"{chunks}/{reducers}/{lead}"] = {
-                    "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "ms": ms,
+                results["combine_variants"][f"{chunks}/{reducers}/{lead}/{pushers}"] = {
+                    "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "push_blocks": pushers, "ms": ms,
                     "queued_ms": queued_ms, "bitwise_equal": same}
-            disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = default
+            (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
+             disp.combine_push_blocks) = default
             # Pulling: the expert outputs sit in every rank's source region, each source reads its rows.
             src = disp.combine_source(y.shape[0])
             src.copy_(y)
@@ -266,7 +272,8 @@ def main():
     print(f"rank {rank}: host ms to launch: dispatch bf16 {results['bf16_dispatch_host_ms']:.3f}, combine "
           f"{results['combine_host_ms']:.3f}, pulling combine {results['combine_pull_host_ms']:.3f}, NCCL "
           f"{results['nccl_a2a_host_ms']:.3f}")
-    rows += [(f"combine bf16 ({v['chunks']} chunks, {v['reduce_blocks'] or 'default'} reduce blocks, "
+    rows += [(f"combine bf16 ({v['chunks']} chunks, {v['push_blocks']}/"
+              f"{v['reduce_blocks'] or 'default'} push/reduce blocks, "
               f"{'lead ' + str(v['push_lead']) if v['push_lead'] else 'by chunk'})"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)
              for v in results["combine_variants"].values()]

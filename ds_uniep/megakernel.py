@@ -238,15 +238,17 @@ class NVLinkDispatcher:
             this many chunks of source tokens (``max_tokens_per_rank`` split evenly): a source
             sums a chunk's rows while later chunks are still being pushed. 0: push, then reduce,
             as two kernels. The output bits are the same either way.
-        combine_reduce_blocks: blocks of the chunked combine that reduce, beside its
-            ``num_blocks`` pushing blocks; default ``num_blocks`` (two blocks fit on an SM, so
-            with one per SM each role has every SM).
+        combine_reduce_blocks: blocks of the chunked combine that reduce, beside its pushing
+            blocks; default ``num_blocks`` (two blocks fit on an SM, so with one per SM the
+            reducing role has every SM).
         combine_push_lead: in the chunked combine each pushing block sorts its share of the
             rows (every ``num_blocks``-th group of 8) by chunk once and streams through them with
             no barrier between chunks, at most this many chunks ahead of the last chunk whose
             flag it raised. 0: the block gathers and pushes one chunk's rows at a time. The
-            output bits are the same either way. Default: 2 at ep_size 2 or less, else 0 (the
-            faster of the two in ``bench_dispatch.py`` on H200s: 1.08x at ep 2, 0.97x at ep 4).
+            output bits are the same either way.
+        combine_push_blocks: pushing blocks of the chunked combine; default half of
+            ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
+            quarter or all of them at ep 2 and 4).
         pull_blocks: blocks of the pulling combine (default twice ``num_blocks``: two fit on an SM).
         pull_combine: allocate a source region (a third ``[R_max, M]`` symmetric buffer). Expert
             outputs written into :meth:`combine_source` are combined by pulling: each rank reads
@@ -274,7 +276,8 @@ class NVLinkDispatcher:
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
                  num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
-                 combine_reduce_blocks: Optional[int] = None, combine_push_lead: Optional[int] = None,
+                 combine_reduce_blocks: Optional[int] = None, combine_push_lead: int = 2,
+                 combine_push_blocks: Optional[int] = None,
                  pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
                  dedup: bool = True):
@@ -301,8 +304,10 @@ class NVLinkDispatcher:
             raise ValueError(f"{where}: k = {k} outside 1..{MAX_TOP_K}")
         if not 0 <= combine_chunks <= MAX_COMBINE_CHUNKS:
             raise ValueError(f"{where}: combine_chunks = {combine_chunks} outside 0..{MAX_COMBINE_CHUNKS}")
-        if combine_push_lead is not None and combine_push_lead < 0:
+        if combine_push_lead < 0:
             raise ValueError(f"{where}: combine_push_lead = {combine_push_lead} must be at least 0")
+        if combine_push_blocks is not None and combine_push_blocks < 1:
+            raise ValueError(f"{where}: combine_push_blocks = {combine_push_blocks} must be at least 1")
         if combine_reduce_blocks is not None and combine_reduce_blocks < 1:
             raise ValueError(f"{where}: combine_reduce_blocks = {combine_reduce_blocks} must be at least 1")
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -335,7 +340,8 @@ class NVLinkDispatcher:
             self.acc.buffer.zero_()
             torch.cuda.synchronize(self.device)
         self.combine_reduce_blocks = combine_reduce_blocks
-        self.combine_push_lead = (2 if ep_size <= 2 else 0) if combine_push_lead is None else combine_push_lead
+        self.combine_push_lead = combine_push_lead
+        self.combine_push_blocks = combine_push_blocks or max(1, self.num_blocks // 2)
         self.direct = None
         if direct_receive and not self.fp8:
             self.direct = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
@@ -457,7 +463,8 @@ class NVLinkDispatcher:
             chunk_tokens = -(-self.max_tokens // self.combine_chunks)
             num_chunks = -(-self.max_tokens // chunk_tokens)  # the same on every rank
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
-                                     self.bufs.descriptor, e, *self._wait_args(), nb, reduce_blocks, chunk_tokens,
+                                     self.bufs.descriptor, e, *self._wait_args(), self.combine_push_blocks,
+                                     reduce_blocks, chunk_tokens,
                                      num_chunks, self.combine_push_lead)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)

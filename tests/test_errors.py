@@ -123,10 +123,12 @@ def test_arrival_ordering_refuses_what_it_cannot_run():
         NVLinkDispatcher("test.pull", 4, 1, 256, 2, torch.bfloat16, {}, ordering="arrival", pull_combine=True)
 
 
-def test_combine_push_lead_must_not_be_negative():
+def test_combine_push_options_are_checked():
     from ds_uniep.megakernel import NVLinkDispatcher
     with pytest.raises(ValueError, match=r"test\.lead \(rank 0\): combine_push_lead = -1 must be at least 0"):
         NVLinkDispatcher("test.lead", 4, 1, 256, 2, torch.bfloat16, {}, combine_push_lead=-1)
+    with pytest.raises(ValueError, match=r"combine_push_blocks = 0 must be at least 1"):
+        NVLinkDispatcher("test.pushers", 4, 1, 256, 2, torch.bfloat16, {}, combine_push_blocks=0)
 
 
 def _reference_layer_outputs(configs, backward):

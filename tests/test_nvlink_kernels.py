@@ -63,20 +63,19 @@ def _body(rank, G, dtype_name):
     for k in (1, 2, 6, 8):
         disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
         # The same layer with combine as push-then-reduce kernels, chunked over 7 chunks with
-        # one reducing block, pushing rows sorted by chunk (ep > 2) or chunk by chunk (ep 2; the
-        # other of the two from the default), pulling from source regions, with the gate gradients formed at
+        # five pushing blocks and one reducing block, pushing chunk by chunk (not sorted),
+        # pulling from source regions, with the gate gradients formed at
         # the sources (y sent back) instead of on the experts, and sending a token once per slot
         # rather than once per destination rank: when and where rows move and are summed
         # changes, never the bits.
         pull = NVLinkDispatcher(f"test.k{k}.pull", E, G, M, k, dtype, cfg, pull_combine=True)
         variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
                     NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
-                                     combine_reduce_blocks=1), pull,
+                                     combine_reduce_blocks=1, combine_push_blocks=5), pull,
                     NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
                                      gate_grad_on_experts=False),
                     NVLinkDispatcher(f"test.k{k}.no_dedup", E, G, M, k, dtype, cfg, dedup=False),
-                    NVLinkDispatcher(f"test.k{k}.push_lead", E, G, M, k, dtype, cfg,
-                                     combine_push_lead=1 if G > 2 else 0)]
+                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0)]
         # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
         # and sums within bf16 tolerance.
         arrival = NVLinkDispatcher(f"test.k{k}.arrival", E, G, M, k, dtype, cfg, ordering="arrival")
