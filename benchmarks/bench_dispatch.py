@@ -38,7 +38,7 @@ from timing import queued_start
 # Combine variants timed beside the default (combine_chunks, combine_reduce_blocks,
 # combine_push_lead, pushing blocks as a share of num_blocks (one per SM)); every one must give
 # the default's bits. (0, None, _, _): push, then reduce, as two kernels; lead 0: each pushing
-# block gathers and pushes a chunk's rows at a time; None: the dispatcher's default.
+# block gathers and pushes a chunk's rows at a time; None: the dispatcher's default (half).
 COMBINE_VARIANTS = [(0, None, 0, 1), (16, None, 0, 1), (16, None, 2, 1), (16, None, 2, 1 / 2),
                     (16, None, 2, 1 / 4), (16, None, 4, None), (8, None, 2, None), (32, None, 2, None),
                     (16, None, 0, 1 / 2)]
@@ -208,7 +208,7 @@ def main():
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
             for chunks, reducers, lead, share in COMBINE_VARIANTS:
-                pushers = round(share * disp.num_blocks) if share else default[3]
+                pushers = round(share * disp.num_blocks) if share else max(1, disp.num_blocks // 2)
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
                 disp.combine_push_blocks = pushers
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)

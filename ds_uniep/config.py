@@ -53,7 +53,8 @@ class OverlapConfig(_Block):
     num_chunks: int = Field(2, ge=1, le=64, description="Chunks of local experts for the pipelined schedule (at "
                             "most one per local expert).")
     num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
-                              "launches its dispatch and combine copy kernels with this many blocks when this is "
+                              "launches its dispatch and combine copy kernels with this many blocks (the chunked "
+                              "combine: this many summing blocks beside half as many pushing ones) when this is "
                               "set (in the block or by a tuning plan); left unset, the sequential schedule gives "
                               "them one block per SM. Set, with the pipelined schedule and expert_gemm 'uniep', the "
                               "chunks' rows are copied back by SM stores from this many blocks while the GEMMs run "

@@ -341,7 +341,7 @@ class NVLinkDispatcher:
             torch.cuda.synchronize(self.device)
         self.combine_reduce_blocks = combine_reduce_blocks
         self.combine_push_lead = combine_push_lead
-        self.combine_push_blocks = combine_push_blocks or max(1, self.num_blocks // 2)
+        self.combine_push_blocks = combine_push_blocks  # None: half of num_blocks, read at each combine
         self.direct = None
         if direct_receive and not self.fp8:
             self.direct = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
@@ -463,7 +463,8 @@ class NVLinkDispatcher:
             chunk_tokens = -(-self.max_tokens // self.combine_chunks)
             num_chunks = -(-self.max_tokens // chunk_tokens)  # the same on every rank
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
-                                     self.bufs.descriptor, e, *self._wait_args(), self.combine_push_blocks,
+                                     self.bufs.descriptor, e, *self._wait_args(),
+                                     self.combine_push_blocks or max(1, nb // 2),
                                      reduce_blocks, chunk_tokens,
                                      num_chunks, self.combine_push_lead)
             return out
