@@ -242,10 +242,11 @@ class NVLinkDispatcher:
             blocks; default ``num_blocks`` (two blocks fit on an SM, so with one per SM the
             reducing role has every SM).
         combine_push_lead: in the chunked combine each pushing block sorts its share of the
-            rows (every ``num_blocks``-th group of 8) by chunk once and streams through them with
-            no barrier between chunks, at most this many chunks ahead of the last chunk whose
-            flag it raised. 0: the block gathers and pushes one chunk's rows at a time. The
-            output bits are the same either way.
+            rows (every ``combine_push_blocks``-th group of 8) by chunk once and streams through
+            them with no barrier between chunks, at most this many chunks ahead of the last chunk
+            whose flag it raised (a share over 12288 rows, 48 KiB of shared memory, is pushed
+            chunk by chunk instead). 0: the block gathers and pushes one chunk's rows at a time.
+            The output bits are the same either way.
         combine_push_blocks: pushing blocks of the chunked combine; default half of
             ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
             quarter or all of them at ep 2 and 4).

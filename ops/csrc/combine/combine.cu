@@ -237,8 +237,8 @@ __device__ __forceinline__ void signal_chunk_pushed(const SymView& s, int c, int
 // and warp 15 signals: once the block's rows of chunk c are stored it fences and, in the block
 // that finishes the chunk last, raises the chunk's flag on every rank, so no pushing warp stalls
 // on a fence. Pushing blocks wait for nothing, and have the lower block indices, so they always
-// run. Two blocks fit on an SM (launch bounds), so with one pushing and one reducing block per
-// SM both roles use every SM.
+// run. Two blocks fit on an SM (launch bounds), so the P pushing blocks (by default half as many
+// as SMs) and the reducing blocks (one per SM) are all resident at once.
 //
 // Which rows a pushing block stores, in what order:
 // - sorted (list_cap > 0): the block owns granules b, b + P, b + 2P, ... of kPushGranule rows
