@@ -208,9 +208,9 @@ def main():
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
             for chunks, reducers, lead, share in COMBINE_VARIANTS:
-                pushers = round(share * disp.num_blocks) if share else max(1, disp.num_blocks // 2)
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
-                disp.combine_push_blocks = pushers
+                disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
+                pushers = disp.combine_pushers()
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
                 results["combine_variants"][f"{chunks}/{reducers}/{lead}/{pushers}"] = {

@@ -449,6 +449,10 @@ class NVLinkDispatcher:
         self.direct_stats["in_place" if in_place else "copied"] += 1
         return recv, local_counts, dest_row, recv_pair, num_recv, counts_all
 
+    def combine_pushers(self) -> int:
+        """Pushing blocks of the chunked combine: ``combine_push_blocks``, or half of ``num_blocks``."""
+        return self.combine_push_blocks or max(1, self.num_blocks // 2)
+
     def _push_and_reduce(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
                          num_recv: Tensor, T: int) -> Tensor:
         e = self._next_epoch(2)
@@ -464,10 +468,8 @@ class NVLinkDispatcher:
             chunk_tokens = -(-self.max_tokens // self.combine_chunks)
             num_chunks = -(-self.max_tokens // chunk_tokens)  # the same on every rank
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
-                                     self.bufs.descriptor, e, *self._wait_args(),
-                                     self.combine_push_blocks or max(1, nb // 2),
-                                     reduce_blocks, chunk_tokens,
-                                     num_chunks, self.combine_push_lead)
+                                     self.bufs.descriptor, e, *self._wait_args(), self.combine_pushers(),
+                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,
