@@ -16,6 +16,9 @@ Baselines and bounds are measured in the same run:
 - megakernel-pipelined: megakernel-torch-gemm under the pipelined schedule (``--pipeline-chunks`` chunks of
   local experts, each chunk's rows copied back by the copy engines while the next computes); timed again
   alternately with megakernel-torch-gemm (``--schedule-rounds``, medians) for the schedule's gain;
+- megakernel-fused: megakernel under the fused schedule (``--fused-comm-sms`` SMs move the rows one
+  destination at a time while the first expert GEMM runs on the others, each source's rows as they land);
+  timed again alternately with megakernel (``--schedule-rounds``, medians) for the schedule's gain;
 - megakernel-arrival: megakernel-torch-gemm with ``"deterministic": false``: rows claimed and summed in
   arrival order with atomics, the same kernels otherwise. Its time against megakernel-torch-gemm's is the
   cost of determinism; both are timed again alternately (``--determinism-rounds``, medians) for that ratio;
@@ -57,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
-            "megakernel-pipelined-sm", "megakernel-arrival", "autoep"]
+            "megakernel-pipelined-sm", "megakernel-fused", "megakernel-arrival", "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -66,6 +69,8 @@ MEGAKERNEL_CONFIGS = {
     # ds_uniep's GEMM on the SMs num_comm_sms leaves, chunk rows copied back by SM stores
     "megakernel-pipelined-sm": {"backend": "megakernel", "expert_gemm": "uniep",
                                 "overlap": {"schedule": "pipelined", "num_chunks": 4, "num_comm_sms": 20}},
+    "megakernel-fused": {"backend": "megakernel", "expert_gemm": "uniep",
+                         "overlap": {"schedule": "fused", "num_comm_sms": 20}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
 }
 
@@ -99,6 +104,9 @@ def parse_args(argv=None):
                    help="num_chunks of megakernel-pipelined and megakernel-pipelined-sm (default 4)")
     p.add_argument("--pipeline-comm-sms", type=int, default=None,
                    help="num_comm_sms of megakernel-pipelined-sm: its copy blocks; its GEMM gets the other SMs "
+                        "(default 20)")
+    p.add_argument("--fused-comm-sms", type=int, default=None,
+                   help="num_comm_sms of megakernel-fused: its dispatch blocks; its first GEMM gets the other SMs "
                         "(default 20)")
     p.add_argument("--schedule-rounds", type=int, default=3,
                    help="alternating timings of megakernel-torch-gemm (sequential) and megakernel-pipelined "
@@ -456,6 +464,8 @@ def main(argv=None):
     args = parse_args(argv)
     for name in ("megakernel-pipelined", "megakernel-pipelined-sm"):
         MEGAKERNEL_CONFIGS[name]["overlap"]["num_chunks"] = args.pipeline_chunks
+    if args.fused_comm_sms:
+        MEGAKERNEL_CONFIGS["megakernel-fused"]["overlap"]["num_comm_sms"] = args.fused_comm_sms
     if args.pipeline_comm_sms:
         MEGAKERNEL_CONFIGS["megakernel-pipelined-sm"]["overlap"]["num_comm_sms"] = args.pipeline_comm_sms
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -512,7 +522,8 @@ def main(argv=None):
             for base, other, key, rounds in (
                     ("megakernel-torch-gemm", "megakernel-arrival", "determinism", args.determinism_rounds),
                     ("megakernel-torch-gemm", "megakernel-pipelined", "schedule", args.schedule_rounds),
-                    ("megakernel", "megakernel-pipelined-sm", "schedule_sm", args.schedule_rounds)):
+                    ("megakernel", "megakernel-pipelined-sm", "schedule_sm", args.schedule_rounds),
+                    ("megakernel", "megakernel-fused", "schedule_fused", args.schedule_rounds)):
                 pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
                     times = {b: [] for b in pair}
@@ -524,8 +535,11 @@ def main(argv=None):
                         row[key] = {"layout_ms": times[pair[0]], "arrival_ms": times[pair[1]],
                                     "cost": med[pair[0]] / med[pair[1]] - 1}
                     else:
-                        row[key] = {"sequential_ms": times[pair[0]], "pipelined_ms": times[pair[1]],
-                                    "speedup": med[pair[0]] / med[pair[1]], "num_chunks": args.pipeline_chunks}
+                        row[key] = {"sequential_ms": times[pair[0]], "speedup": med[pair[0]] / med[pair[1]]}
+                        if key == "schedule_fused":
+                            row[key]["fused_ms"] = times[pair[1]]
+                        else:
+                            row[key].update(pipelined_ms=times[pair[1]], num_chunks=args.pipeline_chunks)
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
             any_uni = layers.get("reference") or (ds_style[0] if ds_style else
                                                   build_layers(shape, E, ep, ["stock"], status)["stock"])
@@ -563,20 +577,20 @@ def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
     head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
-            "autoep", "gemm alone",
+            "mk fused", "autoep", "gemm alone",
             "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
         for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
-                  "megakernel-pipelined-sm_ms", "autoep_ms",
+                  "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "autoep_ms",
                   "gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
             cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
         if "autoep_why_not" in r:
             notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
         ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
-                               "megakernel-pipelined-sm_ms") if k in r]
+                               "megakernel-pipelined-sm_ms", "megakernel-fused_ms") if k in r]
         best = min(ours) if ours else None
         cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
         cells.append(f"{r['autoep_ms'] / best:.2f}x" if best and "autoep_ms" in r else "-")
@@ -584,7 +598,7 @@ def print_table(results):
         print(" | ".join(cells))
     def times(v):
         return "/".join(f"{x:.2f}" for x in v)
-    for key in ("determinism", "schedule", "schedule_sm"):  # the alternating timings of two megakernel layers
+    for key in ("determinism", "schedule", "schedule_sm", "schedule_fused"):  # the alternating timings of two megakernel layers
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
@@ -592,6 +606,9 @@ def print_table(results):
             if key == "determinism":
                 what = (f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
                         f"{times(d['layout_ms'])} ms, arrival order {times(d['arrival_ms'])} ms")
+            elif key == "schedule_fused":
+                what = (f"fused vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x "
+                        f"(sequential {times(d['sequential_ms'])} ms, fused {times(d['fused_ms'])} ms")
             else:
                 gemm = "ds_uniep's GEMM, SM copies" if key == "schedule_sm" else "torch's GEMM, copy engines"
                 what = (f"pipelined ({d['num_chunks']} chunks; {gemm}) vs sequential, {r['shape']} {r['mode']}: "

@@ -59,13 +59,14 @@ class _AddGroupBias(torch.autograd.Function):
 
 
 def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, counts: Tensor,
-                    gemm: str = "torch", sm_count: int = 0) -> Tensor:
+                    gemm: str = "torch", sm_count: int = 0, waits=None) -> Tensor:
     """Rows of group ``l`` of ``x [R, K]`` times ``w[l].T`` (``w [L, N, K]``, nn.Linear's layout), plus
     ``bias[l]`` (``[L, N]``); ``offs``: ``[L]`` int32 ends. ``gemm``: ``torch._grouped_mm`` or ds_uniep's
-    grouped GEMM (see :data:`GEMMS`; ``sm_count``: the SMs it uses, 0 for all)."""
+    grouped GEMM (see :data:`GEMMS`; ``sm_count``: the SMs it uses, 0 for all; ``waits``: its forward
+    runs while the rows arrive, :class:`ds_uniep.gemm.ArrivalWaits`)."""
     if gemm == "uniep":
         from .gemm import grouped_linear
-        y = grouped_linear(x, w, offs, sm_count=sm_count)
+        y = grouped_linear(x, w, offs, sm_count=sm_count, waits=waits)
     else:  # viewed as [L, K, N]: the column-major B operand grouped_mm takes
         y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if bias is not None:
@@ -283,16 +284,18 @@ GEMMS = ("torch", "uniep")
 def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
                 params: Optional[Sequence[Dict[str, Tensor]]] = None,
                 stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None,
-                sm_count: int = 0) -> Tensor:
+                sm_count: int = 0, waits=None) -> Tensor:
     """All groups as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [G]`` rows per group; group ``g``
     runs expert ``experts[g]`` with its own parameters, or, given ``params`` (``G`` dicts of
     ``named_parameters`` form, e.g. gathered replicas), the module of ``experts[0]``'s kind with
     ``params[g]``; ``stacked``: those already stacked by :func:`stack_experts`. ``gemm``: one of
     :data:`GEMMS` (the same GEMMs and elementwise ops on either). ``offs``: the ``[G]`` int32 row ends
     on the device when the caller has them (else computed from ``counts``). ``sm_count``: the SMs
-    ds_uniep's GEMM uses, forward and backward (0: all; the same bits); only with ``gemm="uniep"``."""
-    if sm_count and gemm != "uniep":
-        raise ValueError(f"sm_count applies to ds_uniep's grouped GEMM (gemm='uniep'), not {gemm!r}")
+    ds_uniep's GEMM uses, forward and backward (0: all; the same bits); only with ``gemm="uniep"``.
+    ``waits`` (:class:`ds_uniep.gemm.ArrivalWaits`, ``gemm="uniep"`` only): the first projection's
+    forward starts while ``recv``'s rows still arrive, segment by segment (the fused schedule)."""
+    if (sm_count or waits is not None) and gemm != "uniep":
+        raise ValueError(f"sm_count and waits apply to ds_uniep's grouped GEMM (gemm='uniep'), not {gemm!r}")
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     if stacked is None:
@@ -306,11 +309,11 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     if offs is None:
         offs = torch.cumsum(counts, 0).to(torch.int32)
 
-    def linear(x, proj):
-        return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count)
+    def linear(x, proj, w=None):
+        return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count, w)
     if stacked.kind is SwiGLUExpert:
-        return linear(swiglu(linear(recv, "w13")), "w2")
-    return linear(F.gelu(linear(recv, "fc1")), "fc2")
+        return linear(swiglu(linear(recv, "w13", waits)), "w2")
+    return linear(F.gelu(linear(recv, "fc1", waits)), "fc2")
 
 
 def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,

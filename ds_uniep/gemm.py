@@ -17,6 +17,7 @@ configurations built; :data:`DEFAULT_CONFIGS` lets the first call of each shape 
 (``bench_grouped_gemm.py`` measures them all).
 """
 
+from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
 import torch
@@ -122,11 +123,15 @@ def candidates():
     return [tile + order for tile in CONFIGS for order in ORDERS]
 
 
-def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3, rounds: int = 3) -> str:
-    """The fastest of :func:`candidates` for this call's shape (cached; see :data:`DEFAULT_CONFIGS`)."""
+def _tuning_key(op: str, a: Tensor, b: Tensor, offs: Tensor, sm_count: int) -> Tuple:
     n, k = (b.shape[1], b.shape[2]) if op != "wgrad" else (a.shape[1], b.shape[1])
     rows = max(1, a.shape[0])
-    key = (op, a.device, offs.shape[0], n, k, 1 << (rows - 1).bit_length(), int(sm_count))
+    return (op, a.device, offs.shape[0], n, k, 1 << (rows - 1).bit_length(), int(sm_count))
+
+
+def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3, rounds: int = 3) -> str:
+    """The fastest of :func:`candidates` for this call's shape (cached; see :data:`DEFAULT_CONFIGS`)."""
+    key = _tuning_key(op, a, b, offs, sm_count)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return chosen
@@ -182,14 +187,77 @@ def torch_grouped_mm(op: str, a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     raise ValueError(f"grouped GEMM op {op!r} is not one of {tuple(OPS)}")
 
 
+@dataclass
+class ArrivalWaits:
+    """How a forward grouped GEMM runs while its rows are still arriving (the fused schedule).
+
+    The GEMM runs over ``segs`` (``[S, 4]`` int32 rows: first row, rows, weight, word): segment s
+    is a run of rows of one weight, and none of its tiles loads an operand before
+    ``ready[segs[s, 3]]`` reaches ``epoch``. The segments cover the same rows with the same
+    weights as the per-group offsets, so the bits are those of the plain forward (a row's result
+    never depends on its tile). ``sm_count``: SMs of the waiting GEMM (the rest move the rows);
+    ``done``: recorded when every row has arrived, joined into the current stream right after the
+    GEMM is queued. A wait past ``timeout_ns`` fills ``error_record`` (as the NVLink kernels' waits
+    do) and sets ``poison``; the caller's check raises it."""
+    segs: Tensor
+    ready: Tensor
+    epoch: int
+    timeout_ns: int
+    error_record: Tensor
+    poison: Tensor
+    layer_id: int
+    rank: int
+    phase: int
+    sm_count: int
+    done: Optional[torch.cuda.Event] = None
+
+
+def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: Optional[ArrivalWaits] = None,
+                        sm_count: int = 0, out: Optional[Tensor] = None) -> Tensor:
+    """Forward over segments (``segs [S, 4]``: first row, rows, weight index, word index): the
+    rows of each segment of ``a [R, K]`` times ``w[weight]^T`` (``w [W, N, K]``) into the same rows
+    of ``out [R, N]`` (new when None; rows in no segment are left as they are). ``waits``: each
+    segment first waits for its word (see :class:`ArrivalWaits`); its ``sm_count`` then applies.
+    ``config``: an explicit tile configuration (not ``"auto"``)."""
+    if segs.dtype != torch.int32 or segs.dim() != 2 or segs.shape[1] != 4 or segs.device != a.device:
+        raise ValueError(f"grouped GEMM segments: segs must be [S, 4] int32 on {a.device}, got {segs.dtype} "
+                         f"{tuple(segs.shape)} on {segs.device}")
+    if w.dim() != 3:
+        raise ValueError(f"grouped GEMM segments: w must be [W, N, K], got {tuple(w.shape)}")
+    _check(a, w, torch.zeros(w.shape[0], dtype=torch.int32, device=a.device), "fwd",
+           waits.sm_count if waits is not None else sm_count)
+    tile, raster_n, swizzle = parse_config(config)
+    if out is None:
+        out = a.new_empty(a.shape[0], w.shape[1])
+    if waits is None:
+        _ops().grouped_mm_segments(a, w, segs, out, tile, int(sm_count), raster_n, swizzle, None, 0, 1, None, None,
+                                   0, 0, 0)
+    else:
+        _ops().grouped_mm_segments(a, w, segs, out, tile, int(waits.sm_count), raster_n, swizzle, waits.ready,
+                                   int(waits.epoch), int(waits.timeout_ns), waits.error_record, waits.poison,
+                                   int(waits.layer_id), int(waits.rank), int(waits.phase))
+    return out
+
+
 class _GroupedLinear(torch.autograd.Function):
-    """``y = x @ w[g]^T`` per group; backward is a dgrad and a wgrad grouped GEMM."""
+    """``y = x @ w[g]^T`` per group; backward is a dgrad and a wgrad grouped GEMM. With ``waits``
+    the forward runs over its segments while the rows arrive (:class:`ArrivalWaits`), the same bits."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str], sm_count: int) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str], sm_count: int,
+                waits: Optional[ArrivalWaits] = None) -> Tensor:
         ctx.save_for_backward(x, w, offs)
         ctx.configs, ctx.sm_count = configs, sm_count
-        return grouped_mm(x, w, offs, "fwd", configs["fwd"], sm_count)
+        if waits is None:
+            return grouped_mm(x, w, offs, "fwd", configs["fwd"], sm_count)
+        config = configs["fwd"]
+        if config == "auto":
+            config = (_TUNED.get(_tuning_key("fwd", x, w, offs, waits.sm_count))
+                      or _TUNED.get(_tuning_key("fwd", x, w, offs, 0)) or CONFIGS[0])
+        y = grouped_mm_segments(x, w, waits.segs, config, waits)
+        if waits.done is not None:
+            torch.cuda.current_stream(x.device).wait_event(waits.done)
+        return y
 
     @staticmethod
     def backward(ctx, grad: Tensor):
@@ -198,16 +266,19 @@ class _GroupedLinear(torch.autograd.Function):
         sm = ctx.sm_count
         dx = grouped_mm(grad, w, offs, "dgrad", ctx.configs["dgrad"], sm) if ctx.needs_input_grad[0] else None
         dw = grouped_mm(grad, x, offs, "wgrad", ctx.configs["wgrad"], sm) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping[str, str]] = None,
-                   sm_count: int = 0) -> Tensor:
+                   sm_count: int = 0, waits: Optional[ArrivalWaits] = None) -> Tensor:
     """Rows of group g of ``x [R, K]`` times ``w[g]^T`` (``w: [G, N, K]``), with autograd.
 
     ``offs``: ``[G]`` int32 cumulative row counts on ``x``'s device, ``offs[-1] == R``.
     ``configs``: tile configuration per op (missing ops take :data:`DEFAULT_CONFIGS`).
     ``sm_count``: SMs the forward and backward GEMMs use (0: all; else even), the same bits.
+    ``waits``: the forward runs over segments while the rows arrive (:class:`ArrivalWaits`; its
+    ``sm_count`` applies to the forward, with the tile configuration chosen for that shape and SM
+    count when there is one, else the first of :data:`CONFIGS`).
     """
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError(f"grouped_linear takes bf16 x and w, got {x.dtype} and {w.dtype}")
@@ -221,4 +292,4 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
             raise ValueError(f"grouped_linear: configs names unknown op {op!r} (ops: {tuple(OPS)})")
         if config != "auto":
             parse_config(config)
-    return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged, int(sm_count))
+    return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged, int(sm_count), waits)

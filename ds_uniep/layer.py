@@ -235,6 +235,17 @@ class UniEPMoE(MoE):
                                    copy_blocks)
             return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
                                 exp_counts)
+        if self._fuses(dispatcher, stacked is not None):
+            # The fused schedule: the rows travel one destination at a time from a few SMs while the
+            # first expert GEMM runs on the others, each (source, expert) segment of rows as soon as
+            # its source has signalled; then the sequential rest. The same bits as sequential.
+            dispatcher.request_fused()
+            recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
+            y = run_grouped(moe.experts.deepspeed_experts, recv, local_counts, "uniep", stacked=stacked,
+                            waits=dispatcher.take_fused_waits())
+            output = dispatcher.combine(y, gates, handle)
+            return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
+                                exp_counts)
         if isinstance(dispatcher, ReferenceDispatcher):
             # With drop_tokens the reference exchanges capacity-padded buffers, as DeepSpeed does.
             cap = int(capacity) if moe.gate.drop_tokens else None
@@ -296,6 +307,24 @@ class UniEPMoE(MoE):
             _SAID_NO_PIPELINE.add(self.layer_name)
             logger.warning(f"{self.layer_name}: the pipelined schedule cannot run here ({why}); running the "
                            "sequential one (the same results)")
+        return not why
+
+    def _fuses(self, dispatcher, grouped: bool) -> bool:
+        """Whether this forward runs the fused schedule: asked for, on the megakernel, with experts
+        that run as grouped GEMMs through ds_uniep's GEMM; said once where it cannot."""
+        if self.uniep_config.overlap.schedule != "fused" or isinstance(dispatcher, ReferenceDispatcher):
+            return False  # the reference backend: said once by _say_overlap_knobs_wait
+        if not grouped:
+            why = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP "
+                   "or expert tensor parallelism)")
+        elif self._expert_gemm(dispatcher.device) != "uniep":
+            why = 'its first GEMM waits for rows inside ds_uniep\'s grouped GEMM ("expert_gemm": "uniep")'
+        else:
+            why = dispatcher.fuses()
+        if why and self.layer_name not in _SAID_NO_FUSED:
+            _SAID_NO_FUSED.add(self.layer_name)
+            logger.warning(f"{self.layer_name}: the fused schedule cannot run here ({why}); running the sequential "
+                           "one (the same results)")
         return not why
 
     def _dispatcher(self, x: Tensor):
@@ -461,28 +490,31 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
 
 
 _FUSED_KNOBS = ("roles", "tile_m", "tile_n", "stages", "signal_granularity")
-"""``uniep.overlap`` knobs of the fused schedule, which is not built yet."""
+"""``uniep.overlap`` knobs meant for the fused schedule that it does not read yet: it runs
+partitioned roles, one signal per source rank, and the GEMM's own tile configurations."""
 _SAID_WAITING = set()
 _SAID_NO_PIPELINE = set()
+_SAID_NO_FUSED = set()
 
 
 def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str) -> None:
-    """Warn when the ``uniep`` block sets overlap knobs that nothing acts on: the fused schedule's
-    (and ``"schedule": "fused"`` itself), and ``schedule``/``num_chunks`` of the pipelined schedule
-    on a backend other than the megakernel; once per process for each setting and backend, naming
-    the first layer that met it."""
+    """Warn when the ``uniep`` block sets overlap knobs that nothing acts on: :data:`_FUSED_KNOBS`,
+    ``schedule`` (pipelined or fused) on a backend other than the megakernel, and ``num_chunks``
+    outside the megakernel's pipelined schedule; once per process for each setting and backend,
+    naming the first layer that met it."""
     pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
-    knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set and not pipelined_here
-             and not (k == "schedule" and overlap.schedule == "sequential")]
+    schedule_here = overlap.schedule == "sequential" or backend == "megakernel"
+    knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
+             and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set]
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
     if knobs and (said, backend) not in _SAID_WAITING:
         _SAID_WAITING.add((said, backend))
         logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
-                       "the sequential schedule" + (" or, on the megakernel, the pipelined one" if backend ==
-                                                    "megakernel" else "") +
-                       " (the fused schedule is not built yet); results are the same under every value. Said once "
-                       "for every layer.")
+                       + ("the sequential, pipelined or fused schedule, and the fused one reads neither roles, tile "
+                          "sizes, stages nor signal granularity yet" if backend == "megakernel" else
+                          "the sequential schedule") + "; results are the same under every value. Said once for "
+                       "every layer.")
 
 
 def _comm_blocks(cfg: UniEPConfig) -> Optional[int]:

@@ -362,6 +362,15 @@ class NVLinkDispatcher:
         # every rank's counts per expert, read with R (the pipelined schedule plans its copies by them)
         self._counts_host = torch.zeros(ep_size, num_experts, dtype=torch.int64, pin_memory=True)
         self._comm_streams = None  # the pipelined schedule's copy-engine streams, made on first use
+        # The fused schedule: blocks of its dispatch (the GEMM takes the other SMs), its stream,
+        # the next dispatch's request, and what the waiting GEMM of the last fused dispatch needs.
+        self.fused_comm_blocks = config.overlap.num_comm_sms
+        self._fused_stream = None
+        self._fuse_next = False
+        self._fused_waits = None
+        self._fused_done = None
+        #: forward dispatches that ran fused / asked to but ran sequential (direct region in use)
+        self.fused_stats = {"fused": 0, "sequential": 0}
         self.layer_id = next(_IDS)
         self._epochs = [0] * NUM_PHASES
         _REGISTRY[self.layer_id] = self
@@ -409,6 +418,10 @@ class NVLinkDispatcher:
         e_counts = self._next_epoch(0)
         self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
         in_place = self.direct is not None and self.direct.free()
+        asked, self._fuse_next = self._fuse_next, False
+        fused = asked and in_place  # rows received in place, so the GEMM reads them where they land
+        if asked:
+            self.fused_stats["fused" if fused else "sequential"] += 1
         local_counts, num_recv, counts_all, dest_row = self.ext.layout(expert_idx, self.num_experts,
                                                                        self.bufs.descriptor, e_counts,
                                                                        *self._wait_args(), in_place)
@@ -430,9 +443,22 @@ class NVLinkDispatcher:
             per_expert = counts_all.sum(0).view(self.ep_size, L)
             seg_base = (per_expert.cumsum(1) - per_expert).reshape(-1).to(torch.int32)
             row_out = torch.empty_like(dest_row)
-        self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
-                               self.dedup)
+        side = None
+        if fused:
+            # The fused schedule: the rows travel from a side stream, one destination at a time
+            # (this rank's own first), on fused_comm_blocks SMs, while the caller's first GEMM runs
+            # on the others, each (expert, source) segment as soon as its source has signalled.
+            side = self._fused_side_stream()
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.ext.dispatch_rows(x, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
+                                       self.direct_descriptor(True, e_counts), e_disp, self.fused_comm_blocks, None,
+                                       None, self.dedup, True)
+            segs = self._fused_segments(counts_all)
+        else:
+            self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
+                                   self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
+                                   self.dedup, False)
         if row_out is not None:
             dest_row = row_out
         if self.padded_recv:
@@ -443,11 +469,91 @@ class NVLinkDispatcher:
             self.check()
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
-        self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
-                              *self._wait_args(), self.num_blocks, not in_place,
-                              self.num_experts // self.ep_size if self.ordering == "arrival" else 0, self.dedup)
+        if fused:
+            with torch.cuda.stream(side):  # the wait for every source, and the rows' source pairs
+                self.ext.recv_copyout(num_recv, False, recv, recv_pair, self.bufs.descriptor, e_disp,
+                                      *self._wait_args(), self.fused_comm_blocks, False, 0, self.dedup)
+            for t in (x, expert_idx, dest_row, num_recv, recv_pair, recv):
+                t.record_stream(side)
+            self._fused_done = torch.cuda.Event()
+            self._fused_done.record(side)
+            self._fused_waits = self._arrival_waits(segs, e_disp)
+        else:
+            self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
+                                  *self._wait_args(), self.num_blocks, not in_place,
+                                  self.num_experts // self.ep_size if self.ordering == "arrival" else 0, self.dedup)
         self.direct_stats["in_place" if in_place else "copied"] += 1
         return recv, local_counts, dest_row, recv_pair, num_recv, counts_all
+
+    # ------------------------------------------------------------------ the fused schedule
+    def fuses(self) -> str:
+        """Why this dispatcher cannot run the fused schedule's dispatch, or "". (A forward whose
+        direct receive region is still in use runs the sequential dispatch instead; fused_stats
+        counts both.)"""
+        if self.padded_recv:
+            return "padded_recv: the host does not read the row count"
+        if self.ordering != "layout":
+            return "arrival ordering (deterministic: false)"
+        if self.fp8:
+            return "FP8 dispatch (rows are dequantized on arrival)"
+        if self.direct is None:
+            return "direct receive is off (the GEMM reads the rows where they land)"
+        if self.dtype != torch.bfloat16:
+            return f"ds_uniep's grouped GEMM takes bf16 rows, not {self.dtype}"
+        if not self.gate_grad_on_experts:
+            return "gate_grad_on_experts=False"
+        return ""
+
+    def request_fused(self) -> None:
+        """Run the next forward dispatch fused (when its direct region is free); the caller then
+        takes :meth:`take_fused_waits` for its first GEMM."""
+        self._fuse_next = True
+
+    def take_fused_waits(self):
+        """The :class:`ds_uniep.gemm.ArrivalWaits` of the last fused dispatch (once), or None when
+        it ran sequential. The GEMM given them joins the dispatch's stream once queued."""
+        waits, self._fused_waits = self._fused_waits, None
+        return waits
+
+    def _join_fused(self) -> None:
+        """Order the current stream after the last fused dispatch (before anything but the waiting
+        GEMM reads its rows or source pairs)."""
+        if self._fused_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._fused_done)
+            self._fused_done = None
+
+    def _fused_side_stream(self) -> torch.cuda.Stream:
+        if self._fused_stream is None:
+            self._fused_stream = torch.cuda.Stream(self.device)
+        return self._fused_stream
+
+    def _fused_segments(self, counts_all: Tensor) -> Tensor:
+        """``[G * L, 4]`` int32 (first row, rows, local expert, source) of this rank's receive rows,
+        one segment per (source, local expert), sources in the order their rows come: this rank,
+        then rank - 1, rank - 2, ... (source s sends to rank d in its round (d - s) mod G). Built
+        on the device from the counts, so the host never waits for them."""
+        G, L, d = self.ep_size, self.num_experts // self.ep_size, self.rank
+        c = counts_all[:, d * L:(d + 1) * L].to(torch.int32)  # [G sources, L]
+        per_expert = c.sum(0, dtype=torch.int32)
+        start = (torch.cumsum(per_expert, 0, dtype=torch.int32) - per_expert) + (torch.cumsum(c, 0, dtype=torch.int32)
+                                                                                  - c)
+        order = [(d - r) % G for r in range(G)]
+        idx = torch.tensor(order, dtype=torch.long, device=self.device)
+        experts = torch.arange(L, dtype=torch.int32, device=self.device).expand(G, L)
+        sources = idx.to(torch.int32)[:, None].expand(G, L)
+        return torch.stack([start[idx], c[idx], experts, sources], -1).reshape(G * L, 4).contiguous()
+
+    def _arrival_waits(self, segs: Tensor, epoch: int):
+        from .gemm import ArrivalWaits
+        o = self.bufs.offsets
+        signals = o["signals"] + 1 * MAX_RANKS * 4  # phase 1 (dispatch): [MAX_RANKS] words, one per source
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        gemm_sms = max(2, (sms - self.fused_comm_blocks) // 2 * 2)
+        return ArrivalWaits(segs=segs, ready=self.bufs.buffer[signals:signals + MAX_RANKS * 4].view(torch.int32),
+                            epoch=epoch, timeout_ns=self.timeout_ns, error_record=self.error_record,
+                            poison=self.bufs.buffer[o["status"]:o["status"] + 4].view(torch.int32),
+                            layer_id=self.layer_id, rank=self.rank, phase=1, sm_count=gemm_sms,
+                            done=self._fused_done)
 
     def combine_pushers(self) -> int:
         """Pushing blocks of the chunked combine: ``combine_push_blocks``, or half of ``num_blocks``."""
@@ -488,6 +594,7 @@ class NVLinkDispatcher:
                 y.untyped_storage().data_ptr() == self.source.buffer.untyped_storage().data_ptr())
 
     def _combine_fwd(self, y, gates, expert_idx, dest_row, recv_pair, num_recv):
+        self._join_fused()
         self.check()
         if not self._pulls_from(y):
             self.combine_stats["pushed"] += 1
@@ -551,7 +658,8 @@ class NVLinkDispatcher:
         self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup,
+                               False)
         e = self._next_epoch(2)
         chunks = y if isinstance(y, list) else [(0, y)]  # pipelines() holds gate_grad_on_experts for chunks
         rows = chunks[-1][0] + chunks[-1][1].shape[0]
@@ -578,7 +686,7 @@ class NVLinkDispatcher:
                            *self._wait_args(), self.num_blocks)
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, gates, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, False)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, False, False)
         grad_y = y.new_empty(y.shape)
         scratch_pair = torch.empty(y.shape[0], dtype=torch.int32, device=y.device)
         self.ext.recv_copyout(num_recv, False, grad_y, scratch_pair, self.bufs.descriptor, e_disp,

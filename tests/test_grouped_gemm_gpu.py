@@ -186,3 +186,92 @@ def test_experts_give_the_same_bits_in_every_parameter_layout(kind, gemm_name):
             assert torch.equal(a, b), f"{layout}: tensor {i} differs from the packed layout"
     ref = torch.cat([e.float()(part.float()) for e, part in zip(layouts["separate"], x.split(counts.tolist()))])
     assert _err(results["packed"][0], ref) < 2e-2
+
+
+def _segments(counts, words, seed=3):
+    """Each group's rows cut into up to three runs, shuffled; run i waits for word i % words
+    (-1: no wait, every fourth run). -> [S, 4] int32 (first row, rows, group, word)."""
+    g = torch.Generator().manual_seed(seed)
+    segs, start = [], 0
+    for grp, n in enumerate(counts.tolist()):
+        cuts = sorted(torch.randint(0, n + 1, (2, ), generator=g).tolist()) if n else [0, 0]
+        for a, b in zip([0] + cuts, cuts + [n]):
+            segs.append([start + a, b - a, grp, 0])
+        start += n
+    order = torch.randperm(len(segs), generator=g).tolist()
+    segs = [segs[i] for i in order]
+    for i, s in enumerate(segs):
+        s[3] = -1 if i % 4 == 3 else i % words
+    return torch.tensor(segs, dtype=torch.int32).cuda()
+
+
+def _waits(gemm, segs, words, poison, record, timeout_s, sm_count):
+    return gemm.ArrivalWaits(segs=segs, ready=words, epoch=1, timeout_ns=int(timeout_s * 1e9), error_record=record,
+                             poison=poison, layer_id=7, rank=0, phase=1, sm_count=sm_count)
+
+
+def test_segments_and_arrival_waits_give_the_plain_bits():
+    """The forward over shuffled runs of rows gives the per-group forward's bits in every tile
+    configuration; with arrival waits, rows written only after a delay (then their words raised)
+    still give them, so no tile read its rows before its word said they were there."""
+    gemm = _gemm()
+    counts = _counts("random-4096")
+    counts[2] = 0  # an expert without rows
+    a, w = _operands("fwd", counts, 384, 256)
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    plain = gemm.grouped_mm(a, w, offs, "fwd", "coop128x256")
+    segs = _segments(counts, words=3)
+    for config in gemm.candidates():
+        out = gemm.grouped_mm_segments(a, w, segs, config)
+        assert torch.equal(out, plain), f"segments differ from the per-group forward ({config})"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    waited = segs[:, 3] >= 0
+    late = torch.zeros(a.shape[0], dtype=torch.bool, device="cuda")
+    for first, n, _, word in segs.tolist():
+        late[first:first + n] = word >= 0
+    assert late.any() and (~late).any() and bool(waited.any())
+    for config in ("coop128x256", "pingpong128x128"):
+        rows = torch.where(late[:, None], torch.full_like(a, 1e4), a)  # late rows wrong until the delay ends
+        words = torch.zeros(3, dtype=torch.int32, device="cuda")
+        poison = torch.zeros(1, dtype=torch.int32, device="cuda")
+        record = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+        writer = torch.cuda.Stream()
+        writer.wait_stream(torch.cuda.current_stream())
+        out = gemm.grouped_mm_segments(rows, w, segs, config, _waits(gemm, segs, words, poison, record, 20.0,
+                                                                     sms - 4))
+        with torch.cuda.stream(writer):  # the GEMM leaves 4 SMs free for the delay and the stores
+            torch.cuda._sleep(50_000_000)
+            rows.copy_(a)
+            words.fill_(1)
+        torch.cuda.synchronize()
+        assert record[0].item() == 0 and poison.item() == 0, record.tolist()
+        assert torch.equal(out, plain), f"rows were read before their word was raised ({config})"
+
+
+def test_arrival_wait_times_out_with_a_record():
+    """A word never raised: the wait gives up after its timeout, records which word it waited
+    for and sets the poison word, and the GEMM returns instead of hanging; once poisoned, later
+    waits return at once."""
+    gemm = _gemm()
+    counts = torch.tensor([64, 200, 0, 31])
+    a, w = _operands("fwd", counts, 128, 128)
+    segs = torch.tensor([[0, 64, 0, -1], [64, 200, 1, 2], [264, 31, 3, 2]], dtype=torch.int32).cuda()
+    words = torch.zeros(3, dtype=torch.int32, device="cuda")
+    poison = torch.zeros(1, dtype=torch.int32, device="cuda")
+    record = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    gemm.grouped_mm_segments(a, w, segs, "coop128x256", _waits(gemm, segs, words, poison, record, 0.2, sms))
+    end.record()
+    torch.cuda.synchronize()
+    assert record[0].item() == 1 and poison.item() == 1, record.tolist()
+    # phase, word (the source rank in the fused schedule), epoch, seen, rank, layer
+    assert record[1:7].tolist() == [1, 2, 1, 0, 0, 7], record.tolist()
+    assert 150 <= start.elapsed_time(end) < 10_000
+    start.record()
+    gemm.grouped_mm_segments(a, w, segs, "coop128x256", _waits(gemm, segs, words, poison, record, 30.0, sms))
+    end.record()
+    torch.cuda.synchronize()
+    assert start.elapsed_time(end) < 1_000, "a poisoned wait did not return at once"

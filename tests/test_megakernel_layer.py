@@ -5,7 +5,8 @@ order and combine in slot order in fp32, so outputs agree bit for bit; the gate
 gradient is reduced in a different (fixed) order by each, so gradients agree to
 bf16 tolerance. Megakernel runs must be bitwise identical to each other. The
 arrival-ordered megakernel (``"deterministic": false``) must agree to bf16 tolerance.
-The pipelined schedule must equal the sequential one bit for bit, for every chunk count.
+The pipelined and fused schedules must equal the sequential one bit for bit, for every chunk
+count and number of communication SMs.
 """
 import pytest
 import torch
@@ -14,10 +15,9 @@ from conftest import needs_gpus
 from dist_utils import run_distributed
 
 
-def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch"):
+def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512):
     """A layer with the same weights on every call (bf16 experts, fp32 gate)."""
     from ds_uniep import SwiGLUExpert, UniEPMoE
-    M, F = 256, 512
     E = 4 * world_size
     torch.manual_seed(11)
     layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
@@ -135,3 +135,35 @@ def test_pipelined_schedule_is_bitwise_the_sequential_one(world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare_schedules, world_size, backend="nccl")
+
+
+def _compare_fused(rank, world_size):
+    # ds_uniep's GEMM in both; the fused schedule's first GEMM starts each (source, expert) run of
+    # rows when that source's rows are there. Wider rows than the other tests (M 1024), so the
+    # dispatch takes long enough for the GEMM to start on early sources while later ones travel.
+    for k in (1, 2, 6, 8):
+        cases = [(T, one) for kk, T, one in CASES if kk == k]
+        seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
+                    M=1024, F=512)
+        want = [_step(seq, rank, T, one) for T, one in cases]
+        del seq
+        for sms in (20, 8, 20):  # 20 twice: run to run
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
+                          overlap={"schedule": "fused", "num_comm_sms": sms})
+            for (T, one_expert), expected in zip(cases, want):
+                where = f"rank {rank} k={k} T={T} one_expert={one_expert} fused, comm SMs {sms}"
+                res = _step(layer, rank, T, one_expert)
+                for i, (a, b) in enumerate(zip(expected, res)):
+                    assert torch.equal(a, b), f"{where}: tensor {i} differs from the sequential schedule"
+            stats = next(iter(layer._dispatchers.values())).fused_stats
+            assert stats == {"fused": len(cases), "sequential": 0}, f"k={k} comm SMs {sms}: {stats}"
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fused_schedule_is_bitwise_the_sequential_one(world_size):
+    """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens, all tokens to one
+    expert, 8 and 20 communication SMs; every forward ran fused."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_distributed(_compare_fused, world_size, backend="nccl")

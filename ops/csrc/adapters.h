@@ -19,12 +19,13 @@ std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_e
 // dispatch_adapter.cpp
 // direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
 // seg_base [E] int32 and row_out [T, k] int32 (both or neither): arrival ordering, rows
-// claimed by atomics (see launch_dispatch).
+// claimed by atomics (see launch_dispatch). by_destination: one destination at a time, each
+// signalled as soon as its rows are stored (see launch_dispatch).
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup);
+                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool by_destination);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
 // reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
 // dedup: after a deduplicated dispatch (copies each row its token's first row on this rank).
@@ -100,6 +101,16 @@ void signal_raise(const std::vector<int64_t>& sym, int64_t phase, int64_t epoch,
 // raster_n / swizzle: the persistent scheduler's tile order (no effect on the values).
 torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs, int64_t op,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle);
+// Forward over segments: group g is rows [segs[g, 0], + segs[g, 1]) of a and out, times
+// w[segs[g, 2]] (w: [W, N, K]). With `ready` (int32 words): group g's tiles wait until
+// ready[segs[g, 3]] reaches `epoch` (segs[g, 3] < 0: no wait); a wait past timeout_ns fills
+// error_record (pinned) and sets the poison word. out: [R, N] bf16, rows outside every segment
+// left untouched.
+void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& segs, torch::Tensor& out,
+                         int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
+                         const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
+                         const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
+                         int64_t layer_id, int64_t rank, int64_t phase);
 std::string grouped_mm_config_name(int64_t config);
 
 }  // namespace uniep

@@ -165,8 +165,9 @@ __device__ __forceinline__ bool block_wait_all(const SymView& s, const WaitPolic
 // Called by every block at the end of a kernel that stores into peers: the last
 // block to finish (an atomic counts arrivals, it orders nothing) fences and
 // raises `phase` on every peer. `counter` is a local status word, left at 0.
-__device__ __forceinline__ void signal_when_grid_done(const SymView& s, uint32_t* counter, int phase,
-                                                      uint32_t epoch) {
+// Block-wide: whether this block is the grid's last to get here (`counter` counts arrivals and
+// is left at 0). The last block has then fenced after every block's stores.
+__device__ __forceinline__ bool last_block_of_grid(uint32_t* counter) {
   // Each thread fences its own peer stores; the barrier then lets thread 0 speak for the block.
   __threadfence_system();
   __syncthreads();
@@ -180,7 +181,20 @@ __device__ __forceinline__ void signal_when_grid_done(const SymView& s, uint32_t
     }
   }
   __syncthreads();
-  if (last && threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, phase, epoch);
+  const bool result = last;
+  __syncthreads();  // `last` is reused by the next call
+  return result;
+}
+
+__device__ __forceinline__ void signal_when_grid_done(const SymView& s, uint32_t* counter, int phase,
+                                                      uint32_t epoch) {
+  if (last_block_of_grid(counter) && threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, phase, epoch);
+}
+
+// The same for stores into one destination: the last block raises `phase` on `dst` only.
+__device__ __forceinline__ void signal_dst_when_grid_done(const SymView& s, uint32_t* counter, int dst, int phase,
+                                                          uint32_t epoch) {
+  if (last_block_of_grid(counter) && threadIdx.x == 0) raise_signal(s, dst, phase, epoch);
 }
 
 // Direct-receive flags of the layout of `counts_epoch` in this rank's buffer: [kMaxRanks] int32.

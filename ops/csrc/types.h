@@ -16,7 +16,8 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //   counts   [2][kMaxRanks][E] int32   routing counts, double-buffered by epoch parity
 //   signals  [kNumPhases][kMaxRanks] uint32, then the chunked combine's flags
 //            [kMaxCombineChunks][kMaxRanks] uint32 and local counters [kMaxCombineChunks] uint32
-//   status   [16] uint32               local only: [0] poisoned flag, [1..] done counters
+//   status   [16] uint32               local only: [0] poisoned flag, [1..3] done counters, [4..4+kMaxRanks)
+//                                      the per-destination dispatch rounds' counters
 //   meta     [R_max] int32             source pair of each received row: src * pairs_per_rank + t * k + j
 //   dup      [R_max] int32             deduplicated dispatch: the row already holding the same token
 //            (its first slot on this rank), or -1 when the row itself was stored

@@ -7,16 +7,24 @@ namespace {
 constexpr int kUnroll = 4;  // 16-byte vectors each lane has in flight per step
 
 // One warp per token: the token's row is read once and stored to its k destinations.
+// by_destination: one round per destination instead, this rank first, then rank + 1, ...; a
+// round stores only the rows bound for its destination (the token is read again each round), and
+// the grid's last block to finish a round signals that destination at once, so its rows can be
+// used while the later rounds still travel. Rows, meta words and bits are the same either way.
 template <typename T, bool kWeighted>
 __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
-    DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out, bool dedup) {
+    DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out, bool dedup,
+    bool by_destination) {
   if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
   const int num_vecs = hidden / Vec<T>::kElems;
+  const int rounds = by_destination ? s.num_ranks : 1;
+  for (int round = 0; round < rounds; ++round) {
+  const int only = by_destination ? (s.rank + round) % s.num_ranks : -1;  // -1: every destination
   for (int t = warp; t < num_tokens; t += num_warps) {
     char* dst[kMaxTopK];
     float wgt[kMaxTopK];
@@ -40,7 +48,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
           }
           if (lane == 0) row_out[pair] = row;
         }
-        if (row >= 0) {
+        if (row >= 0 && (only < 0 || expert_idx[pair] / experts_per_rank == only)) {
           const int d = expert_idx[pair] / experts_per_rank;
           // Deduplicated: a token travels once per destination rank; its later slots there name
           // the row of its first one, and the receiver copies it locally (the same bits).
@@ -87,7 +95,9 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
       }
     }
   }
-  signal_when_grid_done(s, status_words(s) + 1, kPhaseDispatch, epoch);
+  if (by_destination) signal_dst_when_grid_done(s, status_words(s) + 4 + round, only, kPhaseDispatch, epoch);
+  }
+  if (!by_destination) signal_when_grid_done(s, status_words(s) + 1, kPhaseDispatch, epoch);
 }
 
 // FP8 rows: a lane quantizes 16 consecutive elements, 8 lanes one 128-element group
@@ -222,10 +232,11 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
-                            cudaStream_t stream, const int* seg_base, int* row_out, bool dedup) {
+                            cudaStream_t stream, const int* seg_base, int* row_out, bool dedup,
+                            bool by_destination) {
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
       (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)) ||
-      (dedup && (fp8 || weights)))
+      (dedup && (fp8 || weights)) || (by_destination && (fp8 || seg_base != nullptr)))
     return cudaErrorInvalidValue;
   const int experts_per_rank = num_experts / sym.num_ranks;
   UNIEP_SWITCH_DTYPE(dtype, T, {
@@ -238,7 +249,7 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
       UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
         dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
-            direct, epoch, seg_base, row_out, dedup);
+            direct, epoch, seg_base, row_out, dedup, by_destination);
       });
     }
   });

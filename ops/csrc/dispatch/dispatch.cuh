@@ -24,11 +24,14 @@ namespace uniep {
 // of the token on that rank stores only its meta word and, in the dup region, the row of the
 // token's first slot there (-1 in the dup word of a row that was stored). launch_recv_copyout
 // (with dedup) or launch_combine_bwd_rows then reads that row in its place: the same bits.
+// by_destination (not fp8, not arrival ordering): the rows go out one destination at a time,
+// this rank first, and each destination gets kPhaseDispatch as soon as its rows are stored (the
+// fused schedule's GEMM waits on those signals); the same rows and signals as without it.
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
                             cudaStream_t stream, const int* seg_base = nullptr, int* row_out = nullptr,
-                            bool dedup = false);
+                            bool dedup = false, bool by_destination = false);
 
 // Waits for kPhaseDispatch of every rank, then copies the first R = *num_recv rows of the
 // receive buffer into out [out_rows, M] (dtype; e4m3 rows are scaled back) and their meta

@@ -9,7 +9,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup) {
+                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool by_destination) {
   UNIEP_CHECK_INPUT(x);
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_INPUT(dest_row);
@@ -44,12 +44,14 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
     seg = seg_base->data_ptr<int>();
     rows_taken = row_out->data_ptr<int>();
   }
+  TORCH_CHECK(!(by_destination && (fp8 || seg)), "a dispatch by destination moves activation-dtype rows in layout "
+              "order (no FP8, no arrival ordering)");
   const c10::cuda::CUDAGuard guard(x.device());
   UNIEP_CHECK_LAUNCH(launch_dispatch(dtype_of(x), fp8, x.data_ptr(), expert_idx.data_ptr<int>(),
                                      dest_row.data_ptr<int>(), w, static_cast<int>(x.size(0)),
                                      static_cast<int>(expert_idx.size(1)), hidden, static_cast<int>(num_experts), s,
                                      dv, static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
-                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup));
+                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup, by_destination));
 }
 
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,

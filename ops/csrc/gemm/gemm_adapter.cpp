@@ -72,6 +72,71 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
   return out;
 }
 
+void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& segs, torch::Tensor& out,
+                         int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
+                         const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
+                         const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
+                         int64_t layer_id, int64_t rank, int64_t phase) {
+  UNIEP_CHECK_INPUT(a);
+  UNIEP_CHECK_INPUT(w);
+  UNIEP_CHECK_INPUT(segs);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_DTYPE(a, torch::kBFloat16);
+  UNIEP_CHECK_DTYPE(w, torch::kBFloat16);
+  UNIEP_CHECK_DTYPE(out, torch::kBFloat16);
+  UNIEP_CHECK_DTYPE(segs, torch::kInt32);
+  TORCH_CHECK(a.device() == w.device() && a.device() == segs.device() && a.device() == out.device(),
+              "a, w, segs and out must be on one device");
+  TORCH_CHECK(config >= 0 && config < gemm::kNumConfigs, "grouped_mm_segments: config ", config, " outside 0..",
+              gemm::kNumConfigs - 1);
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 3 && w.size(2) == a.size(1), "a must be [R, K] and w [W, N, K], got ",
+              a.sizes(), " and ", w.sizes());
+  UNIEP_CHECK_SHAPE(out, a.size(0), w.size(1));
+  TORCH_CHECK(segs.dim() == 2 && segs.size(1) == 4 && segs.size(0) >= 1,
+              "segs must be [G, 4] int32 (first row, rows, weight, ready word), got ", segs.sizes());
+  TORCH_CHECK(w.size(1) % 8 == 0 && w.size(2) % 8 == 0, "grouped_mm_segments needs N and K multiples of 8");
+  TORCH_CHECK(a.size(0) <= INT32_MAX && segs.size(0) <= INT32_MAX && w.size(0) <= INT32_MAX,
+              "grouped_mm_segments: sizes must fit int32");
+  gemm::GroupedGemmArgs args;
+  if (ready.has_value()) {
+    UNIEP_CHECK_INPUT((*ready));
+    UNIEP_CHECK_DTYPE((*ready), torch::kInt32);
+    TORCH_CHECK(ready->device() == a.device(), "ready must be on a's device");
+    TORCH_CHECK(poison.has_value() && error_record.has_value(), "waits need poison and error_record");
+    UNIEP_CHECK_DTYPE((*poison), torch::kInt32);
+    TORCH_CHECK(poison->is_cuda() && poison->numel() >= 1, "poison must be a CUDA int32 word");
+    const WaitPolicy wp = wait_from_args(timeout_ns, *error_record, layer_id);
+    args.ready = reinterpret_cast<const uint32_t*>(ready->data_ptr<int32_t>());
+    args.ready_epoch = static_cast<uint32_t>(epoch);
+    args.timeout_ns = wp.timeout_ns;
+    args.error_record = wp.error_record;
+    args.poison = reinterpret_cast<uint32_t*>(poison->data_ptr<int32_t>());
+    args.layer_id = wp.layer_id;
+    args.rank = static_cast<int>(rank);
+    args.phase = static_cast<int>(phase);
+  }
+  if (a.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(a.device());
+  args.a = a.data_ptr();
+  args.b = w.data_ptr();
+  args.d = out.data_ptr();
+  args.segs = segs.data_ptr<int32_t>();
+  args.weights = static_cast<int>(w.size(0));
+  args.groups = static_cast<int>(segs.size(0));
+  args.n = static_cast<int>(w.size(1));
+  args.k = static_cast<int>(w.size(2));
+  args.sm_count = static_cast<int>(sm_count);
+  args.device = a.get_device();
+  args.raster_n = static_cast<int>(raster_n);
+  args.swizzle = static_cast<int>(swizzle);
+  int status = 0;
+  const cudaError_t err = gemm::grouped_gemm(gemm::kFwd, static_cast<int>(config), args,
+                                             c10::cuda::getCurrentCUDAStream(), &status);
+  TORCH_CHECK(err == cudaSuccess, "grouped_mm_segments (config ", gemm::config_name(static_cast<int>(config)),
+              ", G=", segs.size(0), " N=", w.size(1), " K=", w.size(2), ") failed: ", cudaGetErrorString(err),
+              " (CUTLASS status ", status, ")");
+}
+
 std::string grouped_mm_config_name(int64_t config) { return gemm::config_name(static_cast<int>(config)); }
 
 }  // namespace uniep

@@ -8,6 +8,12 @@
 //   kDgrad: dx[R, K]    = dy[R, N] @ w[g]        (same w)
 //   kWgrad: dw[g][N, K] = dy_g^T   @ x_g         (dy: [R, N], x: [R, K]); a group without rows
 //                                                 gets dw[g] = 0
+// Segments (kFwd only, `segs` set): group g is the run of rows [segs[4g], segs[4g] + segs[4g+1])
+// of x and y, multiplied by w[segs[4g+2]] (w: [weights, N, K]); runs may come in any order and
+// `offs` is unused. Arrival waits (segments only, `ready` set): no operand tile of group g is
+// loaded before ready[segs[4g+3]] reaches `ready_epoch` (segs[4g+3] < 0: no wait), so the rows of
+// a run may still be arriving when the kernel starts; a wait that outlasts `timeout_ns` writes
+// the error record as the NVLink kernels' waits do (common.cuh) and the tile is computed anyway.
 // No split-K or stream-K: each output tile is computed by one CTA with a fixed k order
 // (k16 wgmma steps in increasing k), so a row's result never depends on the tile shape, the
 // raster order or how many SMs run the kernel. Tests check this bit for bit.
@@ -43,6 +49,29 @@ struct GroupedGemmArgs {
   int raster_n = 0;            // tile order: 0 along M (consecutive CTAs share a B tile), 1 along N
   int swizzle = 1;             // CTAs per swizzle band (1, 2, 4 or 8)
   int device = 0;
+  // Segments and arrival waits (see above); null: groups by `offs`, no waits.
+  const int32_t* segs = nullptr;
+  int weights = 0;                    // w's leading extent with segments
+  const uint32_t* ready = nullptr;    // signal words, release-stored by the producers of the rows
+  uint32_t ready_epoch = 0;
+  uint64_t timeout_ns = 0;
+  int64_t* error_record = nullptr;    // host-mapped, filled on a timeout (WaitPolicy's layout)
+  uint32_t* poison = nullptr;         // set on a timeout; a set word ends every later wait
+  int layer_id = 0;
+  int rank = 0;
+  int phase = 0;                      // recorded as the phase waited for
+};
+
+// What the waiting tiles read, written once per launch into the kernel's workspace.
+struct WaitControl {
+  const uint32_t* words;  // GroupedGemmArgs::ready: a timeout records the index of the word
+  uint32_t epoch;
+  uint64_t timeout_ns;
+  int64_t* error_record;
+  uint32_t* poison;
+  int layer_id;
+  int rank;
+  int phase;
 };
 
 // Launches on `stream`. Returns cudaSuccess or the error (cudaErrorInvalidValue for an

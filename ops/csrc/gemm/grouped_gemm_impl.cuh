@@ -1,6 +1,8 @@
 // The CUTLASS kernel types behind grouped_gemm.cuh and their launch: a prepare kernel turns
-// the device offsets into per-group problem shapes, pointers and strides (no host sync), then
-// the ptr-array grouped kernel runs with device-side problem shapes.
+// the device offsets (or segments) into per-group problem shapes, pointers and strides (no host
+// sync), then the ptr-array grouped kernel runs with device-side problem shapes. Its mainloop is
+// CUTLASS's, extended by one step: before a group's first operand load, the producer warp waits
+// for that group's arrival word (when it has one).
 #pragma once
 
 #include "grouped_gemm.cuh"
@@ -73,6 +75,73 @@ CUTE_HOST_DEVICE Stride<_1, IntT, _0> packed_stride(Stride<_1, IntT, _0> s, int 
   return s;
 }
 
+// Spins until `word` reaches `c.epoch` (a wrapping compare: epochs only grow). On a timeout, the
+// first waiter to give up fills the error record (the layout WaitPolicy's waits use) and sets
+// the poison word; a poisoned layer waits no more. Returns either way: a GEMM tile cannot leave
+// its pipeline, so it computes on whatever rows are there and the host raises the error.
+__device__ inline void wait_arrival(const uint32_t* word, const WaitControl& c) {
+  uint32_t seen;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(word) : "memory");
+  if (static_cast<int32_t>(seen - c.epoch) >= 0) return;
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  while (true) {
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(word) : "memory");
+    if (static_cast<int32_t>(seen - c.epoch) >= 0) return;
+    if (*reinterpret_cast<volatile uint32_t*>(c.poison) != 0) return;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start > c.timeout_ns) break;
+    __nanosleep(64);
+  }
+  if (atomicCAS(c.poison, 0u, 1u) == 0u) {
+    volatile int64_t* rec = c.error_record;
+    rec[1] = c.phase;
+    rec[2] = word - c.words;  // the word's index: for the fused dispatch, the source rank
+    rec[3] = c.epoch;
+    rec[4] = seen;
+    rec[5] = c.rank;
+    rec[6] = c.layer_id;
+    __threadfence_system();
+    rec[0] = 1;
+    __threadfence_system();
+  }
+}
+
+// CUTLASS's ptr-array mainloop plus arrival waits. The kernel calls tensors_perform_update in
+// the producer warp whenever the group changes, before any TMA load of the new group: the wait
+// goes there. Lane 0 spins, the warp then fences the generic proxy (where the acquire saw the
+// rows' release) against the async proxy that the TMA loads read through.
+template <class Base>
+struct WaitingMainloop : Base {
+  struct Arguments : Base::Arguments {
+    const uint32_t* const* ready;  // [groups]: the word each group waits for, or null
+    const WaitControl* control;
+  };
+  struct Params : Base::Params {
+    const uint32_t* const* ready;
+    const WaitControl* control;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
+    return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), args.ready, args.control};
+  }
+
+  template <class InputTensors, class ProblemShape_MNKL>
+  CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& params,
+                                                     ProblemShape_MNKL problem_shape_mnkl, int32_t next_batch) {
+    if (params.ready != nullptr) {
+      const uint32_t* word = params.ready[next_batch];
+      if (word != nullptr) {
+        if (threadIdx.x % 32 == 0) wait_arrival(word, *params.control);
+        __syncwarp();
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+      }
+    }
+    return Base::tensors_perform_update(input_tensors, params, problem_shape_mnkl, next_batch);
+  }
+};
+
 template <int Op, int Config>
 struct Kernel {
   using Layouts = OpLayouts<Op>;
@@ -83,12 +152,13 @@ struct Kernel {
       void, RowMajor*, kAlign,  // no C operand: D = accumulator, cast once
       Bf16, RowMajor*, kAlign, typename Traits::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Bf16, float>>::CollectiveOp;
-  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+  using BaseMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Bf16, typename Layouts::A*, kAlign, Bf16,
       typename Layouts::B*, kAlign, float, typename Traits::Tile, typename Traits::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Traits::Mainloop>::CollectiveOp;
+  using CollectiveMainloop = WaitingMainloop<BaseMainloop>;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
@@ -106,12 +176,15 @@ struct ArgArrays {
   typename K::StrideA* sa;
   typename K::StrideB* sb;
   typename K::StrideD* sd;
+  const uint32_t** ready;
+  WaitControl* control;
 
   static size_t align(size_t bytes) { return (bytes + 255) & ~size_t(255); }
   static size_t bytes(int groups) {
     const size_t g = static_cast<size_t>(groups);
     return align(g * sizeof(Shape3)) + 3 * align(g * sizeof(void*)) + align(g * sizeof(typename K::StrideA)) +
-           align(g * sizeof(typename K::StrideB)) + align(g * sizeof(typename K::StrideD));
+           align(g * sizeof(typename K::StrideB)) + align(g * sizeof(typename K::StrideD)) +
+           align(g * sizeof(void*)) + align(sizeof(WaitControl));
   }
   static ArgArrays carve(char* p, int groups) {
     const size_t g = static_cast<size_t>(groups);
@@ -129,19 +202,31 @@ struct ArgArrays {
     r.sb = reinterpret_cast<typename K::StrideB*>(p);
     p += align(g * sizeof(typename K::StrideB));
     r.sd = reinterpret_cast<typename K::StrideD*>(p);
+    p += align(g * sizeof(typename K::StrideD));
+    r.ready = reinterpret_cast<const uint32_t**>(p);
+    p += align(g * sizeof(void*));
+    r.control = reinterpret_cast<WaitControl*>(p);
     return r;
   }
 };
 
-// One thread per group: its problem shape and operand pointers from the row offsets. Every
-// operand is packed, so the strides are the same for all groups and come in by value.
+// One thread per group: its problem shape and operand pointers from the row offsets (or its
+// segment), and its arrival word. Every operand is packed, so the strides are the same for all
+// groups and come in by value.
 template <int Op, class K>
 __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename K::StrideA sa,
                                typename K::StrideB sb, typename K::StrideD sd) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
+  if (g == 0)
+    *out.control = WaitControl{args.ready,    args.ready_epoch, args.timeout_ns, args.error_record,
+                               args.poison,   args.layer_id,    args.rank,       args.phase};
   if (g >= args.groups) return;
-  const int64_t start = g == 0 ? 0 : args.offs[g - 1];
-  const int rows = static_cast<int>(args.offs[g] - start);
+  const bool seg = Op == kFwd && args.segs != nullptr;
+  const int32_t* sg = seg ? args.segs + 4 * g : nullptr;
+  const int64_t start = seg ? sg[0] : g == 0 ? 0 : args.offs[g - 1];
+  const int rows = seg ? sg[1] : static_cast<int>(args.offs[g] - start);
+  const int64_t wi = seg ? sg[2] : g;
+  out.ready[g] = seg && args.ready != nullptr && sg[3] >= 0 ? args.ready + sg[3] : nullptr;
   const int64_t n = args.n, k = args.k;
   const Bf16* a = static_cast<const Bf16*>(args.a);
   const Bf16* b = static_cast<const Bf16*>(args.b);
@@ -149,7 +234,7 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
   if (Op == kFwd) {
     out.shapes[g] = Shape3{rows, args.n, args.k};
     out.a[g] = a + start * k;
-    out.b[g] = b + g * n * k;
+    out.b[g] = b + wi * n * k;
     out.d[g] = d + start * n;
   } else if (Op == kDgrad) {
     out.shapes[g] = Shape3{rows, args.k, args.n};
@@ -194,7 +279,7 @@ typename K::Gemm::Arguments make_arguments(int groups, const ArgArrays<K>& arr, 
   typename K::Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {groups, arr.shapes, nullptr},  // shapes live on the device only
-      {arr.a, arr.sa, arr.b, arr.sb},
+      {{arr.a, arr.sa, arr.b, arr.sb}, arr.ready, arr.control},
       {{}, nullptr, arr.sd, arr.d, arr.sd},  // alpha 1, beta 0, no C
       hw};
   using Raster = decltype(arguments.scheduler.raster_order);
@@ -264,6 +349,9 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, cudaStream_t 
   if (args.groups <= 0 || args.n <= 0 || args.k <= 0 || args.n % detail::kAlign || args.k % detail::kAlign)
     return cudaErrorInvalidValue;
   if (args.sm_count < 0 || args.sm_count % 2) return cudaErrorInvalidValue;  // 2-CTA clusters
+  if (args.segs != nullptr && (Op != kFwd || args.weights <= 0)) return cudaErrorInvalidValue;
+  if (args.ready != nullptr && (args.segs == nullptr || args.error_record == nullptr || args.poison == nullptr))
+    return cudaErrorInvalidValue;
   if (args.raster_n < 0 || args.raster_n > 1 || !(args.swizzle == 1 || args.swizzle == 2 || args.swizzle == 4 ||
                                                   args.swizzle == 8))
     return cudaErrorInvalidValue;
