@@ -195,7 +195,7 @@ def main():
             # The NVLink stores alone: no counts exchange and no copy-out (nobody waits on them).
             disp.ext.dispatch_rows(x, h.expert_idx, h.dest_row, None, disp.fp8, E, disp.bufs.descriptor,
                                    disp.direct_descriptor(True, disp._epochs[0]), disp._next_epoch(1),
-                                   disp.num_blocks, None, None, disp.dedup, False)
+                                   disp.num_blocks, None, None, disp.dedup)
 
         put(f"{name}_dispatch_stores", stores_only)
         do_dispatch()  # leave buffers and epochs in step on every rank

@@ -342,8 +342,12 @@ class UniEPMoE(MoE):
                              'backend; set "uniep": {"backend": "reference"}')
         if name == "megakernel":
             from .megakernel import NVLinkDispatcher
+            # The fused schedule gives num_comm_sms to its dispatch only (its first GEMM takes the other
+            # SMs); its other copy kernels run alone, on every SM, as in the sequential schedule.
+            fused = self.uniep_config.overlap.schedule == "fused"
             d = NVLinkDispatcher(self.layer_name, self.num_experts, self.ep_size, self.hidden_size, self.k, x.dtype,
-                                 self.uniep_config, self.ep_group, num_blocks=_comm_blocks(self.uniep_config),
+                                 self.uniep_config, self.ep_group,
+                                 num_blocks=None if fused else _comm_blocks(self.uniep_config),
                                  ordering="layout" if self.uniep_config.deterministic else "arrival")
         else:
             if not self.uniep_config.deterministic:

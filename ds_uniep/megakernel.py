@@ -55,6 +55,7 @@ import importlib.util
 import itertools
 import os
 import sys
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
@@ -71,10 +72,10 @@ MAX_RANKS = 8
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 FP8_GROUP = 128
-NUM_PHASES = 5
+NUM_PHASES = 6
 MAX_COMBINE_CHUNKS = 64
 ERROR_RECORD_WORDS = 8
-PHASE_NAMES = ("counts", "dispatch", "combine", "barrier", "pull")
+PHASE_NAMES = ("counts", "dispatch", "combine", "barrier", "pull", "arrived")
 _ALIGN = 256
 
 
@@ -125,7 +126,7 @@ class _SymBuffers:
             ("counts", 2 * MAX_RANKS * E * 4 + 2 * MAX_RANKS * 4),  # + direct-receive flags
             # phase signals, then the chunked combine's flags [chunk][rank] and local counters [chunk]
             ("signals", (NUM_PHASES * MAX_RANKS + MAX_COMBINE_CHUNKS * (MAX_RANKS + 1)) * 4),
-            ("status", 16 * 4),
+            ("status", 32 * 4),
             ("meta", self.recv_rows * 4),
             ("scales", self.recv_rows * (M // FP8_GROUP) * 4 if fp8 else 0),
             ("recv", self.recv_rows * self.recv_row_bytes),
@@ -366,9 +367,11 @@ class NVLinkDispatcher:
         # the next dispatch's request, and what the waiting GEMM of the last fused dispatch needs.
         self.fused_comm_blocks = config.overlap.num_comm_sms
         self._fused_stream = None
+        self._round_sources = None
         self._fuse_next = False
         self._fused_waits = None
         self._fused_done = None
+        self._started_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         #: forward dispatches that ran fused / asked to but ran sequential (direct region in use)
         self.fused_stats = {"fused": 0, "sequential": 0}
         self.layer_id = next(_IDS)
@@ -443,22 +446,29 @@ class NVLinkDispatcher:
             per_expert = counts_all.sum(0).view(self.ep_size, L)
             seg_base = (per_expert.cumsum(1) - per_expert).reshape(-1).to(torch.int32)
             row_out = torch.empty_like(dest_row)
-        side = None
+        side = pairs_all = None
         if fused:
-            # The fused schedule: the rows travel from a side stream, one destination at a time
-            # (this rank's own first), on fused_comm_blocks SMs, while the caller's first GEMM runs
-            # on the others, each (expert, source) segment as soon as its source has signalled.
+            # The fused schedule: from a side stream, on fused_comm_blocks SMs, the rows go out one
+            # destination at a time (this rank's own first) and this rank's arriving rows are taken
+            # source by source, while the caller's first GEMM runs on the other SMs, each (source,
+            # expert) run of rows as soon as its source's rows are usable here (kPhaseArrived).
+            segs = self._fused_segments(counts_all)
+            pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             side = self._fused_side_stream()
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self.ext.dispatch_rows(x, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
-                                       self.direct_descriptor(True, e_counts), e_disp, self.fused_comm_blocks, None,
-                                       None, self.dedup, True)
-            segs = self._fused_segments(counts_all)
+                self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor,
+                                        self.direct_descriptor(True, e_counts), e_disp, self.fused_comm_blocks,
+                                        self.dedup, segs, self.direct.rows, pairs_all, self._started_host,
+                                        *self._wait_args())
+            for t in (x, expert_idx, dest_row, segs, pairs_all):
+                t.record_stream(side)
+            self._fused_done = torch.cuda.Event()
+            self._fused_done.record(side)
         else:
             self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
                                    self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
-                                   self.dedup, False)
+                                   self.dedup)
         if row_out is not None:
             dest_row = row_out
         if self.padded_recv:
@@ -468,17 +478,12 @@ class NVLinkDispatcher:
             rows = int(self._num_recv_host[0])
             self.check()
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
-        recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
         if fused:
-            with torch.cuda.stream(side):  # the wait for every source, and the rows' source pairs
-                self.ext.recv_copyout(num_recv, False, recv, recv_pair, self.bufs.descriptor, e_disp,
-                                      *self._wait_args(), self.fused_comm_blocks, False, 0, self.dedup)
-            for t in (x, expert_idx, dest_row, num_recv, recv_pair, recv):
-                t.record_stream(side)
-            self._fused_done = torch.cuda.Event()
-            self._fused_done.record(side)
+            recv_pair = pairs_all[:rows]
+            self._await_fused_start(e_disp)
             self._fused_waits = self._arrival_waits(segs, e_disp)
         else:
+            recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
             self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
                                   *self._wait_args(), self.num_blocks, not in_place,
                                   self.num_experts // self.ep_size if self.ordering == "arrival" else 0, self.dedup)
@@ -522,6 +527,19 @@ class NVLinkDispatcher:
             torch.cuda.current_stream(self.device).wait_event(self._fused_done)
             self._fused_done = None
 
+    def _await_fused_start(self, epoch: int) -> None:
+        """Wait (on the host) until every block of the fused dispatch of ``epoch`` runs: the GEMM
+        queued next takes the other SMs and spins on the rows that those blocks take in, so all of
+        them must hold an SM first."""
+        start = time.monotonic()
+        while (int(self._started_host[0]) - epoch) & 0xFFFFFFFF >= 1 << 31:  # before epoch, wrapping
+            if time.monotonic() - start > self.timeout_ns / 1e9:
+                self.check()
+                raise UniEPTimeoutError(f"{self.layer_name}: rank {self.rank}: the fused dispatch's "
+                                        f"{self.fused_comm_blocks} blocks did not all start within "
+                                        f"{self.timeout_ns / 1e9:g} s (other kernels hold the SMs?)")
+            time.sleep(0)
+
     def _fused_side_stream(self) -> torch.cuda.Stream:
         if self._fused_stream is None:
             self._fused_stream = torch.cuda.Stream(self.device)
@@ -537,22 +555,23 @@ class NVLinkDispatcher:
         per_expert = c.sum(0, dtype=torch.int32)
         start = (torch.cumsum(per_expert, 0, dtype=torch.int32) - per_expert) + (torch.cumsum(c, 0, dtype=torch.int32)
                                                                                   - c)
-        order = [(d - r) % G for r in range(G)]
-        idx = torch.tensor(order, dtype=torch.long, device=self.device)
-        experts = torch.arange(L, dtype=torch.int32, device=self.device).expand(G, L)
-        sources = idx.to(torch.int32)[:, None].expand(G, L)
+        if self._round_sources is None:  # made once: a host-to-device copy here would wait for the layout
+            idx = torch.tensor([(d - r) % G for r in range(G)], dtype=torch.long, device=self.device)
+            self._round_sources = (idx, torch.arange(L, dtype=torch.int32, device=self.device).expand(G, L),
+                                   idx.to(torch.int32)[:, None].expand(G, L))
+        idx, experts, sources = self._round_sources
         return torch.stack([start[idx], c[idx], experts, sources], -1).reshape(G * L, 4).contiguous()
 
     def _arrival_waits(self, segs: Tensor, epoch: int):
         from .gemm import ArrivalWaits
         o = self.bufs.offsets
-        signals = o["signals"] + 1 * MAX_RANKS * 4  # phase 1 (dispatch): [MAX_RANKS] words, one per source
+        signals = o["signals"] + 5 * MAX_RANKS * 4  # phase 5 (arrived): [MAX_RANKS] words, one per source
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         gemm_sms = max(2, (sms - self.fused_comm_blocks) // 2 * 2)
         return ArrivalWaits(segs=segs, ready=self.bufs.buffer[signals:signals + MAX_RANKS * 4].view(torch.int32),
                             epoch=epoch, timeout_ns=self.timeout_ns, error_record=self.error_record,
                             poison=self.bufs.buffer[o["status"]:o["status"] + 4].view(torch.int32),
-                            layer_id=self.layer_id, rank=self.rank, phase=1, sm_count=gemm_sms,
+                            layer_id=self.layer_id, rank=self.rank, phase=5, sm_count=gemm_sms,
                             done=self._fused_done)
 
     def combine_pushers(self) -> int:
@@ -658,8 +677,7 @@ class NVLinkDispatcher:
         self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup,
-                               False)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup)
         e = self._next_epoch(2)
         chunks = y if isinstance(y, list) else [(0, y)]  # pipelines() holds gate_grad_on_experts for chunks
         rows = chunks[-1][0] + chunks[-1][1].shape[0]
@@ -686,7 +704,7 @@ class NVLinkDispatcher:
                            *self._wait_args(), self.num_blocks)
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, gates, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, False, False)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, False)
         grad_y = y.new_empty(y.shape)
         scratch_pair = torch.empty(y.shape[0], dtype=torch.int32, device=y.device)
         self.ext.recv_copyout(num_recv, False, grad_y, scratch_pair, self.bufs.descriptor, e_disp,

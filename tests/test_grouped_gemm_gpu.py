@@ -236,6 +236,10 @@ def test_segments_and_arrival_waits_give_the_plain_bits():
         poison = torch.zeros(1, dtype=torch.int32, device="cuda")
         record = torch.zeros(8, dtype=torch.int64, pin_memory=True)
         writer = torch.cuda.Stream()
+        with torch.cuda.stream(writer):  # load the writer's kernels now: loading one later could wait for the GEMM
+            torch.cuda._sleep(1000)
+            words.fill_(0)
+        writer.synchronize()
         writer.wait_stream(torch.cuda.current_stream())
         out = gemm.grouped_mm_segments(rows, w, segs, config, _waits(gemm, segs, words, poison, record, 20.0,
                                                                      sms - 4))

@@ -19,13 +19,20 @@ std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_e
 // dispatch_adapter.cpp
 // direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
 // seg_base [E] int32 and row_out [T, k] int32 (both or neither): arrival ordering, rows
-// claimed by atomics (see launch_dispatch). by_destination: one destination at a time, each
-// signalled as soon as its rows are stored (see launch_dispatch).
+// claimed by atomics (see launch_dispatch).
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool by_destination);
+                   const c10::optional<torch::Tensor>& row_out, bool dedup);
+// The fused schedule's dispatch (FusedArrive in types.h): segs [G * L, 4] int32, out the direct
+// region [R_max, M], recv_pair [R_max] int32 (every received row's source pair, written as its
+// source arrives), started [1] pinned int32 (gets epoch once every block runs). No copy-out after.
+void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
+                    int64_t num_experts, const std::vector<int64_t>& sym, const std::vector<int64_t>& direct,
+                    int64_t epoch, int64_t num_blocks, bool dedup, const torch::Tensor& segs, torch::Tensor& out,
+                    torch::Tensor& recv_pair, torch::Tensor& started, int64_t timeout_ns,
+                    const torch::Tensor& error_record, int64_t layer_id);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
 // reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
 // dedup: after a deduplicated dispatch (copies each row its token's first row on this rank).

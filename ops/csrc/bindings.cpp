@@ -6,6 +6,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("layout", &uniep::layout, "counts exchange + dest rows: (local_expert_counts, num_recv, counts_all, dest_row)");
   // dispatch: rows into the destinations' receive buffers, then copied out
   m.def("dispatch_rows", &uniep::dispatch_rows, "store every kept row into its destination's receive buffer");
+  m.def("dispatch_fused", &uniep::dispatch_fused,
+        "the fused schedule's dispatch: rows one destination at a time, arrivals taken source by source");
   m.def("recv_copyout", &uniep::recv_copyout, "wait for all rows, copy them (and their source pairs) out");
   // combine: rows back to their sources, reduced in slot order
   m.def("combine_push", &uniep::combine_push, "store every received row back at its source pair");

@@ -31,7 +31,8 @@ enum SignalPhase : int {
   kPhaseCombine = 2,   // all rows of a combine push stored
   kPhaseBarrier = 3,   // entry barrier of backward ops
   kPhasePull = 4,      // every rank's expert outputs are in its source region (pulling combine)
-  kNumPhases = 5,
+  kPhaseArrived = 5,   // fused schedule, local only: word [5][s] says source s's rows are usable here
+  kNumPhases = 6,
 };
 
 // Chunked combine: a source's tokens fall into at most this many chunks; every rank raises one

@@ -16,8 +16,9 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //   counts   [2][kMaxRanks][E] int32   routing counts, double-buffered by epoch parity
 //   signals  [kNumPhases][kMaxRanks] uint32, then the chunked combine's flags
 //            [kMaxCombineChunks][kMaxRanks] uint32 and local counters [kMaxCombineChunks] uint32
-//   status   [16] uint32               local only: [0] poisoned flag, [1..3] done counters, [4..4+kMaxRanks)
-//                                      the per-destination dispatch rounds' counters
+//   status   [32] uint32               local only: [0] poisoned flag, [1..3] done counters, [4..12) the
+//                                      fused dispatch's send rounds' counters, [12..20) its arrival
+//                                      rounds' counters, [20] its start counter
 //   meta     [R_max] int32             source pair of each received row: src * pairs_per_rank + t * k + j
 //   dup      [R_max] int32             deduplicated dispatch: the row already holding the same token
 //            (its first slot on this rank), or -1 when the row itself was stored
@@ -64,6 +65,20 @@ struct DirectView {
 // How a wait on a peer gives up: after timeout_ns it fills the error record and
 // marks the layer poisoned, so later kernels of the layer do nothing instead of
 // hanging or moving rows by a layout they never received.
+// The fused schedule's dispatch (launch_dispatch_fused): besides sending its rows one
+// destination at a time, the same grid takes this rank's arriving rows source by source.
+// segs: [G * L][4] int32 (first row, rows, local expert, source), the runs of this rank's
+// receive rows in round order (round r: runs [r * L, (r + 1) * L), all of one source). out:
+// this rank's direct region (rows in place). started: pinned host word that gets the epoch once
+// every block of the grid is running (the host launches the waiting GEMM after that).
+struct FusedArrive {
+  const int* segs;
+  int experts_per_rank;
+  void* out;
+  int* recv_pair;
+  int* started;
+};
+
 struct WaitPolicy {
   uint64_t timeout_ns;
   int64_t* error_record;  // host-mapped pinned, kErrorRecordWords words

@@ -6,18 +6,73 @@ namespace {
 
 constexpr int kUnroll = 4;  // 16-byte vectors each lane has in flight per step
 
+// Fused dispatch: the last block of the grid to start writes the epoch into the pinned host
+// word, so the host knows every block holds its SM before it queues the GEMM that waits for them.
+__device__ __forceinline__ void announce_start(const SymView& s, int* started, uint32_t epoch) {
+  if (threadIdx.x != 0) return;
+  uint32_t* counter = status_words(s) + 20;
+  if (atomicAdd(counter, 1u) == gridDim.x - 1) {
+    *counter = 0;
+    *reinterpret_cast<volatile int*>(started) = static_cast<int>(epoch);
+    __threadfence_system();
+  }
+}
+
+// Fused dispatch, after send round `round`: the rows of source (rank - round) on this rank, once
+// it signalled: each row's source pair, and the copy of a deduplicated row from the row its
+// token first landed in here (the same source, so already there). The grid's last block then
+// raises kPhaseArrived for the source on this rank. False when the wait gave up.
+__device__ bool take_arrivals(const SymView& s, const WaitPolicy& w, uint32_t epoch, const FusedArrive& f,
+                              int round, int row_bytes, bool dedup) {
+  const int L = f.experts_per_rank;
+  const int* seg = f.segs + 4 * round * L;
+  const int src = seg[3];
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = wait_signal(s, w, src, kPhaseDispatch, epoch);
+  __syncthreads();
+  if (!ok) return false;
+  const int lane = threadIdx.x % 32;
+  const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int num_warps = gridDim.x * blockDim.x / 32;
+  const int* meta = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.meta_off);
+  const int* dups = reinterpret_cast<const int*>(s.ptrs[s.rank] + s.dup_off);
+  char* out = static_cast<char*>(f.out);
+  for (int l = 0; l < L; ++l) {
+    const int first = seg[4 * l], rows = seg[4 * l + 1];
+    for (int i = warp; i < rows; i += num_warps) {
+      const int r = first + i;
+      if (lane == 0) f.recv_pair[r] = __ldcg(meta + r);
+      const int from = dedup ? __ldcg(dups + r) : -1;
+      if (from < 0) continue;
+      const int4* in = reinterpret_cast<const int4*>(out + static_cast<int64_t>(from) * row_bytes);
+      int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * row_bytes);
+      warp_row_vectors<kUnroll>(row_bytes / 16, lane, [&](int i) { return __ldcg(in + i); },
+                                [&](int i, const int4& v) { dst[i] = v; });
+    }
+  }
+  if (last_block_of_grid(status_words(s) + 12 + round) && threadIdx.x == 0)
+    st_release_sys(signal_word(s, s.rank, kPhaseArrived, src), epoch);
+  __syncthreads();  // `ok` is reused by the next round
+  return true;
+}
+
 // One warp per token: the token's row is read once and stored to its k destinations.
-// by_destination: one round per destination instead, this rank first, then rank + 1, ...; a
-// round stores only the rows bound for its destination (the token is read again each round), and
-// the grid's last block to finish a round signals that destination at once, so its rows can be
-// used while the later rounds still travel. Rows, meta words and bits are the same either way.
+// With `fused` (the fused schedule): one round per destination instead, this rank first, then
+// rank + 1, ...; a round stores only the rows bound for its destination (the token is read again
+// each round), and the grid's last block to finish a round signals that destination at once.
+// Each round then takes this rank's rows from the source whose round it is (rank - round):
+// after that source's signal, the runs of its rows get their source pairs and deduplicated
+// copies, and the grid's last block raises kPhaseArrived for it here, so the GEMM can start on
+// them while later rounds still travel. Rows, meta words and bits are the same either way.
 template <typename T, bool kWeighted>
 __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
     DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out, bool dedup,
-    bool by_destination) {
+    FusedArrive fused, WaitPolicy w) {
   if (poisoned(s)) return;
+  const bool by_destination = fused.segs != nullptr;
+  if (by_destination) announce_start(s, fused.started, epoch);
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -95,7 +150,10 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
       }
     }
   }
-  if (by_destination) signal_dst_when_grid_done(s, status_words(s) + 4 + round, only, kPhaseDispatch, epoch);
+  if (by_destination) {
+    signal_dst_when_grid_done(s, status_words(s) + 4 + round, only, kPhaseDispatch, epoch);
+    if (!take_arrivals(s, w, epoch, fused, round, hidden * static_cast<int>(sizeof(T)), dedup)) return;
+  }
   }
   if (!by_destination) signal_when_grid_done(s, status_words(s) + 1, kPhaseDispatch, epoch);
 }
@@ -233,10 +291,11 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
                             cudaStream_t stream, const int* seg_base, int* row_out, bool dedup,
-                            bool by_destination) {
+                            const FusedArrive* fused, const WaitPolicy* wait) {
+  const bool by_destination = fused != nullptr;
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
       (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)) ||
-      (dedup && (fp8 || weights)) || (by_destination && (fp8 || seg_base != nullptr)))
+      (dedup && (fp8 || weights)) || (by_destination && (fp8 || seg_base != nullptr || weights || wait == nullptr)))
     return cudaErrorInvalidValue;
   const int experts_per_rank = num_experts / sym.num_ranks;
   UNIEP_SWITCH_DTYPE(dtype, T, {
@@ -249,7 +308,8 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
       UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
         dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
-            direct, epoch, seg_base, row_out, dedup, by_destination);
+            direct, epoch, seg_base, row_out, dedup, fused ? *fused : FusedArrive{},
+            wait ? *wait : WaitPolicy{});
       });
     }
   });

@@ -24,14 +24,17 @@ namespace uniep {
 // of the token on that rank stores only its meta word and, in the dup region, the row of the
 // token's first slot there (-1 in the dup word of a row that was stored). launch_recv_copyout
 // (with dedup) or launch_combine_bwd_rows then reads that row in its place: the same bits.
-// by_destination (not fp8, not arrival ordering): the rows go out one destination at a time,
-// this rank first, and each destination gets kPhaseDispatch as soon as its rows are stored (the
-// fused schedule's GEMM waits on those signals); the same rows and signals as without it.
+// fused (the fused schedule; not fp8, unweighted, layout ordering, this rank's rows in place,
+// `wait` set): the rows go out one destination at a time, this rank first, each destination
+// signalled as soon as its rows are stored, and between rounds the same grid takes this rank's
+// arriving rows source by source (FusedArrive in types.h), raising kPhaseArrived for each, so
+// no launch_recv_copyout follows. The same rows, meta words and source pairs as without it.
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
                             cudaStream_t stream, const int* seg_base = nullptr, int* row_out = nullptr,
-                            bool dedup = false, bool by_destination = false);
+                            bool dedup = false, const FusedArrive* fused = nullptr,
+                            const WaitPolicy* wait = nullptr);
 
 // Waits for kPhaseDispatch of every rank, then copies the first R = *num_recv rows of the
 // receive buffer into out [out_rows, M] (dtype; e4m3 rows are scaled back) and their meta

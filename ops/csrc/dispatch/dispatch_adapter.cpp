@@ -9,7 +9,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool by_destination) {
+                   const c10::optional<torch::Tensor>& row_out, bool dedup) {
   UNIEP_CHECK_INPUT(x);
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_INPUT(dest_row);
@@ -44,14 +44,56 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
     seg = seg_base->data_ptr<int>();
     rows_taken = row_out->data_ptr<int>();
   }
-  TORCH_CHECK(!(by_destination && (fp8 || seg)), "a dispatch by destination moves activation-dtype rows in layout "
-              "order (no FP8, no arrival ordering)");
   const c10::cuda::CUDAGuard guard(x.device());
   UNIEP_CHECK_LAUNCH(launch_dispatch(dtype_of(x), fp8, x.data_ptr(), expert_idx.data_ptr<int>(),
                                      dest_row.data_ptr<int>(), w, static_cast<int>(x.size(0)),
                                      static_cast<int>(expert_idx.size(1)), hidden, static_cast<int>(num_experts), s,
                                      dv, static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
-                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup, by_destination));
+                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup));
+}
+
+void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
+                    int64_t num_experts, const std::vector<int64_t>& sym, const std::vector<int64_t>& direct,
+                    int64_t epoch, int64_t num_blocks, bool dedup, const torch::Tensor& segs, torch::Tensor& out,
+                    torch::Tensor& recv_pair, torch::Tensor& started, int64_t timeout_ns,
+                    const torch::Tensor& error_record, int64_t layer_id) {
+  UNIEP_CHECK_INPUT(x);
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(dest_row);
+  UNIEP_CHECK_INPUT(segs);
+  UNIEP_CHECK_INPUT(out);
+  UNIEP_CHECK_INPUT(recv_pair);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
+  UNIEP_CHECK_DTYPE(segs, torch::kInt32);
+  UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
+  UNIEP_CHECK_DTYPE(started, torch::kInt32);
+  TORCH_CHECK(!started.is_cuda() && started.is_pinned() && started.numel() >= 1, "started must be pinned host memory");
+  TORCH_CHECK(x.dim() == 2 && expert_idx.dim() == 2, "x must be [T, M] and expert_idx [T, k]");
+  UNIEP_CHECK_SHAPE(expert_idx, x.size(0), expert_idx.size(1));
+  UNIEP_CHECK_SHAPE(dest_row, x.size(0), expert_idx.size(1));
+  TORCH_CHECK(out.scalar_type() == x.scalar_type(), "out must have x's dtype");
+  const SymView s = sym_from_descriptor(sym);
+  const DirectView dv = direct_from_descriptor(direct);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  TORCH_CHECK(dv.use, "the fused dispatch receives in place (direct regions)");
+  const int L = static_cast<int>(num_experts / s.num_ranks);
+  UNIEP_CHECK_SHAPE(segs, static_cast<int64_t>(s.num_ranks) * L, 4);
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == s.recv_rows && out.size(1) == x.size(1),
+              "out must be the direct region [R_max = ", s.recv_rows, ", ", x.size(1), "], got ", out.sizes());
+  UNIEP_CHECK_SHAPE(recv_pair, s.recv_rows);
+  TORCH_CHECK(x.size(1) * x.element_size() <= s.recv_row_bytes, "x rows are wider than the receive rows");
+  TORCH_CHECK(x.size(0) * expert_idx.size(1) <= s.pairs_per_rank, "x has ", x.size(0) * expert_idx.size(1),
+              " pairs, the buffers hold ", s.pairs_per_rank);
+  const FusedArrive fused{segs.data_ptr<int>(), L, out.data_ptr(), recv_pair.data_ptr<int>(),
+                          started.data_ptr<int>()};
+  const c10::cuda::CUDAGuard guard(x.device());
+  UNIEP_CHECK_LAUNCH(launch_dispatch(dtype_of(x), false, x.data_ptr(), expert_idx.data_ptr<int>(),
+                                     dest_row.data_ptr<int>(), nullptr, static_cast<int>(x.size(0)),
+                                     static_cast<int>(expert_idx.size(1)), static_cast<int>(x.size(1)),
+                                     static_cast<int>(num_experts), s, dv, static_cast<uint32_t>(epoch),
+                                     static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream(), nullptr,
+                                     nullptr, dedup, &fused, &w));
 }
 
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
