@@ -107,8 +107,10 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
           const int d = expert_idx[pair] / experts_per_rank;
           // Deduplicated: a token travels once per destination rank; its later slots there name
           // the row of its first one, and the receiver copies it locally (the same bits).
+          // The fused dispatch keeps this rank's own rows whole: their copies would be local either way,
+          // and storing them at once spares the arrival pass copies on few SMs.
           int first = -1;
-          if (!kWeighted && dedup) {
+          if (!kWeighted && dedup && !(by_destination && d == s.rank)) {
 #pragma unroll
             for (int i = 0; i < j; ++i)
               if (first < 0 && dest_rank[i] == d) first = dest_at[i];
