@@ -210,6 +210,20 @@ class ArrivalWaits:
     phase: int
     sm_count: int
     done: Optional[torch.cuda.Event] = None
+    #: the forward's output when the dispatch already queued the GEMM (its rows: the first R)
+    result: Optional[Tensor] = None
+
+
+def fused_config(x: Tensor, w: Tensor, configs: Optional[Mapping[str, str]], sm_count: int) -> str:
+    """The forward configuration of a waiting GEMM over ``x``'s rows: ``configs["fwd"]`` when set, else
+    the automatic choice made for this shape with ``sm_count`` or with all SMs, else the first of
+    :data:`CONFIGS` (a waiting GEMM cannot be timed on rows still in flight)."""
+    config = (configs or DEFAULT_CONFIGS).get("fwd", "auto")
+    if config != "auto":
+        return config
+    offs = x.new_empty(w.shape[0], dtype=torch.int32)  # only its length enters the key
+    return (_TUNED.get(_tuning_key("fwd", x, w, offs, sm_count)) or _TUNED.get(_tuning_key("fwd", x, w, offs, 0))
+            or CONFIGS[0])
 
 
 def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: Optional[ArrivalWaits] = None,
@@ -250,11 +264,13 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.configs, ctx.sm_count = configs, sm_count
         if waits is None:
             return grouped_mm(x, w, offs, "fwd", configs["fwd"], sm_count)
-        config = configs["fwd"]
-        if config == "auto":
-            config = (_TUNED.get(_tuning_key("fwd", x, w, offs, waits.sm_count))
-                      or _TUNED.get(_tuning_key("fwd", x, w, offs, 0)) or CONFIGS[0])
-        y = grouped_mm_segments(x, w, waits.segs, config, waits)
+        if waits.result is not None:  # queued by the fused dispatch, on the same rows and weights
+            if waits.result.shape != (x.shape[0], w.shape[1]):
+                raise ValueError(f"the fused dispatch's first GEMM gave {tuple(waits.result.shape)}, expected "
+                                 f"{(x.shape[0], w.shape[1])}")
+            y = waits.result
+        else:
+            y = grouped_mm_segments(x, w, waits.segs, fused_config(x, w, configs, waits.sm_count), waits)
         if waits.done is not None:
             torch.cuda.current_stream(x.device).wait_event(waits.done)
         return y

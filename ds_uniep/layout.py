@@ -139,3 +139,22 @@ def build_layout(expert_idx: Tensor, counts_all: Tensor, rank: int) -> Layout:
                   send_pairs=send_pairs, send_counts=send_counts, recv_counts=recv_counts,
                   local_expert_counts=local_expert_counts, recv_rows=recv_rows, recv_src=block_ids // L,
                   recv_local_expert=block_ids % L, recv_block_pos=within)
+
+
+def fused_runs(counts_all: Tensor, rank: int) -> Tensor:
+    """The runs of rows the fused schedule's first GEMM takes on ``rank``: ``[G * L, 4]`` int64
+    (first row, rows, local expert, source), one per (source, local expert), sources in the order
+    their rows arrive (``rank``, ``rank - 1``, ``rank - 2``, ...: source s sends to rank d in its
+    round ``(d - s) mod G``), local experts in order inside a source. Each run is the (source,
+    expert) block of the expert-major receive buffer above. The megakernel builds the same table
+    on the device (``fused_segments`` in ops/csrc/layout)."""
+    G, E = counts_all.shape
+    if E % G != 0 or not 0 <= rank < G:
+        raise ValueError(f"counts_all {tuple(counts_all.shape)} and rank {rank} do not make a layout")
+    L = E // G
+    mine = counts_all[:, rank * L:(rank + 1) * L].long()  # [G sources, L]
+    totals = mine.sum(0)
+    start = (_exclusive_cumsum(totals, 0).unsqueeze(0) + _exclusive_cumsum(mine, 0))  # [G, L]
+    sources = torch.tensor([(rank - r) % G for r in range(G)], device=counts_all.device)
+    experts = torch.arange(L, device=counts_all.device).expand(G, L)
+    return torch.stack([start[sources], mine[sources], experts, sources[:, None].expand(G, L)], -1).reshape(G * L, 4)

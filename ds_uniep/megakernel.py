@@ -370,6 +370,7 @@ class NVLinkDispatcher:
         self._round_sources = None
         self._fuse_next = False
         self._fused_waits = None
+        self._fused_weight = None
         self._fused_done = None
         self._started_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         #: forward dispatches that ran fused / asked to but ran sequential (direct region in use)
@@ -422,6 +423,8 @@ class NVLinkDispatcher:
         self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
         in_place = self.direct is not None and self.direct.free()
         asked, self._fuse_next = self._fuse_next, False
+        if not asked:
+            self._fused_weight = None
         fused = asked and in_place  # rows received in place, so the GEMM reads them where they land
         if asked:
             self.fused_stats["fused" if fused else "sequential"] += 1
@@ -452,7 +455,7 @@ class NVLinkDispatcher:
             # destination at a time (this rank's own first) and this rank's arriving rows are taken
             # source by source, while the caller's first GEMM runs on the other SMs, each (source,
             # expert) run of rows as soon as its source's rows are usable here (kPhaseArrived).
-            segs = self._fused_segments(counts_all)
+            segs = self.ext.fused_segments(counts_all, self.rank)  # layout.fused_runs, on the device
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             side = self._fused_side_stream()
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -481,7 +484,14 @@ class NVLinkDispatcher:
         if fused:
             recv_pair = pairs_all[:rows]
             self._await_fused_start(e_disp)
-            self._fused_waits = self._arrival_waits(segs, e_disp)
+            self._fused_waits = waits = self._arrival_waits(segs, e_disp)
+            if self._fused_weight is not None:
+                # The first GEMM, queued now, before this returns to the caller: its tiles start on
+                # this rank's own rows while the other sources' rows travel.
+                from .gemm import fused_config, grouped_mm_segments
+                w, configs = self._fused_weight
+                waits.result = grouped_mm_segments(recv, w, segs, fused_config(recv, w, configs, waits.sm_count),
+                                                   waits)
         else:
             recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
             self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
@@ -509,10 +519,14 @@ class NVLinkDispatcher:
             return "gate_grad_on_experts=False"
         return ""
 
-    def request_fused(self) -> None:
+    def request_fused(self, weight: Optional[Tensor] = None, configs: Optional[Dict[str, str]] = None) -> None:
         """Run the next forward dispatch fused (when its direct region is free); the caller then
-        takes :meth:`take_fused_waits` for its first GEMM."""
+        takes :meth:`take_fused_waits` for its first GEMM. ``weight`` (``[L, N, M]`` bf16, the first
+        projection of the local experts): the dispatch also queues that GEMM itself, right after
+        its own launch (``waits.result``; ``configs``: ds_uniep's GEMM configurations, as
+        :func:`ds_uniep.gemm.grouped_linear` takes them)."""
         self._fuse_next = True
+        self._fused_weight = None if weight is None else (weight, configs)
 
     def take_fused_waits(self):
         """The :class:`ds_uniep.gemm.ArrivalWaits` of the last fused dispatch (once), or None when
@@ -544,23 +558,6 @@ class NVLinkDispatcher:
         if self._fused_stream is None:
             self._fused_stream = torch.cuda.Stream(self.device)
         return self._fused_stream
-
-    def _fused_segments(self, counts_all: Tensor) -> Tensor:
-        """``[G * L, 4]`` int32 (first row, rows, local expert, source) of this rank's receive rows,
-        one segment per (source, local expert), sources in the order their rows come: this rank,
-        then rank - 1, rank - 2, ... (source s sends to rank d in its round (d - s) mod G). Built
-        on the device from the counts, so the host never waits for them."""
-        G, L, d = self.ep_size, self.num_experts // self.ep_size, self.rank
-        c = counts_all[:, d * L:(d + 1) * L].to(torch.int32)  # [G sources, L]
-        per_expert = c.sum(0, dtype=torch.int32)
-        start = (torch.cumsum(per_expert, 0, dtype=torch.int32) - per_expert) + (torch.cumsum(c, 0, dtype=torch.int32)
-                                                                                  - c)
-        if self._round_sources is None:  # made once: a host-to-device copy here would wait for the layout
-            idx = torch.tensor([(d - r) % G for r in range(G)], dtype=torch.long, device=self.device)
-            self._round_sources = (idx, torch.arange(L, dtype=torch.int32, device=self.device).expand(G, L),
-                                   idx.to(torch.int32)[:, None].expand(G, L))
-        idx, experts, sources = self._round_sources
-        return torch.stack([start[idx], c[idx], experts, sources], -1).reshape(G * L, 4).contiguous()
 
     def _arrival_waits(self, segs: Tensor, epoch: int):
         from .gemm import ArrivalWaits

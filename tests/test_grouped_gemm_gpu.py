@@ -279,3 +279,18 @@ def test_arrival_wait_times_out_with_a_record():
     end.record()
     torch.cuda.synchronize()
     assert start.elapsed_time(end) < 1_000, "a poisoned wait did not return at once"
+
+
+def test_fused_segments_kernel_is_the_layout_runs():
+    """The device table the fused schedule's GEMM runs over equals ``layout.fused_runs``, for
+    every rank, with empty (source, expert) blocks among them."""
+    _gemm()
+    from ds_uniep.layout import fused_runs
+    from ds_uniep.megakernel import _ext
+    g = torch.Generator().manual_seed(9)
+    for G, E in ((1, 4), (2, 64), (4, 32), (8, 128)):
+        counts_all = torch.randint(0, 300, (G, E), generator=g)
+        counts_all[0, ::5] = 0
+        for rank in range(G):
+            got = _ext().fused_segments(counts_all.cuda(), rank).cpu()
+            assert torch.equal(got.long(), fused_runs(counts_all, rank)), (G, E, rank)

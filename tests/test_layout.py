@@ -81,3 +81,27 @@ def test_bad_input_is_named():
         build_layout(torch.tensor([[0, 1]]), torch.zeros(1, 4, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="do not split"):
         build_layout(torch.tensor([[0, 1]]), torch.zeros(3, 4, dtype=torch.long), 0)
+
+
+def test_fused_runs_are_the_source_expert_blocks_in_arrival_order():
+    """Each run of ``fused_runs`` covers exactly the rows the layout gives that (source, local
+    expert) on the rank, sources come this rank first then rank - 1, ..., and the runs tile
+    the receive buffer."""
+    from ds_uniep.layout import build_layout, expert_counts, fused_runs
+    G, L, T, k = 4, 3, 37, 2
+    E = G * L
+    g = torch.Generator().manual_seed(4)
+    routes = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) for _ in range(G)]
+    routes[1][::3, 1] = -1  # dropped pairs
+    counts_all = torch.stack([expert_counts(r, E) for r in routes])
+    for rank in range(G):
+        runs = fused_runs(counts_all, rank)
+        assert runs.shape == (G * L, 4)
+        assert runs[::L, 3].tolist() == [(rank - r) % G for r in range(G)]
+        lay = build_layout(routes[rank], counts_all, rank)
+        covered = torch.zeros(lay.num_recv_rows, dtype=torch.long)
+        for first, n, expert, src in runs.tolist():
+            want = lay.recv_rows[(lay.recv_src == src) & (lay.recv_local_expert == expert)]
+            assert sorted(want.tolist()) == list(range(first, first + n)), (rank, src, expert)
+            covered[first:first + n] += 1
+        assert bool((covered == 1).all())

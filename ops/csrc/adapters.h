@@ -16,6 +16,9 @@ std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_e
                                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                                   const torch::Tensor& error_record, int64_t layer_id, bool direct_ok);
 
+// The fused schedule's runs of this rank's receive rows, [E, 4] int32 (launch_fused_segments).
+torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank);
+
 // dispatch_adapter.cpp
 // direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
 // seg_base [E] int32 and row_out [T, k] int32 (both or neither): arrival ordering, rows

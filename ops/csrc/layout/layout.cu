@@ -117,7 +117,34 @@ __global__ void __launch_bounds__(kRowsThreads) layout_rows_kernel(const int* __
   }
 }
 
+// One thread per (round, local expert): sums over at most kMaxRanks x (E / G) counts.
+__global__ void fused_segments_kernel(const int64_t* __restrict__ counts_all, int G, int E, int rank,
+                                      int* __restrict__ segs) {
+  const int L = E / G;
+  for (int i = threadIdx.x; i < G * L; i += blockDim.x) {
+    const int round = i / L, l = i % L;
+    const int src = (rank - round + G) % G;
+    const int col = rank * L + l;
+    int64_t start = 0;
+    for (int e = 0; e < l; ++e)
+      for (int s = 0; s < G; ++s) start += counts_all[s * E + rank * L + e];
+    for (int s = 0; s < src; ++s) start += counts_all[s * E + col];
+    segs[4 * i] = static_cast<int>(start);
+    segs[4 * i + 1] = static_cast<int>(counts_all[src * E + col]);
+    segs[4 * i + 2] = l;
+    segs[4 * i + 3] = src;
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_fused_segments(const int64_t* counts_all, int num_ranks, int num_experts, int rank, int* segs,
+                                  cudaStream_t stream) {
+  if (num_ranks <= 0 || num_ranks > kMaxRanks || num_experts % num_ranks || rank < 0 || rank >= num_ranks)
+    return cudaErrorInvalidValue;
+  fused_segments_kernel<<<1, 256, 0, stream>>>(counts_all, num_ranks, num_experts, rank, segs);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_layout(const int* expert_idx, int num_tokens, int k, int num_experts, const SymView& sym,
                           uint32_t epoch, const WaitPolicy& wait, int direct_ok, int* block_base,
