@@ -190,8 +190,9 @@ class UniEPConfig(_Block):
         "shape measured. HybridEP and expert tensor parallelism run on torch.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
-                                   "backend runs the sequential or pipelined schedule and reads schedule, num_chunks, "
-                                   "num_comm_sms and timeout_s; the other knobs wait for the fused schedule).")
+                                   "backend runs the sequential, pipelined or fused schedule and reads schedule, "
+                                   "num_chunks, num_comm_sms and timeout_s; the fused schedule does not read roles, "
+                                   "tile_m, tile_n, stages or signal_granularity yet).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")
