@@ -451,19 +451,25 @@ class NVLinkDispatcher:
             row_out = torch.empty_like(dest_row)
         side = pairs_all = None
         if fused:
-            # The fused schedule: from a side stream, on fused_comm_blocks SMs, the rows go out one
-            # destination at a time (this rank's own first) and this rank's arriving rows are taken
-            # source by source, while the caller's first GEMM runs on the other SMs, each (source,
-            # expert) run of rows as soon as its source's rows are usable here (kPhaseArrived).
+            # The fused schedule: from a side stream, the rows go out one destination at a time.
+            # This rank's own rows first, on every SM (nothing else could run yet: the first GEMM
+            # waits for them); then, on fused_comm_blocks SMs, the other destinations' rows, and
+            # this rank's arriving rows are taken source by source, while the caller's first GEMM
+            # runs on the other SMs, each (source, expert) run of rows as soon as its source's rows
+            # are usable here (kPhaseArrived).
             segs = self.ext.fused_segments(counts_all, self.rank)  # layout.fused_runs, on the device
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             side = self._fused_side_stream()
             side.wait_stream(torch.cuda.current_stream(self.device))
+            G = self.ep_size
+            launches = [(0, G, self.fused_comm_blocks, True)] if G == 1 else [
+                (0, 1, self.num_blocks, False), (1, G, self.fused_comm_blocks, True)]
             with torch.cuda.stream(side):
-                self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor,
-                                        self.direct_descriptor(True, e_counts), e_disp, self.fused_comm_blocks,
-                                        self.dedup, segs, self.direct.rows, pairs_all, self._started_host,
-                                        *self._wait_args())
+                for begin, end, blocks, take in launches:
+                    self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor,
+                                            self.direct_descriptor(True, e_counts), e_disp, blocks, self.dedup,
+                                            segs, self.direct.rows, pairs_all, self._started_host if take else None,
+                                            begin, end, take, *self._wait_args())
             for t in (x, expert_idx, dest_row, segs, pairs_all):
                 t.record_stream(side)
             self._fused_done = torch.cuda.Event()

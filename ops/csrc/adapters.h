@@ -30,12 +30,14 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const c10::optional<torch::Tensor>& row_out, bool dedup);
 // The fused schedule's dispatch (FusedArrive in types.h): segs [G * L, 4] int32, out the direct
 // region [R_max, M], recv_pair [R_max] int32 (every received row's source pair, written as its
-// source arrives), started [1] pinned int32 (gets epoch once every block runs). No copy-out after.
+// source arrives), started [1] pinned int32 or None (gets epoch once every block runs); sends
+// rounds [send_begin, send_end), takes every round's arrivals with `take`. No copy-out after.
 void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                     int64_t num_experts, const std::vector<int64_t>& sym, const std::vector<int64_t>& direct,
                     int64_t epoch, int64_t num_blocks, bool dedup, const torch::Tensor& segs, torch::Tensor& out,
-                    torch::Tensor& recv_pair, torch::Tensor& started, int64_t timeout_ns,
-                    const torch::Tensor& error_record, int64_t layer_id);
+                    torch::Tensor& recv_pair, const c10::optional<torch::Tensor>& started, int64_t send_begin,
+                    int64_t send_end, bool take, int64_t timeout_ns, const torch::Tensor& error_record,
+                    int64_t layer_id);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
 // reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
 // dedup: after a deduplicated dispatch (copies each row its token's first row on this rank).

@@ -65,18 +65,22 @@ struct DirectView {
 // How a wait on a peer gives up: after timeout_ns it fills the error record and
 // marks the layer poisoned, so later kernels of the layer do nothing instead of
 // hanging or moving rows by a layout they never received.
-// The fused schedule's dispatch (launch_dispatch_fused): besides sending its rows one
-// destination at a time, the same grid takes this rank's arriving rows source by source.
+// The fused schedule's dispatch (launch_dispatch with `fused`): it sends its rows one
+// destination per round (round r: rank + r) and, with `take`, takes this rank's arriving rows
+// source by source (round r: source rank - r). A launch sends rounds [send_begin, send_end).
 // segs: [G * L][4] int32 (first row, rows, local expert, source), the runs of this rank's
 // receive rows in round order (round r: runs [r * L, (r + 1) * L), all of one source). out:
-// this rank's direct region (rows in place). started: pinned host word that gets the epoch once
-// every block of the grid is running (the host launches the waiting GEMM after that).
+// this rank's direct region (rows in place). started (or null): pinned host word that gets the
+// epoch once every block of the grid is running (the host queues the waiting GEMM after that).
 struct FusedArrive {
   const int* segs;
   int experts_per_rank;
   void* out;
   int* recv_pair;
   int* started;
+  int send_begin;
+  int send_end;
+  bool take;
 };
 
 struct WaitPolicy {

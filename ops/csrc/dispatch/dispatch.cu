@@ -72,7 +72,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     FusedArrive fused, WaitPolicy w) {
   if (poisoned(s)) return;
   const bool by_destination = fused.segs != nullptr;
-  if (by_destination) announce_start(s, fused.started, epoch);
+  if (by_destination && fused.started != nullptr) announce_start(s, fused.started, epoch);
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
   const int rounds = by_destination ? s.num_ranks : 1;
   for (int round = 0; round < rounds; ++round) {
   const int only = by_destination ? (s.rank + round) % s.num_ranks : -1;  // -1: every destination
-  for (int t = warp; t < num_tokens; t += num_warps) {
+  const bool sends = !by_destination || (round >= fused.send_begin && round < fused.send_end);
+  for (int t = sends ? warp : num_tokens; t < num_tokens; t += num_warps) {
     char* dst[kMaxTopK];
     float wgt[kMaxTopK];
     int dest_rank[kMaxTopK];
@@ -152,10 +153,10 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
       }
     }
   }
-  if (by_destination) {
-    signal_dst_when_grid_done(s, status_words(s) + 4 + round, only, kPhaseDispatch, epoch);
-    if (!take_arrivals(s, w, epoch, fused, round, hidden * static_cast<int>(sizeof(T)), dedup)) return;
-  }
+  if (by_destination && sends) signal_dst_when_grid_done(s, status_words(s) + 4 + round, only, kPhaseDispatch, epoch);
+  if (by_destination && fused.take &&
+      !take_arrivals(s, w, epoch, fused, round, hidden * static_cast<int>(sizeof(T)), dedup))
+    return;
   }
   if (!by_destination) signal_when_grid_done(s, status_words(s) + 1, kPhaseDispatch, epoch);
 }

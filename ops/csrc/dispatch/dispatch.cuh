@@ -26,9 +26,10 @@ namespace uniep {
 // (with dedup) or launch_combine_bwd_rows then reads that row in its place: the same bits.
 // fused (the fused schedule; not fp8, unweighted, layout ordering, this rank's rows in place,
 // `wait` set): the rows go out one destination at a time, this rank first, each destination
-// signalled as soon as its rows are stored, and between rounds the same grid takes this rank's
-// arriving rows source by source (FusedArrive in types.h), raising kPhaseArrived for each, so
-// no launch_recv_copyout follows. The same rows, meta words and source pairs as without it.
+// signalled as soon as its rows are stored, and (with fused->take) between rounds the same grid
+// takes this rank's arriving rows source by source (FusedArrive in types.h), raising
+// kPhaseArrived for each, so no launch_recv_copyout follows. A launch may send only some
+// rounds. The same rows, meta words and source pairs as without it.
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,

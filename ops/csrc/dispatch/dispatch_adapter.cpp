@@ -55,8 +55,9 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
 void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                     int64_t num_experts, const std::vector<int64_t>& sym, const std::vector<int64_t>& direct,
                     int64_t epoch, int64_t num_blocks, bool dedup, const torch::Tensor& segs, torch::Tensor& out,
-                    torch::Tensor& recv_pair, torch::Tensor& started, int64_t timeout_ns,
-                    const torch::Tensor& error_record, int64_t layer_id) {
+                    torch::Tensor& recv_pair, const c10::optional<torch::Tensor>& started, int64_t send_begin,
+                    int64_t send_end, bool take, int64_t timeout_ns, const torch::Tensor& error_record,
+                    int64_t layer_id) {
   UNIEP_CHECK_INPUT(x);
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_INPUT(dest_row);
@@ -67,8 +68,13 @@ void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, con
   UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
   UNIEP_CHECK_DTYPE(segs, torch::kInt32);
   UNIEP_CHECK_DTYPE(recv_pair, torch::kInt32);
-  UNIEP_CHECK_DTYPE(started, torch::kInt32);
-  TORCH_CHECK(!started.is_cuda() && started.is_pinned() && started.numel() >= 1, "started must be pinned host memory");
+  int* started_word = nullptr;
+  if (started.has_value()) {
+    UNIEP_CHECK_DTYPE((*started), torch::kInt32);
+    TORCH_CHECK(!started->is_cuda() && started->is_pinned() && started->numel() >= 1,
+                "started must be pinned host memory");
+    started_word = started->data_ptr<int>();
+  }
   TORCH_CHECK(x.dim() == 2 && expert_idx.dim() == 2, "x must be [T, M] and expert_idx [T, k]");
   UNIEP_CHECK_SHAPE(expert_idx, x.size(0), expert_idx.size(1));
   UNIEP_CHECK_SHAPE(dest_row, x.size(0), expert_idx.size(1));
@@ -85,8 +91,12 @@ void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, con
   TORCH_CHECK(x.size(1) * x.element_size() <= s.recv_row_bytes, "x rows are wider than the receive rows");
   TORCH_CHECK(x.size(0) * expert_idx.size(1) <= s.pairs_per_rank, "x has ", x.size(0) * expert_idx.size(1),
               " pairs, the buffers hold ", s.pairs_per_rank);
-  const FusedArrive fused{segs.data_ptr<int>(), L, out.data_ptr(), recv_pair.data_ptr<int>(),
-                          started.data_ptr<int>()};
+  TORCH_CHECK(0 <= send_begin && send_begin <= send_end && send_end <= s.num_ranks, "send rounds [", send_begin,
+              ", ", send_end, ") outside [0, ", s.num_ranks, "]");
+  const FusedArrive fused{segs.data_ptr<int>(),    L,
+                          out.data_ptr(),          recv_pair.data_ptr<int>(),
+                          started_word,            static_cast<int>(send_begin),
+                          static_cast<int>(send_end), take};
   const c10::cuda::CUDAGuard guard(x.device());
   UNIEP_CHECK_LAUNCH(launch_dispatch(dtype_of(x), false, x.data_ptr(), expert_idx.data_ptr<int>(),
                                      dest_row.data_ptr<int>(), nullptr, static_cast<int>(x.size(0)),
