@@ -123,15 +123,15 @@ def candidates():
     return [tile + order for tile in CONFIGS for order in ORDERS]
 
 
-def _tuning_key(op: str, a: Tensor, b: Tensor, offs: Tensor, sm_count: int) -> Tuple:
+def _tuning_key(op: str, a: Tensor, b: Tensor, groups: int, sm_count: int) -> Tuple:
     n, k = (b.shape[1], b.shape[2]) if op != "wgrad" else (a.shape[1], b.shape[1])
     rows = max(1, a.shape[0])
-    return (op, a.device, offs.shape[0], n, k, 1 << (rows - 1).bit_length(), int(sm_count))
+    return (op, a.device, groups, n, k, 1 << (rows - 1).bit_length(), int(sm_count))
 
 
 def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3, rounds: int = 3) -> str:
     """The fastest of :func:`candidates` for this call's shape (cached; see :data:`DEFAULT_CONFIGS`)."""
-    key = _tuning_key(op, a, b, offs, sm_count)
+    key = _tuning_key(op, a, b, offs.shape[0], sm_count)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return chosen
@@ -221,8 +221,8 @@ def fused_config(x: Tensor, w: Tensor, configs: Optional[Mapping[str, str]], sm_
     config = (configs or DEFAULT_CONFIGS).get("fwd", "auto")
     if config != "auto":
         return config
-    offs = x.new_empty(w.shape[0], dtype=torch.int32)  # only its length enters the key
-    return (_TUNED.get(_tuning_key("fwd", x, w, offs, sm_count)) or _TUNED.get(_tuning_key("fwd", x, w, offs, 0))
+    groups = w.shape[0]
+    return (_TUNED.get(_tuning_key("fwd", x, w, groups, sm_count)) or _TUNED.get(_tuning_key("fwd", x, w, groups, 0))
             or CONFIGS[0])
 
 

@@ -495,7 +495,7 @@ class NVLinkDispatcher:
                 # The first GEMM, queued now, before this returns to the caller: its tiles start on
                 # this rank's own rows while the other sources' rows travel.
                 from .gemm import fused_config, grouped_mm_segments
-                w, configs = self._fused_weight
+                (w, configs), self._fused_weight = self._fused_weight, None
                 waits.result = grouped_mm_segments(recv, w, segs, fused_config(recv, w, configs, waits.sm_count),
                                                    waits)
         else:
@@ -521,8 +521,6 @@ class NVLinkDispatcher:
             return "direct receive is off (the GEMM reads the rows where they land)"
         if self.dtype != torch.bfloat16:
             return f"ds_uniep's grouped GEMM takes bf16 rows, not {self.dtype}"
-        if not self.gate_grad_on_experts:
-            return "gate_grad_on_experts=False"
         return ""
 
     def request_fused(self, weight: Optional[Tensor] = None, configs: Optional[Dict[str, str]] = None) -> None:
