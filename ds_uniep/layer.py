@@ -300,13 +300,17 @@ class UniEPMoE(MoE):
                 return False  # the reference backend: said once by _say_overlap_knobs_wait
             why = "HybridEP moves tokens on the reference transport"
         elif not grouped:
-            why = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP "
-                   "or expert tensor parallelism)")
+            why = _NOT_GROUPED
         else:
             why = dispatcher.pipelines()
-        if why and self.layer_name not in _SAID_NO_PIPELINE:
-            _SAID_NO_PIPELINE.add(self.layer_name)
-            logger.warning(f"{self.layer_name}: the pipelined schedule cannot run here ({why}); running the "
+        return self._runs_schedule("pipelined", why)
+
+    def _runs_schedule(self, schedule: str, why: str) -> bool:
+        """True when nothing stops ``schedule`` (``why`` empty); else says why, once per layer and
+        schedule, and the sequential schedule runs."""
+        if why and (self.layer_name, schedule) not in _SAID_CANNOT:
+            _SAID_CANNOT.add((self.layer_name, schedule))
+            logger.warning(f"{self.layer_name}: the {schedule} schedule cannot run here ({why}); running the "
                            "sequential one (the same results)")
         return not why
 
@@ -316,17 +320,12 @@ class UniEPMoE(MoE):
         if self.uniep_config.overlap.schedule != "fused" or isinstance(dispatcher, ReferenceDispatcher):
             return False  # the reference backend: said once by _say_overlap_knobs_wait
         if not grouped:
-            why = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP "
-                   "or expert tensor parallelism)")
+            why = _NOT_GROUPED
         elif self._expert_gemm(dispatcher.device) != "uniep":
             why = 'its first GEMM waits for rows inside ds_uniep\'s grouped GEMM ("expert_gemm": "uniep")'
         else:
             why = dispatcher.fuses()
-        if why and self.layer_name not in _SAID_NO_FUSED:
-            _SAID_NO_FUSED.add(self.layer_name)
-            logger.warning(f"{self.layer_name}: the fused schedule cannot run here ({why}); running the sequential "
-                           "one (the same results)")
-        return not why
+        return self._runs_schedule("fused", why)
 
     def _dispatcher(self, x: Tensor):
         key = x.device
@@ -498,8 +497,9 @@ _FUSED_KNOBS = ("roles", "tile_m", "tile_n", "stages", "signal_granularity")
 """``uniep.overlap`` knobs meant for the fused schedule that it does not read yet: it runs
 partitioned roles, one signal per source rank, and the GEMM's own tile configurations."""
 _SAID_WAITING = set()
-_SAID_NO_PIPELINE = set()
-_SAID_NO_FUSED = set()
+_SAID_CANNOT = set()
+_NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
+                "expert tensor parallelism)")
 
 
 def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str) -> None:

@@ -56,6 +56,15 @@ def _step(layer, rank, T, one_expert):
     return res
 
 
+def _check_same(layer, rank, cases, want, where):
+    """One step of ``layer`` per (T, one_expert) case, each bitwise the expected tensors."""
+    for (T, one_expert), expected in zip(cases, want):
+        res = _step(layer, rank, T, one_expert)
+        for i, (a, b) in enumerate(zip(expected, res)):
+            assert torch.equal(a, b), f"rank {rank} T={T} one_expert={one_expert} {where}: tensor {i} differs from " \
+                                      "the sequential schedule"
+
+
 def _run(rank, world_size, k, T, one_expert, backend, det=True, overlap=None):
     layer = _make(rank, world_size, k, backend, det, overlap)
     res = _step(layer, rank, T, one_expert)
@@ -101,11 +110,7 @@ def _compare_schedules(rank, world_size):
         del seq
         for chunks in (1, 2, 3, 4, 4):  # 4 twice: run to run
             layer = _make(rank, world_size, k, "megakernel", overlap={"schedule": "pipelined", "num_chunks": chunks})
-            for (T, one_expert), expected in zip(cases, want):
-                where = f"rank {rank} k={k} T={T} one_expert={one_expert} chunks={chunks}"
-                res = _step(layer, rank, T, one_expert)
-                for i, (a, b) in enumerate(zip(expected, res)):
-                    assert torch.equal(a, b), f"{where}: tensor {i} differs from the sequential schedule"
+            _check_same(layer, rank, cases, want, f"k={k} chunks={chunks}")
             stats = next(iter(layer._dispatchers.values())).combine_stats
             assert stats["pipelined"] == len(cases) and stats["pushed"] == 0, f"k={k} chunks={chunks}: {stats}"
     # ds_uniep's GEMM: the pipelined schedule's chunks run it on the SMs num_comm_sms leaves, and
@@ -120,11 +125,7 @@ def _compare_schedules(rank, world_size):
             if sms is not None:
                 overlap["num_comm_sms"] = sms
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap)
-            for (T, one_expert), expected in zip(cases, want):
-                where = f"rank {rank} k={k} T={T} one_expert={one_expert} chunks={chunks} uniep GEMM, copy SMs {sms}"
-                res = _step(layer, rank, T, one_expert)
-                for i, (a, b) in enumerate(zip(expected, res)):
-                    assert torch.equal(a, b), f"{where}: tensor {i} differs from the sequential schedule"
+            _check_same(layer, rank, cases, want, f"k={k} chunks={chunks} uniep GEMM, copy SMs {sms}")
 
 
 @needs_gpus(2)
@@ -150,11 +151,7 @@ def _compare_fused(rank, world_size):
         for sms in (20, 8, 20):  # 20 twice: run to run
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": sms})
-            for (T, one_expert), expected in zip(cases, want):
-                where = f"rank {rank} k={k} T={T} one_expert={one_expert} fused, comm SMs {sms}"
-                res = _step(layer, rank, T, one_expert)
-                for i, (a, b) in enumerate(zip(expected, res)):
-                    assert torch.equal(a, b), f"{where}: tensor {i} differs from the sequential schedule"
+            _check_same(layer, rank, cases, want, f"k={k} fused, comm SMs {sms}")
             stats = next(iter(layer._dispatchers.values())).fused_stats
             assert stats == {"fused": len(cases), "sequential": 0}, f"k={k} comm SMs {sms}: {stats}"
 

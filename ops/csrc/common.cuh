@@ -98,35 +98,42 @@ __device__ __forceinline__ void raise_signal(const SymView& s, int dst, int phas
   st_release_sys(signal_word(s, dst, phase, s.rank), epoch);
 }
 
-// Wait until `word` (raised by `src`) reaches at least `epoch` (epochs only grow, so a
-// signal of an older epoch never satisfies a newer wait and no reset is needed).
-// Returns false on timeout, after recording who waited for what (`phase` names it).
-__device__ inline bool wait_word(const SymView& s, const WaitPolicy& w, const uint32_t* word, int src, int phase,
-                                 uint32_t epoch) {
+// Every wait of every kernel: spin until `word` reaches at least `epoch` (epochs only grow, so
+// a signal of an older epoch never satisfies a newer wait and no reset is needed). Returns false
+// when the layer is poisoned or after `timeout_ns`; then the first waiter to give up sets the
+// poison word (which stops the layer's later kernels) and records who waited for what: the
+// phase, the rank or word waited for (`src`), the epoch, what it saw, its rank and layer.
+__device__ inline bool wait_until(const uint32_t* word, uint32_t epoch, uint64_t timeout_ns, uint32_t* poison,
+                                  int64_t* error_record, int phase, int src, int rank, int layer_id) {
   uint32_t seen = ld_acquire_sys(word);
   if (static_cast<int32_t>(seen - epoch) >= 0) return true;
   const uint64_t start = global_timer_ns();
   while (true) {
     seen = ld_acquire_sys(word);
     if (static_cast<int32_t>(seen - epoch) >= 0) return true;
-    if (poisoned(s)) return false;
-    if (global_timer_ns() - start > w.timeout_ns) break;
+    if (*reinterpret_cast<volatile uint32_t*>(poison) != 0) return false;
+    if (global_timer_ns() - start > timeout_ns) break;
     __nanosleep(64);
   }
-  // First waiter to give up writes the record; the flag stops the layer's later kernels.
-  if (atomicCAS(status_words(s), 0u, 1u) == 0u) {
-    volatile int64_t* rec = w.error_record;
+  if (atomicCAS(poison, 0u, 1u) == 0u) {
+    volatile int64_t* rec = error_record;
     rec[1] = phase;
     rec[2] = src;
     rec[3] = epoch;
     rec[4] = seen;
-    rec[5] = s.rank;
-    rec[6] = w.layer_id;
+    rec[5] = rank;
+    rec[6] = layer_id;
     __threadfence_system();
     rec[0] = 1;
     __threadfence_system();
   }
   return false;
+}
+
+// wait_until on a symmetric buffer's signal word raised by `src`, under the layer's policy.
+__device__ inline bool wait_word(const SymView& s, const WaitPolicy& w, const uint32_t* word, int src, int phase,
+                                 uint32_t epoch) {
+  return wait_until(word, epoch, w.timeout_ns, status_words(s), w.error_record, phase, src, s.rank, w.layer_id);
 }
 
 // Wait until `src` raised `phase` to at least `epoch`.

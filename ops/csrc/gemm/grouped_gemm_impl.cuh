@@ -6,6 +6,7 @@
 #pragma once
 
 #include "grouped_gemm.cuh"
+#include "../common.cuh"
 
 #include <map>
 #include <memory>
@@ -75,36 +76,12 @@ CUTE_HOST_DEVICE Stride<_1, IntT, _0> packed_stride(Stride<_1, IntT, _0> s, int 
   return s;
 }
 
-// Spins until `word` reaches `c.epoch` (a wrapping compare: epochs only grow). On a timeout, the
-// first waiter to give up fills the error record (the layout WaitPolicy's waits use) and sets
-// the poison word; a poisoned layer waits no more. Returns either way: a GEMM tile cannot leave
-// its pipeline, so it computes on whatever rows are there and the host raises the error.
+// The NVLink kernels' wait (common.cuh) on a group's arrival word; the record names the word's
+// index (for the fused dispatch, the source rank). Returns either way: a GEMM tile cannot leave
+// its pipeline, so after a timeout it computes on whatever rows are there and the host raises.
 __device__ inline void wait_arrival(const uint32_t* word, const WaitControl& c) {
-  uint32_t seen;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(word) : "memory");
-  if (static_cast<int32_t>(seen - c.epoch) >= 0) return;
-  uint64_t start, now;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-  while (true) {
-    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(seen) : "l"(word) : "memory");
-    if (static_cast<int32_t>(seen - c.epoch) >= 0) return;
-    if (*reinterpret_cast<volatile uint32_t*>(c.poison) != 0) return;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    if (now - start > c.timeout_ns) break;
-    __nanosleep(64);
-  }
-  if (atomicCAS(c.poison, 0u, 1u) == 0u) {
-    volatile int64_t* rec = c.error_record;
-    rec[1] = c.phase;
-    rec[2] = word - c.words;  // the word's index: for the fused dispatch, the source rank
-    rec[3] = c.epoch;
-    rec[4] = seen;
-    rec[5] = c.rank;
-    rec[6] = c.layer_id;
-    __threadfence_system();
-    rec[0] = 1;
-    __threadfence_system();
-  }
+  wait_until(word, c.epoch, c.timeout_ns, c.poison, c.error_record, c.phase, static_cast<int>(word - c.words), c.rank,
+             c.layer_id);
 }
 
 // CUTLASS's ptr-array mainloop plus arrival waits. The kernel calls tensors_perform_update in
