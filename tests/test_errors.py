@@ -165,3 +165,17 @@ def test_overlap_knobs_that_wait_for_the_fused_schedule_are_named():
     assert len(said) == 1, said
     assert "schedule='pipelined', num_chunks=4" in said[0] and "reference backend" in said[0], said
     assert all(torch.equal(outs[0][0], o[0]) for o in outs[1:])
+
+
+def test_fused_schedule_and_its_unread_knobs_are_named_off_the_megakernel():
+    """On the reference backend the fused schedule does not run: "schedule": "fused" and the
+    knobs no schedule reads yet (tile_m here) are named once, and the results are unchanged."""
+    from ds_uniep import layer as layer_module
+    layer_module._SAID_WAITING.clear()
+    with _logged() as records:
+        outs = _reference_layer_outputs([{"overlap": {"schedule": "sequential"}},
+                                         {"overlap": {"schedule": "fused", "tile_m": 64}}], backward=False)
+    said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "schedule='fused', tile_m=64" in said[0] and "reference backend" in said[0], said
+    assert torch.equal(outs[0][0], outs[1][0])
