@@ -85,20 +85,22 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, op: str, config: Optional[str
     return _ops().grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
 
 
-def _check(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int) -> None:
-    """Every input rule of the kernels, raised here as Python errors naming the tensor."""
+def _check(a: Tensor, b: Tensor, offs: Optional[Tensor], op: str, sm_count: int) -> None:
+    """Every input rule of the kernels, raised here as Python errors naming the tensor. ``offs``
+    None: a forward over segments, whose groups are ``b``'s weights."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, Tensor) or t.dtype != torch.bfloat16:
             raise TypeError(f"grouped GEMM {op}: {name} must be a bf16 tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)}")
         if not t.is_cuda or not t.is_contiguous():
             raise ValueError(f"grouped GEMM {op}: {name} must be a contiguous CUDA tensor")
-    if offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1 or offs.device != a.device:
+    if offs is not None and (offs.dtype != torch.int32 or offs.dim() != 1 or offs.numel() < 1
+                             or offs.device != a.device):
         raise ValueError(f"grouped GEMM {op}: offs must be a non-empty [G] int32 tensor on {a.device}, got "
                          f"{offs.dtype} {tuple(offs.shape)} on {offs.device}")
     if b.device != a.device or a.dim() != 2:
         raise ValueError(f"grouped GEMM {op}: a must be [R, *] and on b's device")
-    groups = offs.numel()
+    groups = offs.numel() if offs is not None else b.shape[0] if b.dim() == 3 else -1
     if op == "wgrad":
         if b.dim() != 2 or b.shape[0] != a.shape[0]:
             raise ValueError(f"grouped GEMM wgrad: x must be [R, K] with the R of dy ({a.shape[0]}), got "
@@ -196,8 +198,9 @@ class ArrivalWaits:
     ``ready[segs[s, 3]]`` reaches ``epoch``. The segments cover the same rows with the same
     weights as the per-group offsets, so the bits are those of the plain forward (a row's result
     never depends on its tile). ``sm_count``: SMs of the waiting GEMM (the rest move the rows);
-    ``done``: recorded when every row has arrived, joined into the current stream right after the
-    GEMM is queued. A wait past ``timeout_ns`` fills ``error_record`` (as the NVLink kernels' waits
+    ``done``: recorded when every row has arrived, joined into the current stream once the GEMM is
+    queued. ``result``: the GEMM's output, queued by the fused dispatch itself (see
+    ``NVLinkDispatcher.request_fused``); :func:`grouped_linear` adopts it. A wait past ``timeout_ns`` fills ``error_record`` (as the NVLink kernels' waits
     do) and sets ``poison``; the caller's check raises it."""
     segs: Tensor
     ready: Tensor
@@ -210,7 +213,6 @@ class ArrivalWaits:
     phase: int
     sm_count: int
     done: Optional[torch.cuda.Event] = None
-    #: the forward's output when the dispatch already queued the GEMM (its rows: the first R)
     result: Optional[Tensor] = None
 
 
@@ -236,26 +238,21 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
     if segs.dtype != torch.int32 or segs.dim() != 2 or segs.shape[1] != 4 or segs.device != a.device:
         raise ValueError(f"grouped GEMM segments: segs must be [S, 4] int32 on {a.device}, got {segs.dtype} "
                          f"{tuple(segs.shape)} on {segs.device}")
-    if w.dim() != 3:
-        raise ValueError(f"grouped GEMM segments: w must be [W, N, K], got {tuple(w.shape)}")
-    _check(a, w, torch.zeros(w.shape[0], dtype=torch.int32, device=a.device), "fwd",
-           waits.sm_count if waits is not None else sm_count)
+    sms = waits.sm_count if waits is not None else sm_count
+    _check(a, w, None, "fwd", sms)
     tile, raster_n, swizzle = parse_config(config)
     if out is None:
         out = a.new_empty(a.shape[0], w.shape[1])
-    if waits is None:
-        _ops().grouped_mm_segments(a, w, segs, out, tile, int(sm_count), raster_n, swizzle, None, 0, 1, None, None,
-                                   0, 0, 0)
-    else:
-        _ops().grouped_mm_segments(a, w, segs, out, tile, int(waits.sm_count), raster_n, swizzle, waits.ready,
-                                   int(waits.epoch), int(waits.timeout_ns), waits.error_record, waits.poison,
-                                   int(waits.layer_id), int(waits.rank), int(waits.phase))
+    wait_args = (None, 0, 1, None, None, 0, 0, 0) if waits is None else (
+        waits.ready, int(waits.epoch), int(waits.timeout_ns), waits.error_record, waits.poison, int(waits.layer_id),
+        int(waits.rank), int(waits.phase))
+    _ops().grouped_mm_segments(a, w, segs, out, tile, int(sms), raster_n, swizzle, *wait_args)
     return out
 
 
 class _GroupedLinear(torch.autograd.Function):
     """``y = x @ w[g]^T`` per group; backward is a dgrad and a wgrad grouped GEMM. With ``waits``
-    the forward runs over its segments while the rows arrive (:class:`ArrivalWaits`), the same bits."""
+    the forward is the one the fused dispatch queued (:class:`ArrivalWaits`), the same bits."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str], sm_count: int,
@@ -264,13 +261,11 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.configs, ctx.sm_count = configs, sm_count
         if waits is None:
             return grouped_mm(x, w, offs, "fwd", configs["fwd"], sm_count)
-        if waits.result is not None:  # queued by the fused dispatch, on the same rows and weights
-            if waits.result.shape != (x.shape[0], w.shape[1]):
-                raise ValueError(f"the fused dispatch's first GEMM gave {tuple(waits.result.shape)}, expected "
-                                 f"{(x.shape[0], w.shape[1])}")
-            y = waits.result
-        else:
-            y = grouped_mm_segments(x, w, waits.segs, fused_config(x, w, configs, waits.sm_count), waits)
+        # The fused dispatch queued this GEMM (over its segments, on the same rows and weights).
+        y = waits.result
+        if y is None or y.shape != (x.shape[0], w.shape[1]):
+            raise ValueError(f"grouped_linear with waits adopts the fused dispatch's first GEMM of shape "
+                             f"{(x.shape[0], w.shape[1])}, got {None if y is None else tuple(y.shape)}")
         if waits.done is not None:
             torch.cuda.current_stream(x.device).wait_event(waits.done)
         return y
@@ -292,9 +287,8 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
     ``offs``: ``[G]`` int32 cumulative row counts on ``x``'s device, ``offs[-1] == R``.
     ``configs``: tile configuration per op (missing ops take :data:`DEFAULT_CONFIGS`).
     ``sm_count``: SMs the forward and backward GEMMs use (0: all; else even), the same bits.
-    ``waits``: the forward runs over segments while the rows arrive (:class:`ArrivalWaits`; its
-    ``sm_count`` applies to the forward, with the tile configuration chosen for that shape and SM
-    count when there is one, else the first of :data:`CONFIGS`).
+    ``waits``: the forward is the GEMM the fused dispatch queued over segments while the rows
+    arrive (:class:`ArrivalWaits`, its ``result``); the backward is the usual one.
     """
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError(f"grouped_linear takes bf16 x and w, got {x.dtype} and {w.dtype}")

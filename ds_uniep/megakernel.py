@@ -491,13 +491,11 @@ class NVLinkDispatcher:
             recv_pair = pairs_all[:rows]
             self._await_fused_start(e_disp)
             self._fused_waits = waits = self._arrival_waits(segs, e_disp)
-            if self._fused_weight is not None:
-                # The first GEMM, queued now, before this returns to the caller: its tiles start on
-                # this rank's own rows while the other sources' rows travel.
-                from .gemm import fused_config, grouped_mm_segments
-                (w, configs), self._fused_weight = self._fused_weight, None
-                waits.result = grouped_mm_segments(recv, w, segs, fused_config(recv, w, configs, waits.sm_count),
-                                                   waits)
+            # The first GEMM, queued now, before this returns to the caller: its tiles start on
+            # this rank's own rows while the other sources' rows travel.
+            from .gemm import fused_config, grouped_mm_segments
+            (w, configs), self._fused_weight = self._fused_weight, None
+            waits.result = grouped_mm_segments(recv, w, segs, fused_config(recv, w, configs, waits.sm_count), waits)
         else:
             recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
             self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
@@ -523,14 +521,14 @@ class NVLinkDispatcher:
             return f"ds_uniep's grouped GEMM takes bf16 rows, not {self.dtype}"
         return ""
 
-    def request_fused(self, weight: Optional[Tensor] = None, configs: Optional[Dict[str, str]] = None) -> None:
-        """Run the next forward dispatch fused (when its direct region is free); the caller then
-        takes :meth:`take_fused_waits` for its first GEMM. ``weight`` (``[L, N, M]`` bf16, the first
-        projection of the local experts): the dispatch also queues that GEMM itself, right after
-        its own launch (``waits.result``; ``configs``: ds_uniep's GEMM configurations, as
-        :func:`ds_uniep.gemm.grouped_linear` takes them)."""
+    def request_fused(self, weight: Tensor, configs: Optional[Dict[str, str]] = None) -> None:
+        """Run the next forward dispatch fused (when its direct region is free). ``weight``
+        (``[L, N, M]`` bf16, the first projection of the local experts): the dispatch queues that
+        GEMM itself, right after its own launch; the caller takes :meth:`take_fused_waits` and
+        hands them to its first projection, which adopts ``waits.result`` (``configs``: ds_uniep's
+        GEMM configurations, as :func:`ds_uniep.gemm.grouped_linear` takes them)."""
         self._fuse_next = True
-        self._fused_weight = None if weight is None else (weight, configs)
+        self._fused_weight = (weight, configs)
 
     def take_fused_waits(self):
         """The :class:`ds_uniep.gemm.ArrivalWaits` of the last fused dispatch (once), or None when

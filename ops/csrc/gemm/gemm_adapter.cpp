@@ -4,22 +4,31 @@
 #include "grouped_gemm.cuh"
 
 namespace uniep {
+namespace {
+
+// What every grouped GEMM call checks: bf16 operands and an int32 index tensor (offs or segs),
+// all contiguous on one CUDA device, and a known configuration and tile order.
+void check_call(const char* what, const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& index,
+                int64_t config, int64_t raster_n, int64_t swizzle) {
+  UNIEP_CHECK_INPUT(a);
+  UNIEP_CHECK_INPUT(b);
+  UNIEP_CHECK_INPUT(index);
+  UNIEP_CHECK_DTYPE(a, torch::kBFloat16);
+  UNIEP_CHECK_DTYPE(b, torch::kBFloat16);
+  UNIEP_CHECK_DTYPE(index, torch::kInt32);
+  TORCH_CHECK(a.device() == b.device() && a.device() == index.device(), what, ": operands must be on one device");
+  TORCH_CHECK(config >= 0 && config < gemm::kNumConfigs, what, ": config ", config, " outside 0..",
+              gemm::kNumConfigs - 1);
+  TORCH_CHECK(raster_n == 0 || raster_n == 1, what, ": raster_n must be 0 (along M) or 1 (along N), got ", raster_n);
+  TORCH_CHECK(swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8, what,
+              ": swizzle must be 1, 2, 4 or 8, got ", swizzle);
+}
+
+}  // namespace
 
 torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs, int64_t op,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle) {
-  UNIEP_CHECK_INPUT(a);
-  UNIEP_CHECK_INPUT(b);
-  UNIEP_CHECK_INPUT(offs);
-  UNIEP_CHECK_DTYPE(a, torch::kBFloat16);
-  UNIEP_CHECK_DTYPE(b, torch::kBFloat16);
-  UNIEP_CHECK_DTYPE(offs, torch::kInt32);
-  TORCH_CHECK(a.device() == b.device() && a.device() == offs.device(), "a, b and offs must be on one device");
-  TORCH_CHECK(config >= 0 && config < gemm::kNumConfigs, "grouped_mm: config ", config, " outside 0..",
-              gemm::kNumConfigs - 1);
-  TORCH_CHECK(raster_n == 0 || raster_n == 1, "grouped_mm: raster_n must be 0 (along M) or 1 (along N), got ",
-              raster_n);
-  TORCH_CHECK(swizzle == 1 || swizzle == 2 || swizzle == 4 || swizzle == 8,
-              "grouped_mm: swizzle must be 1, 2, 4 or 8, got ", swizzle);
+  check_call("grouped_mm", a, b, offs, config, raster_n, swizzle);
   TORCH_CHECK(offs.dim() == 1 && offs.size(0) >= 1, "offs must be [G] int32 row ends, got ", offs.sizes());
   TORCH_CHECK(a.dim() == 2, "a must be [R, *], got ", a.sizes());
   const int64_t groups = offs.size(0);
@@ -77,18 +86,10 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
                          int64_t layer_id, int64_t rank, int64_t phase) {
-  UNIEP_CHECK_INPUT(a);
-  UNIEP_CHECK_INPUT(w);
-  UNIEP_CHECK_INPUT(segs);
+  check_call("grouped_mm_segments", a, w, segs, config, raster_n, swizzle);
   UNIEP_CHECK_INPUT(out);
-  UNIEP_CHECK_DTYPE(a, torch::kBFloat16);
-  UNIEP_CHECK_DTYPE(w, torch::kBFloat16);
   UNIEP_CHECK_DTYPE(out, torch::kBFloat16);
-  UNIEP_CHECK_DTYPE(segs, torch::kInt32);
-  TORCH_CHECK(a.device() == w.device() && a.device() == segs.device() && a.device() == out.device(),
-              "a, w, segs and out must be on one device");
-  TORCH_CHECK(config >= 0 && config < gemm::kNumConfigs, "grouped_mm_segments: config ", config, " outside 0..",
-              gemm::kNumConfigs - 1);
+  TORCH_CHECK(out.device() == a.device(), "grouped_mm_segments: out must be on a's device");
   TORCH_CHECK(a.dim() == 2 && w.dim() == 3 && w.size(2) == a.size(1), "a must be [R, K] and w [W, N, K], got ",
               a.sizes(), " and ", w.sizes());
   UNIEP_CHECK_SHAPE(out, a.size(0), w.size(1));
