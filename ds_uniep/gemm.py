@@ -131,14 +131,16 @@ def _tuning_key(op: str, a: Tensor, b: Tensor, groups: int, sm_count: int) -> Tu
     return (op, a.device, groups, n, k, 1 << (rows - 1).bit_length(), int(sm_count))
 
 
-def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3, rounds: int = 3) -> str:
-    """The fastest of :func:`candidates` for this call's shape (cached; see :data:`DEFAULT_CONFIGS`)."""
-    key = _tuning_key(op, a, b, offs.shape[0], sm_count)
+def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3, rounds: int = 3,
+            configs: Optional[Tuple[str, ...]] = None, tag: str = "") -> str:
+    """The fastest of ``configs`` (default :func:`candidates`) for this call's shape (cached under
+    ``tag`` and the shape; see :data:`DEFAULT_CONFIGS`)."""
+    key = _tuning_key(op, a, b, offs.shape[0], sm_count) + ((tag, ) if tag else ())
     chosen = _TUNED.get(key)
     if chosen is not None:
         return chosen
     ext = _ops()
-    configs = candidates()
+    configs = list(configs or candidates())
     samples: Dict[str, list] = {c: [] for c in configs}
     for rnd in range(rounds):  # alternate, so clock drift falls on every candidate alike
         for config in configs:
@@ -216,16 +218,32 @@ class ArrivalWaits:
     result: Optional[Tensor] = None
 
 
-def fused_config(x: Tensor, w: Tensor, configs: Optional[Mapping[str, str]], sm_count: int) -> str:
-    """The forward configuration of a waiting GEMM over ``x``'s rows: ``configs["fwd"]`` when set, else
-    the automatic choice made for this shape with ``sm_count`` or with all SMs, else the first of
-    :data:`CONFIGS` (a waiting GEMM cannot be timed on rows still in flight)."""
+FUSED_CONFIGS = tuple(tile + order for tile in CONFIGS for order in ("", ":n1"))
+"""Configurations the fused schedule's waiting GEMM picks from: band 1 only, since the scheduler
+rounds every group's tiles up to a whole band, and the fused GEMM's groups are runs of rows."""
+
+
+def run_alignment(config: str) -> int:
+    """Rows per tile of ``config`` as the persistent scheduler counts them for a group: the tile's
+    M times the cluster's 2 times the band. Runs of rows cut at multiples of it from an expert's
+    first row take the tiles the whole expert takes (``ds_uniep.layout.fused_runs``)."""
+    tile, _, band = parse_config(config)
+    return (256 if CONFIGS[tile] == "coop256x128" else 128) * 2 * band
+
+
+def fused_config(rows: int, w: Tensor, configs: Optional[Mapping[str, str]], sm_count: int) -> str:
+    """The forward configuration of the fused schedule's waiting GEMM over about ``rows`` rows of
+    ``w``'s groups (``[G, N, K]``) on ``sm_count`` SMs: ``configs["fwd"]`` when set, else the fastest
+    of :data:`FUSED_CONFIGS` for that many rows split evenly over the groups on that many SMs,
+    timed once per shape on scratch rows (a waiting GEMM cannot be timed on rows in flight)."""
     config = (configs or DEFAULT_CONFIGS).get("fwd", "auto")
     if config != "auto":
         return config
     groups = w.shape[0]
-    return (_TUNED.get(_tuning_key("fwd", x, w, groups, sm_count)) or _TUNED.get(_tuning_key("fwd", x, w, groups, 0))
-            or CONFIGS[0])
+    rows = max(groups, int(rows))
+    a = torch.zeros(rows, w.shape[2], dtype=w.dtype, device=w.device)
+    offs = ((torch.arange(1, groups + 1, device=w.device) * rows) // groups).to(torch.int32)
+    return _choose(a, w.detach(), offs, "fwd", sm_count, configs=FUSED_CONFIGS, tag="fused")
 
 
 def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: Optional[ArrivalWaits] = None,

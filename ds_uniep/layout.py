@@ -141,20 +141,51 @@ def build_layout(expert_idx: Tensor, counts_all: Tensor, rank: int) -> Layout:
                   recv_local_expert=block_ids % L, recv_block_pos=within)
 
 
-def fused_runs(counts_all: Tensor, rank: int) -> Tensor:
+def fused_runs(counts_all: Tensor, rank: int, align: int = 1) -> Tensor:
     """The runs of rows the fused schedule's first GEMM takes on ``rank``: ``[G * L, 4]`` int64
-    (first row, rows, local expert, source), one per (source, local expert), sources in the order
-    their rows arrive (``rank``, ``rank - 1``, ``rank - 2``, ...: source s sends to rank d in its
-    round ``(d - s) mod G``), local experts in order inside a source. Each run is the (source,
-    expert) block of the expert-major receive buffer above. The megakernel builds the same table
-    on the device (``fused_segments`` in ops/csrc/layout)."""
+    (first row, rows, local expert, source), one per (arrival round, local expert), rounds in the
+    order rows arrive: round r brings source ``rank - r`` (source s sends to rank d in its round
+    ``(d - s) mod G``), local experts in order inside a round.
+
+    Expert l's rows form one block of the expert-major receive buffer (sources in rank order
+    inside it). ``align`` cuts that block into tiles of ``align`` rows from its first row (the
+    GEMM's rows per tile; 1: every row its own tile). A tile waits for the latest round among
+    the sources it holds rows of, and the run of (round r, expert l) is every tile of the block
+    whose latest round is r: one contiguous range, since a block's sources arrive in rounds
+    falling from ``rank`` to 0 and then from ``G - 1`` to ``rank + 1``. So runs start on a tile
+    boundary of their expert and only the last one of an expert ends off it: the GEMM over the
+    runs does the tiles of the GEMM over whole experts. The source's word covers every row of a
+    run, because the rounds are taken in order. ``align`` 1 gives the (source, expert) blocks.
+    A run without rows starts where its source's rows in the block start. The megakernel builds
+    the same table on the device (``fused_segments`` in ops/csrc/layout)."""
     G, E = counts_all.shape
     if E % G != 0 or not 0 <= rank < G:
         raise ValueError(f"counts_all {tuple(counts_all.shape)} and rank {rank} do not make a layout")
+    if align < 1:
+        raise ValueError(f"fused runs: align must be a positive number of rows, got {align}")
     L = E // G
-    mine = counts_all[:, rank * L:(rank + 1) * L].long()  # [G sources, L]
+    mine = counts_all[:, rank * L:(rank + 1) * L].long().cpu()  # [G sources, L]
     totals = mine.sum(0)
-    start = (_exclusive_cumsum(totals, 0).unsqueeze(0) + _exclusive_cumsum(mine, 0))  # [G, L]
-    sources = torch.tensor([(rank - r) % G for r in range(G)], device=counts_all.device)
-    experts = torch.arange(L, device=counts_all.device).expand(G, L)
-    return torch.stack([start[sources], mine[sources], experts, sources[:, None].expand(G, L)], -1).reshape(G * L, 4)
+    bases = _exclusive_cumsum(totals, 0).tolist()
+    rounds = [(rank - s) % G for s in range(G)]
+    runs = torch.zeros(G * L, 4, dtype=torch.long)
+    for l in range(L):
+        counts = mine[:, l].tolist()
+        pre = _exclusive_cumsum(mine[:, l], 0).tolist()
+        total = int(totals[l])
+
+        def latest(tile: int) -> int:  # the latest round among the sources with rows in the tile
+            lo, hi = tile * align, min(tile * align + align, total)
+            return max(rounds[s] for s in range(G) if counts[s] and pre[s] < hi and pre[s] + counts[s] > lo)
+
+        for r in range(G):
+            s = (rank - r) % G
+            first, rows = bases[l] + pre[s], 0
+            if counts[s]:
+                t0, t1 = pre[s] // align, (pre[s] + counts[s] - 1) // align  # the tiles holding s's rows
+                ts = t0 if latest(t0) == r else t0 + 1  # tiles inside s's rows hold only s's
+                te = t1 if latest(t1) == r else t1 - 1
+                if ts <= te:
+                    first, rows = bases[l] + ts * align, min((te + 1) * align, total) - ts * align
+            runs[r * L + l] = torch.tensor([first, rows, l, s])
+    return runs.to(counts_all.device)

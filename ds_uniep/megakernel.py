@@ -372,7 +372,12 @@ class NVLinkDispatcher:
         self._fused_waits = None
         self._fused_weight = None
         self._fused_done = None
+        # The word the fused dispatch's blocks raise once all of them run: on the device, where the
+        # stream that queues the GEMM waits for it (the driver's stream memory wait); in pinned host
+        # memory, polled by the host, where the driver does not offer that wait.
+        self._started_dev = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._started_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self._stream_waits = None  # whether the stream memory wait works (known at the first fused dispatch)
         #: forward dispatches that ran fused / asked to but ran sequential (direct region in use)
         self.fused_stats = {"fused": 0, "sequential": 0}
         self.layer_id = next(_IDS)
@@ -423,11 +428,19 @@ class NVLinkDispatcher:
         self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
         in_place = self.direct is not None and self.direct.free()
         asked, self._fuse_next = self._fuse_next, False
-        if not asked:
-            self._fused_weight = None
         fused = asked and in_place  # rows received in place, so the GEMM reads them where they land
+        if not fused:
+            self._fused_weight = None
         if asked:
             self.fused_stats["fused" if fused else "sequential"] += 1
+        if fused:
+            from .gemm import fused_config
+            (fused_w, configs), self._fused_weight = self._fused_weight, None
+            # Before the counts exchange: the first call of a shape times the configurations.
+            fused_gemm = fused_config(x.shape[0] * expert_idx.shape[1], fused_w, configs, self._fused_gemm_sms())
+            if self._stream_waits is None:
+                # A wait that holds at once (the word is 0, cyclic >= 0) tells whether the driver offers it.
+                self._stream_waits = bool(self.ext.stream_wait_word(self._started_dev, 0))
         local_counts, num_recv, counts_all, dest_row = self.ext.layout(expert_idx, self.num_experts,
                                                                        self.bufs.descriptor, e_counts,
                                                                        *self._wait_args(), in_place)
@@ -455,25 +468,33 @@ class NVLinkDispatcher:
             # This rank's own rows first, on every SM (nothing else could run yet: the first GEMM
             # waits for them); then, on fused_comm_blocks SMs, the other destinations' rows, and
             # this rank's arriving rows are taken source by source, while the caller's first GEMM
-            # runs on the other SMs, each (source, expert) run of rows as soon as its source's rows
-            # are usable here (kPhaseArrived).
-            segs = self.ext.fused_segments(counts_all, self.rank)  # layout.fused_runs, on the device
+            # runs on the other SMs, each run of rows as soon as the latest source it holds rows
+            # of is usable here (kPhaseArrived). Runs are whole tiles of the GEMM's configuration.
+            from .gemm import run_alignment
+            # layout.fused_runs on the device: the (source, expert) blocks the dispatch takes in,
+            # and the runs of the GEMM's tiles
+            blocks = self.ext.fused_segments(counts_all, self.rank, 1)
+            segs = self.ext.fused_segments(counts_all, self.rank, run_alignment(fused_gemm))
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             side = self._fused_side_stream()
             side.wait_stream(torch.cuda.current_stream(self.device))
             G = self.ep_size
             launches = [(0, G, self.fused_comm_blocks, True)] if G == 1 else [
                 (0, 1, self.num_blocks, False), (1, G, self.fused_comm_blocks, True)]
+            started = self._started_dev if self._stream_waits else self._started_host
             with torch.cuda.stream(side):
                 for begin, end, blocks, take in launches:
                     self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor,
                                             self.direct_descriptor(True, e_counts), e_disp, blocks, self.dedup,
-                                            segs, self.direct.rows, pairs_all, self._started_host if take else None,
+                                            blocks, self.direct.rows, pairs_all, started if take else None,
                                             begin, end, take, *self._wait_args())
-            for t in (x, expert_idx, dest_row, segs, pairs_all):
+            for t in (x, expert_idx, dest_row, blocks, pairs_all):
                 t.record_stream(side)
             self._fused_done = torch.cuda.Event()
             self._fused_done.record(side)
+            if self._stream_waits:  # the GEMM queued next starts once every dispatch block holds its SM
+                self.ext.stream_wait_word(self._started_dev, e_disp)
+            waits = self._arrival_waits(segs, e_disp)
         else:
             self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
                                    self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
@@ -489,13 +510,13 @@ class NVLinkDispatcher:
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         if fused:
             recv_pair = pairs_all[:rows]
-            self._await_fused_start(e_disp)
-            self._fused_waits = waits = self._arrival_waits(segs, e_disp)
+            if not self._stream_waits:
+                self._await_fused_start(e_disp)
             # The first GEMM, queued now, before this returns to the caller: its tiles start on
             # this rank's own rows while the other sources' rows travel.
-            from .gemm import fused_config, grouped_mm_segments
-            (w, configs), self._fused_weight = self._fused_weight, None
-            waits.result = grouped_mm_segments(recv, w, segs, fused_config(recv, w, configs, waits.sm_count), waits)
+            from .gemm import grouped_mm_segments
+            self._fused_waits = waits
+            waits.result = grouped_mm_segments(recv, fused_w, segs, fused_gemm, waits)
         else:
             recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
             self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
@@ -561,16 +582,19 @@ class NVLinkDispatcher:
             self._fused_stream = torch.cuda.Stream(self.device)
         return self._fused_stream
 
+    def _fused_gemm_sms(self) -> int:
+        """SMs of the fused schedule's waiting GEMM: the rest of the GPU, even (2-CTA clusters)."""
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(2, (sms - self.fused_comm_blocks) // 2 * 2)
+
     def _arrival_waits(self, segs: Tensor, epoch: int):
         from .gemm import ArrivalWaits
         o = self.bufs.offsets
         signals = o["signals"] + 5 * MAX_RANKS * 4  # phase 5 (arrived): [MAX_RANKS] words, one per source
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        gemm_sms = max(2, (sms - self.fused_comm_blocks) // 2 * 2)
         return ArrivalWaits(segs=segs, ready=self.bufs.buffer[signals:signals + MAX_RANKS * 4].view(torch.int32),
                             epoch=epoch, timeout_ns=self.timeout_ns, error_record=self.error_record,
                             poison=self.bufs.buffer[o["status"]:o["status"] + 4].view(torch.int32),
-                            layer_id=self.layer_id, rank=self.rank, phase=5, sm_count=gemm_sms,
+                            layer_id=self.layer_id, rank=self.rank, phase=5, sm_count=self._fused_gemm_sms(),
                             done=self._fused_done)
 
     def combine_pushers(self) -> int:

@@ -282,8 +282,9 @@ def test_arrival_wait_times_out_with_a_record():
 
 
 def test_fused_segments_kernel_is_the_layout_runs():
-    """The device table the fused schedule's GEMM runs over equals ``layout.fused_runs``, for
-    every rank, with empty (source, expert) blocks among them."""
+    """The device table the fused schedule runs over equals ``layout.fused_runs``, for every
+    rank and tile size (1: the (source, expert) blocks), with empty (source, expert) blocks and
+    a crowded expert among them."""
     _gemm()
     from ds_uniep.layout import fused_runs
     from ds_uniep.megakernel import _ext
@@ -291,6 +292,8 @@ def test_fused_segments_kernel_is_the_layout_runs():
     for G, E in ((1, 4), (2, 64), (4, 32), (8, 128)):
         counts_all = torch.randint(0, 300, (G, E), generator=g)
         counts_all[0, ::5] = 0
+        counts_all[:, 1] = 5000
         for rank in range(G):
-            got = _ext().fused_segments(counts_all.cuda(), rank).cpu()
-            assert torch.equal(got.long(), fused_runs(counts_all, rank)), (G, E, rank)
+            for align in (1, 7, 256, 1024):
+                got = _ext().fused_segments(counts_all.cuda(), rank, align).cpu()
+                assert torch.equal(got.long(), fused_runs(counts_all, rank, align)), (G, E, rank, align)

@@ -105,3 +105,48 @@ def test_fused_runs_are_the_source_expert_blocks_in_arrival_order():
             assert sorted(want.tolist()) == list(range(first, first + n)), (rank, src, expert)
             covered[first:first + n] += 1
         assert bool((covered == 1).all())
+
+
+@pytest.mark.parametrize("align", [2, 5, 16, 256])
+def test_aligned_fused_runs_are_whole_tiles_waiting_for_their_latest_source(align):
+    """With ``align`` rows per tile, every run of ``fused_runs`` starts on a tile boundary of its
+    expert's block, ends on one or at the block's end, and each of its tiles holds rows of the
+    run's source and otherwise only of sources of earlier rounds (from the layout's own rows);
+    the runs cover every received row once, in as many tiles as the whole experts have."""
+    from ds_uniep.layout import build_layout, expert_counts, fused_runs
+    g = torch.Generator().manual_seed(align)
+    for G, L, T, k in ((1, 3, 40, 2), (2, 4, 300, 3), (4, 3, 97, 2), (4, 2, 5, 2)):
+        E = G * L
+        routes = [torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]) for _ in range(G)]
+        routes[0][: T // 2, 0] = 0  # a crowded expert
+        if G > 1:
+            routes[1][::3, 1] = -1  # dropped pairs
+        counts_all = torch.stack([expert_counts(r, E) for r in routes])
+        totals = counts_all[:, :].view(G, G, L).sum(0)  # [rank, L]
+        for rank in range(G):
+            runs = fused_runs(counts_all, rank, align)
+            assert runs.shape == (G * L, 4)
+            assert runs[::L, 3].tolist() == [(rank - r) % G for r in range(G)]
+            lay = build_layout(routes[rank], counts_all, rank)
+            src_of = torch.full((lay.num_recv_rows,), -1, dtype=torch.long)
+            src_of[lay.recv_rows] = lay.recv_src
+            base = torch.cumsum(totals[rank], 0) - totals[rank]
+            covered = torch.zeros(lay.num_recv_rows, dtype=torch.long)
+            tiles = 0
+            for i, (first, n, expert, src) in enumerate(runs.tolist()):
+                r = i // L
+                assert expert == i % L and src == (rank - r) % G
+                if n == 0:
+                    continue
+                lo, end = first - int(base[expert]), first - int(base[expert]) + n
+                assert lo % align == 0 and (end % align == 0 or end == int(totals[rank, expert])), (rank, i)
+                for t in range(lo, end, align):
+                    rows_src = src_of[int(base[expert]) + t:int(base[expert]) + min(t + align, end)]
+                    assert max((rank - s) % G for s in rows_src.tolist()) == r, (rank, i, t)
+                    tiles += 1
+                covered[first:first + n] += 1
+            assert bool((covered == 1).all())
+            assert tiles == sum(-(-int(n) // align) for n in totals[rank].tolist())
+    assert torch.equal(fused_runs(counts_all, 1, 1), fused_runs(counts_all, 1))
+    with pytest.raises(ValueError, match="align"):
+        fused_runs(counts_all, 0, 0)

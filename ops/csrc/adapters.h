@@ -16,8 +16,9 @@ std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_e
                                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                                   const torch::Tensor& error_record, int64_t layer_id, bool direct_ok);
 
-// The fused schedule's runs of this rank's receive rows, [E, 4] int32 (launch_fused_segments).
-torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank);
+// The fused schedule's runs of this rank's receive rows, [E, 4] int32, cut into tiles of `align`
+// rows (launch_fused_segments).
+torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank, int64_t align);
 
 // dispatch_adapter.cpp
 // direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
@@ -106,6 +107,10 @@ void barrier(const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
              int64_t layer_id, int64_t device_index);
 // Raise `phase` = epoch on every rank (after this stream's earlier work); no wait.
 void signal_raise(const std::vector<int64_t>& sym, int64_t phase, int64_t epoch, int64_t device_index);
+// Holds the current stream's later work until the int32 `word` (device memory) reaches `value`
+// (cyclic compare, as epochs wrap), without the host waiting: the driver's stream memory wait.
+// False when the driver does not offer it (nothing was queued then).
+bool stream_wait_word(const torch::Tensor& word, int64_t value);
 
 // gemm/gemm_adapter.cpp
 // op 0 (fwd): a = x [R, K], b = w [G, N, K] -> y [R, N]; op 1 (dgrad): a = dy [R, N], b = w -> dx [R, K];

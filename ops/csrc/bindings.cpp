@@ -36,4 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // signal: entry barrier over the group
   m.def("barrier", &uniep::barrier, "signal every rank and wait for all of them");
   m.def("signal_raise", &uniep::signal_raise, "raise a phase signal on every rank, no wait");
+  m.def("stream_wait_word", &uniep::stream_wait_word,
+        "hold the current stream until a device word reaches a value (False: not offered by the driver)");
 }

@@ -68,10 +68,11 @@ struct DirectView {
 // The fused schedule's dispatch (launch_dispatch with `fused`): it sends its rows one
 // destination per round (round r: rank + r) and, with `take`, takes this rank's arriving rows
 // source by source (round r: source rank - r). A launch sends rounds [send_begin, send_end).
-// segs: [G * L][4] int32 (first row, rows, local expert, source), the runs of this rank's
-// receive rows in round order (round r: runs [r * L, (r + 1) * L), all of one source). out:
-// this rank's direct region (rows in place). started (or null): pinned host word that gets the
-// epoch once every block of the grid is running (the host queues the waiting GEMM after that).
+// segs: [G * L][4] int32 (first row, rows, local expert, source), the (source, expert) blocks of
+// this rank's receive rows in round order (round r: blocks [r * L, (r + 1) * L), all of source
+// rank - r; launch_fused_segments with align 1). out: this rank's direct region (rows in place).
+// started (or null): a word (device or pinned host memory) that gets the epoch once every block
+// of the grid is running (the waiting GEMM is queued behind it).
 struct FusedArrive {
   const int* segs;
   int experts_per_rank;

@@ -6,8 +6,9 @@ namespace {
 
 constexpr int kUnroll = 4;  // 16-byte vectors each lane has in flight per step
 
-// Fused dispatch: the last block of the grid to start writes the epoch into the pinned host
-// word, so the host knows every block holds its SM before it queues the GEMM that waits for them.
+// Fused dispatch: the last block of the grid to start writes the epoch into the `started` word
+// (device memory, which the stream queueing the GEMM waits on, or pinned host memory, which the
+// host polls), so the GEMM that waits for these blocks' rows starts only once every block holds its SM.
 __device__ __forceinline__ void announce_start(const SymView& s, int* started, uint32_t epoch) {
   if (threadIdx.x != 0) return;
   uint32_t* counter = status_words(s) + 20;
@@ -70,9 +71,10 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
     DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out, bool dedup,
     FusedArrive fused, WaitPolicy w) {
-  if (poisoned(s)) return;
   const bool by_destination = fused.segs != nullptr;
+  // Announced even when poisoned: the stream that queues the GEMM waits for this word.
   if (by_destination && fused.started != nullptr) announce_start(s, fused.started, epoch);
+  if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;

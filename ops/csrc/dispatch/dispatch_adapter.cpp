@@ -71,8 +71,8 @@ void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, con
   int* started_word = nullptr;
   if (started.has_value()) {
     UNIEP_CHECK_DTYPE((*started), torch::kInt32);
-    TORCH_CHECK(!started->is_cuda() && started->is_pinned() && started->numel() >= 1,
-                "started must be pinned host memory");
+    TORCH_CHECK(started->numel() >= 1 && (started->is_cuda() ? started->device() == x.device() : started->is_pinned()),
+                "started must be an int32 word on the rows' GPU or in pinned host memory");
     started_word = started->data_ptr<int>();
   }
   TORCH_CHECK(x.dim() == 2 && expert_idx.dim() == 2, "x must be [T, M] and expert_idx [T, k]");

@@ -117,20 +117,46 @@ __global__ void __launch_bounds__(kRowsThreads) layout_rows_kernel(const int* __
   }
 }
 
-// One thread per (round, local expert): sums over at most kMaxRanks x (E / G) counts.
-__global__ void fused_segments_kernel(const int64_t* __restrict__ counts_all, int G, int E, int rank,
+// The latest arrival round among the sources with rows in [lo, hi) of a block whose source s
+// holds rows [pre[s], pre[s] + cnt[s]).
+__device__ int latest_round(const int64_t* pre, const int64_t* cnt, int G, int rank, int64_t lo, int64_t hi) {
+  int latest = -1;
+  for (int s = 0; s < G; ++s)
+    if (cnt[s] > 0 && pre[s] < hi && pre[s] + cnt[s] > lo) latest = max(latest, (rank - s + G) % G);
+  return latest;
+}
+
+// One thread per (round, local expert): the tiles of `align` rows of the expert's block whose
+// latest source is the round's (layout.fused_runs says why they are one range).
+__global__ void fused_segments_kernel(const int64_t* __restrict__ counts_all, int G, int E, int rank, int align,
                                       int* __restrict__ segs) {
   const int L = E / G;
   for (int i = threadIdx.x; i < G * L; i += blockDim.x) {
     const int round = i / L, l = i % L;
     const int src = (rank - round + G) % G;
     const int col = rank * L + l;
-    int64_t start = 0;
+    int64_t base = 0;
     for (int e = 0; e < l; ++e)
-      for (int s = 0; s < G; ++s) start += counts_all[s * E + rank * L + e];
-    for (int s = 0; s < src; ++s) start += counts_all[s * E + col];
-    segs[4 * i] = static_cast<int>(start);
-    segs[4 * i + 1] = static_cast<int>(counts_all[src * E + col]);
+      for (int s = 0; s < G; ++s) base += counts_all[s * E + rank * L + e];
+    int64_t pre[kMaxRanks], cnt[kMaxRanks], total = 0;
+    for (int s = 0; s < G; ++s) {
+      pre[s] = total;
+      cnt[s] = counts_all[s * E + col];
+      total += cnt[s];
+    }
+    int64_t first = base + pre[src], rows = 0;
+    if (cnt[src] > 0) {
+      const int64_t t0 = pre[src] / align, t1 = (pre[src] + cnt[src] - 1) / align;
+      const auto latest = [&](int64_t t) { return latest_round(pre, cnt, G, rank, t * align, min(t * align + align, total)); };
+      const int64_t ts = latest(t0) == round ? t0 : t0 + 1;
+      const int64_t te = latest(t1) == round ? t1 : t1 - 1;
+      if (ts <= te) {
+        first = base + ts * align;
+        rows = min((te + 1) * align, total) - ts * align;
+      }
+    }
+    segs[4 * i] = static_cast<int>(first);
+    segs[4 * i + 1] = static_cast<int>(rows);
     segs[4 * i + 2] = l;
     segs[4 * i + 3] = src;
   }
@@ -138,11 +164,11 @@ __global__ void fused_segments_kernel(const int64_t* __restrict__ counts_all, in
 
 }  // namespace
 
-cudaError_t launch_fused_segments(const int64_t* counts_all, int num_ranks, int num_experts, int rank, int* segs,
-                                  cudaStream_t stream) {
-  if (num_ranks <= 0 || num_ranks > kMaxRanks || num_experts % num_ranks || rank < 0 || rank >= num_ranks)
+cudaError_t launch_fused_segments(const int64_t* counts_all, int num_ranks, int num_experts, int rank, int align,
+                                  int* segs, cudaStream_t stream) {
+  if (num_ranks <= 0 || num_ranks > kMaxRanks || num_experts % num_ranks || rank < 0 || rank >= num_ranks || align < 1)
     return cudaErrorInvalidValue;
-  fused_segments_kernel<<<1, 256, 0, stream>>>(counts_all, num_ranks, num_experts, rank, segs);
+  fused_segments_kernel<<<1, 256, 0, stream>>>(counts_all, num_ranks, num_experts, rank, align, segs);
   return cudaGetLastError();
 }
 

@@ -25,10 +25,12 @@ cudaError_t launch_layout(const int* expert_idx, int num_tokens, int k, int num_
                           cudaStream_t stream);
 
 // The fused schedule's runs of this rank's receive rows: segs [G * L][4] int32 (first row, rows,
-// local expert, source), one per (source, local expert), sources in round order (this rank,
-// rank - 1, rank - 2, ...), from counts_all [G, E] int64 (the rows of expert l are ordered by
-// source, then token; experts in order). One small block, no host sync.
-cudaError_t launch_fused_segments(const int64_t* counts_all, int num_ranks, int num_experts, int rank, int* segs,
-                                  cudaStream_t stream);
+// local expert, source), one per (arrival round, local expert), rounds in order (source this
+// rank, rank - 1, rank - 2, ...), from counts_all [G, E] int64 (the rows of expert l are ordered
+// by source, then token; experts in order). The run of (round, expert) holds the tiles of `align`
+// rows of the expert's block whose latest source is the round's (ds_uniep.layout.fused_runs).
+// One small block, no host sync.
+cudaError_t launch_fused_segments(const int64_t* counts_all, int num_ranks, int num_experts, int rank, int align,
+                                  int* segs, cudaStream_t stream);
 
 }  // namespace uniep

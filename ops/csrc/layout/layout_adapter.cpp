@@ -34,17 +34,18 @@ std::vector<torch::Tensor> layout(const torch::Tensor& expert_idx, int64_t num_e
   return {local_expert_counts, num_recv, counts_all, dest_row};
 }
 
-torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank) {
+torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank, int64_t align) {
   UNIEP_CHECK_INPUT(counts_all);
   UNIEP_CHECK_DTYPE(counts_all, torch::kInt64);
   TORCH_CHECK(counts_all.dim() == 2, "counts_all must be [G, E], got ", counts_all.sizes());
   const int64_t G = counts_all.size(0), E = counts_all.size(1);
   TORCH_CHECK(G >= 1 && G <= kMaxRanks && E % G == 0 && rank >= 0 && rank < G, "counts_all [", G, ", ", E,
               "] and rank ", rank, " do not make a layout");
+  TORCH_CHECK(align >= 1 && align <= (1 << 20), "fused segments: align must be 1 to 2^20 rows, got ", align);
   const c10::cuda::CUDAGuard guard(counts_all.device());
   torch::Tensor segs = torch::empty({E, 4}, counts_all.options().dtype(torch::kInt32));  // G * L = E runs
   UNIEP_CHECK_LAUNCH(launch_fused_segments(counts_all.data_ptr<int64_t>(), static_cast<int>(G), static_cast<int>(E),
-                                           static_cast<int>(rank), segs.data_ptr<int>(),
+                                           static_cast<int>(rank), static_cast<int>(align), segs.data_ptr<int>(),
                                            c10::cuda::getCurrentCUDAStream()));
   return segs;
 }

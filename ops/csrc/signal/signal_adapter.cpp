@@ -1,4 +1,7 @@
 // Signal family: device guard and stream for launch_barrier.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include "../adapters.h"
 #include "../host_utils.h"
 #include "signal.cuh"
@@ -18,6 +21,28 @@ void signal_raise(const std::vector<int64_t>& sym, int64_t phase, int64_t epoch,
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_index));
   UNIEP_CHECK_LAUNCH(launch_raise(s, static_cast<int>(phase), static_cast<uint32_t>(epoch),
                                   c10::cuda::getCurrentCUDAStream()));
+}
+
+bool stream_wait_word(const torch::Tensor& word, int64_t value) {
+  UNIEP_CHECK_INPUT(word);
+  UNIEP_CHECK_DTYPE(word, torch::kInt32);
+  TORCH_CHECK(word.numel() >= 1, "stream_wait_word: the word tensor is empty");
+  // The driver entry point, looked up once (no link against the driver library).
+  static const PFN_cuStreamWaitValue32_v11070 wait_value = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 11070, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(fn);
+  }();
+  if (wait_value == nullptr) return false;
+  const c10::cuda::CUDAGuard guard(word.device());
+  const CUresult r = wait_value(c10::cuda::getCurrentCUDAStream().stream(), reinterpret_cast<CUdeviceptr>(word.data_ptr()),
+                                static_cast<cuuint32_t>(static_cast<uint32_t>(value)), CU_STREAM_WAIT_VALUE_GEQ);
+  return r == CUDA_SUCCESS;
 }
 
 }  // namespace uniep
