@@ -473,7 +473,7 @@ class NVLinkDispatcher:
             from .gemm import run_alignment
             # layout.fused_runs on the device: the (source, expert) blocks the dispatch takes in,
             # and the runs of the GEMM's tiles
-            blocks = self.ext.fused_segments(counts_all, self.rank, 1)
+            source_blocks = self.ext.fused_segments(counts_all, self.rank, 1)
             segs = self.ext.fused_segments(counts_all, self.rank, run_alignment(fused_gemm))
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             side = self._fused_side_stream()
@@ -486,9 +486,9 @@ class NVLinkDispatcher:
                 for begin, end, blocks, take in launches:
                     self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor,
                                             self.direct_descriptor(True, e_counts), e_disp, blocks, self.dedup,
-                                            blocks, self.direct.rows, pairs_all, started if take else None,
+                                            source_blocks, self.direct.rows, pairs_all, started if take else None,
                                             begin, end, take, *self._wait_args())
-            for t in (x, expert_idx, dest_row, blocks, pairs_all):
+            for t in (x, expert_idx, dest_row, source_blocks, pairs_all):
                 t.record_stream(side)
             self._fused_done = torch.cuda.Event()
             self._fused_done.record(side)
