@@ -273,6 +273,9 @@ class NVLinkDispatcher:
             token's row to a destination rank once, however many of its slots go there; the
             receiver copies it into the rows of the token's other slots (the same bits, fewer
             NVLink bytes: at k = 8 over 4 ranks about half). Not with FP8 dispatch.
+        fused_dedup: whether the fused schedule's dispatch deduplicates too. Off by default: there
+            the receiver's copies fall on the few SMs that move the rows, while the GEMM holds the
+            rest, so each slot's row is sent whole instead (more NVLink bytes, no copies).
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
@@ -282,7 +285,7 @@ class NVLinkDispatcher:
                  combine_push_blocks: Optional[int] = None,
                  pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
-                 dedup: bool = True):
+                 dedup: bool = True, fused_dedup: bool = False):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
@@ -336,6 +339,7 @@ class NVLinkDispatcher:
         self.gate_grad_on_experts = gate_grad_on_experts
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
+        self.fused_dedup = fused_dedup and self.dedup
         self.acc = None
         if ordering == "arrival":  # each token's fp32 accumulator row, zero between combines
             self.acc = _DirectRegion(self.max_tokens, hidden_size, torch.float32, self.bufs.group, self.device)
@@ -485,7 +489,7 @@ class NVLinkDispatcher:
             with torch.cuda.stream(side):
                 for begin, end, blocks, take in launches:
                     self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor,
-                                            self.direct_descriptor(True, e_counts), e_disp, blocks, self.dedup,
+                                            self.direct_descriptor(True, e_counts), e_disp, blocks, self.fused_dedup,
                                             source_blocks, self.direct.rows, pairs_all, started if take else None,
                                             begin, end, take, *self._wait_args())
             for t in (x, expert_idx, dest_row, source_blocks, pairs_all):
