@@ -273,9 +273,9 @@ class NVLinkDispatcher:
             token's row to a destination rank once, however many of its slots go there; the
             receiver copies it into the rows of the token's other slots (the same bits, fewer
             NVLink bytes: at k = 8 over 4 ranks about half). Not with FP8 dispatch.
-        fused_dedup: whether the fused schedule's dispatch deduplicates too. Off by default: there
-            the receiver's copies fall on the few SMs that move the rows, while the GEMM holds the
-            rest, so each slot's row is sent whole instead (more NVLink bytes, no copies).
+        fused_dedup: whether the fused schedule's dispatch deduplicates too (with ``dedup``). Off,
+            each slot's row is sent whole: more NVLink bytes, but no copies for the few SMs that
+            move the rows while the GEMM holds the rest (same bits either way).
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
@@ -285,7 +285,7 @@ class NVLinkDispatcher:
                  combine_push_blocks: Optional[int] = None,
                  pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
-                 dedup: bool = True, fused_dedup: bool = False):
+                 dedup: bool = True, fused_dedup: bool = True):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
