@@ -158,7 +158,8 @@ class UniEPMoE(MoE):
     def set_plan(self, plan) -> None:
         """Run the next forward under ``plan`` (a :class:`ds_uniep.tuning.Plan`): its overlap knobs and
         dispatch dtype replace the config's. A megakernel dispatcher takes a new ``num_comm_sms`` as
-        it is (the block count of its copy kernels); a new dispatch dtype rebuilds the dispatchers."""
+        it is (the block count of its copy kernels; under the fused schedule its fused dispatch's,
+        the other copy kernels taking every SM); a new dispatch dtype rebuilds the dispatchers."""
         self._applied_plan = plan
         cfg = plan.apply(self.uniep_config)
         if cfg == self.uniep_config and _comm_blocks(cfg) == _comm_blocks(self.uniep_config):
@@ -169,8 +170,8 @@ class UniEPMoE(MoE):
             self._dispatchers.clear()
             return
         for d in self._dispatchers.values():
-            if hasattr(d, "num_blocks"):
-                d.num_blocks = cfg.overlap.num_comm_sms
+            if hasattr(d, "set_comm_sms"):
+                d.set_comm_sms(cfg.overlap.num_comm_sms, fused=cfg.overlap.schedule == "fused")
 
     @property
     def ep_group(self):

@@ -529,6 +529,13 @@ class NVLinkDispatcher:
         self.direct_stats["in_place" if in_place else "copied"] += 1
         return recv, local_counts, dest_row, recv_pair, num_recv, counts_all
 
+    def set_comm_sms(self, blocks: int, fused: bool = False) -> None:
+        """``blocks`` SMs for the copy kernels, or, with ``fused``, for the fused dispatch beside the
+        first GEMM (the other copy kernels then run alone, on every SM)."""
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        self.fused_comm_blocks = int(blocks)
+        self.num_blocks = sms if fused else int(blocks)
+
     # ------------------------------------------------------------------ the fused schedule
     def fuses(self) -> str:
         """Why this dispatcher cannot run the fused schedule's dispatch, or "". (A forward whose

@@ -1,4 +1,5 @@
 """The tuning space, the tuner (cache, pruning, rank agreement) and the tune CLI, on CPU."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -110,7 +111,7 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     plans = mk.enumerate()
     seq = [p for p in plans if p.schedule == "sequential"]
     pipe = [p for p in plans if p.schedule == "pipelined"]
-    assert len(seq) + len(pipe) == len(plans)  # never the fused schedule, which is not built
+    assert len(seq) + len(pipe) == len(plans)  # never the fused schedule on torch's grouped GEMM
     # Every SM count up to the whole GPU (the sequential copy kernels run alone), exact dispatch only.
     assert [p.num_comm_sms for p in seq] == [16, 24, 32, 48, 64, 80, 96, 132]
     # Pipelined: 2 and 4 chunks, every SM count but the whole GPU (its copy kernels share the GPU).
@@ -138,6 +139,18 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     assert mk.project(Plan(schedule="pipelined", num_chunks=4, tile_m=256)) == mk.baseline().replace(
         schedule="pipelined", num_chunks=4, num_comm_sms=20)
     assert design.project(Plan(tile_m=256)) == Plan(tile_m=256)
+    # On ds_uniep's grouped GEMM in bf16 the fused schedule is a point too: its dispatch keeps
+    # num_comm_sms SMs beside the first GEMM, which keeps at least half of them; activation rows only.
+    own = Space(shape, h200, 4, backend="megakernel", expert_gemm="uniep", allow_numerics_change=True)
+    fused = [p for p in own.enumerate() if p.schedule == "fused"]
+    assert sorted(p.num_comm_sms for p in fused) == [16, 24, 32, 48, 64]
+    assert all(p.dispatch_dtype == "activation" for p in fused)
+    assert "the fused schedule moves activation rows" in own.check(fused[0].replace(dispatch_dtype="fp8_e4m3"))
+    assert own.project(Plan(schedule="fused", num_comm_sms=20, tile_m=256)) == own.baseline().replace(
+        schedule="fused", num_comm_sms=20)
+    assert "needs ds_uniep's grouped GEMM" in mk.check(mk.baseline().replace(schedule="fused"))
+    fp16 = Space(dataclasses.replace(shape, dtype="fp16"), h200, 4, backend="megakernel", expert_gemm="uniep")
+    assert "fused" not in {p.schedule for p in fp16.enumerate()}
     # The reference backend has no symmetric buffer: max_tokens_per_rank does not bind it.
     big = Shape(T=9000, M=64, F=64, E=8, k=2)
     assert Space(big, GPU, backend="reference").enumerate() and not Space(big, GPU, backend="megakernel").enumerate()

@@ -2,10 +2,12 @@
 
 Every plan the tuner timed (and block counts outside the walked values) gives
 the sequential baseline plan's output and input/parameter gradients bit for
-bit; a layer that tunes itself gives an untuned layer's numbers, and a second
+bit, on torch's grouped GEMM and on ds_uniep's (whose space holds the fused
+schedule); a layer that tunes itself gives an untuned layer's numbers, and a second
 layer of the same shape reads the plan from the cache. FP8 dispatch changes
 the numbers by design, so it is not in the space (allow_numerics_change is off).
 """
+import pytest
 import torch
 
 from conftest import needs_gpus
@@ -54,37 +56,48 @@ def _assert_same(base, got, what):
         assert a is None or torch.equal(a, b), f"{what}: tensor {i} differs from the sequential baseline's"
 
 
-def _every_timed_plan_body(rank, world_size):
+def _every_timed_plan_body(rank, world_size, gemm):
     from ds_uniep.tuning import GPUInfo, Plan, Shape, Space, tune
     from ds_uniep.tuning.runner import layer_runner
     device = torch.device("cuda", rank)
-    layer = _layer(rank, world_size, {"backend": "megakernel", "max_tokens_per_rank": T,
+    layer = _layer(rank, world_size, {"backend": "megakernel", "max_tokens_per_rank": T, "expert_gemm": gemm,
                                       "overlap": {"timeout_s": 30.0}}, device)
     x, gy = _inputs(rank, device)
     shape = Shape(T=T, M=M, F=F, E=EXPERTS_PER_RANK * world_size, k=K, dtype="bf16", ep=world_size)
-    space = Space(shape, GPUInfo.detect(device), world_size, T, False, backend="megakernel")
+    space = Space(shape, GPUInfo.detect(device), world_size, T, False, backend="megakernel", expert_gemm=gemm)
     result = tune(space, layer_runner(layer, x.clone().requires_grad_(True)), budget_s=300.0, warmup=1, repeats=3,
                   group=layer.ep_group, progress=False, default_plan=Plan.from_config(layer.uniep_config))
     timed = [r.plan for r in result.records if r.status in ("measured", "pruned")]
     assert not result.by_status("skipped"), "the budget cut the space short: not every plan was timed"
     assert len({p.num_comm_sms for p in timed}) >= 3, [p.label() for p in timed]
     assert all(p.dispatch_dtype == "activation" for p in timed)
+    assert any(p.schedule == "fused" for p in timed) == (gemm == "uniep"), [p.label() for p in timed]
 
     baseline = space.baseline()
     layer.set_plan(baseline)
     base = _run(layer, x, gy)
-    assert layer._dispatchers[device].num_blocks == baseline.num_comm_sms
+    d = layer._dispatchers[device]
+    assert d.num_blocks == baseline.num_comm_sms
     odd = [baseline.replace(num_comm_sms=n) for n in (1, 7)]  # block counts outside the walked values
+    if gemm == "uniep":
+        odd.append(baseline.replace(schedule="fused", num_comm_sms=6))
     for plan in timed + odd + [result.winner]:
         layer.set_plan(plan)
+        fused_before = d.fused_stats["fused"]
         got = _run(layer, x, gy)
-        assert layer._dispatchers[device].num_blocks == plan.num_comm_sms, "the plan did not reach the kernels"
+        if plan.schedule == "fused":
+            assert d.fused_comm_blocks == plan.num_comm_sms, "the plan did not reach the fused dispatch"
+            assert d.fused_stats["fused"] == fused_before + 1, f"{plan.label()} did not run fused"
+        else:
+            assert d.num_blocks == plan.num_comm_sms, "the plan did not reach the kernels"
         _assert_same(base, got, f"rank {rank}, plan {plan.label()}")
 
 
 @needs_gpus(2)
-def test_every_timed_plan_gives_the_sequential_baselines_numbers():
-    run_distributed(_every_timed_plan_body, 2, backend="nccl")
+@pytest.mark.parametrize("gemm", ["torch", "uniep"])
+def test_every_timed_plan_gives_the_sequential_baselines_numbers(gemm):
+    """Every timed plan, the fused schedule's among them on ds_uniep's GEMM, gives the baseline's bits."""
+    run_distributed(_every_timed_plan_body, 2, gemm, backend="nccl")
 
 
 def _self_tuning_body(rank, world_size, cache_dir):

@@ -23,7 +23,11 @@ def test_num_comm_sms_is_the_block_count_of_the_copy_kernels(monkeypatch):
                      padded_recv=False, num_blocks=None, ordering="layout"):
             self.num_blocks, self.dispatch_dtype = num_blocks, config.compression.dispatch_dtype
             self.ordering = ordering
+            self.fused_comm_blocks = config.overlap.num_comm_sms
             built.append(self)
+
+        def set_comm_sms(self, blocks, fused=False):  # NVLinkDispatcher's: fused keeps every SM for the rest
+            self.fused_comm_blocks, self.num_blocks = blocks, (132 if fused else blocks)
 
     monkeypatch.setattr(mk, "NVLinkDispatcher", FakeNVLinkDispatcher)
     monkeypatch.setattr(backend_mod, "resolve", lambda backend, device, name: "megakernel")
@@ -34,6 +38,8 @@ def test_num_comm_sms_is_the_block_count_of_the_copy_kernels(monkeypatch):
     plan = Plan.from_config(layer.uniep_config)
     layer.set_plan(plan.replace(num_comm_sms=96))
     assert layer._dispatcher(x) is d and d.num_blocks == 96 and len(built) == 1  # no new symmetric buffer
+    layer.set_plan(plan.replace(schedule="fused", num_comm_sms=16))  # the fused dispatch's SMs
+    assert (d.fused_comm_blocks, d.num_blocks) == (16, 132) and layer.uniep_config.overlap.schedule == "fused"
     layer.set_plan(plan.replace(num_comm_sms=96, dispatch_dtype="fp8_e4m3"))
     d2 = layer._dispatcher(x)
     assert d2 is not d and (d2.num_blocks, d2.dispatch_dtype) == (96, "fp8_e4m3") and len(built) == 2

@@ -19,12 +19,14 @@ Two kinds of space:
   knobs that backend acts on today (:data:`ACTING_KNOBS`) are walked; every
   other knob is fixed at the sequential baseline's value (:meth:`Space.fixed_knobs`).
   This is what the tuner times, so it never spends time on plans that run the
-  same code. The megakernel backend acts on ``schedule`` (``sequential`` or
-  ``pipelined``: :data:`BUILT_SCHEDULES`), ``num_chunks`` (of the pipelined
-  schedule), ``num_comm_sms`` (the block count of its dispatch and combine copy
-  kernels) and ``dispatch_dtype``; ``roles``, ``tile_m``, ``tile_n``, ``stages``
-  and ``signal_granularity`` become searchable when the fused schedule (own GEMM,
-  tile-level overlap) lands.
+  same code. The megakernel backend acts on ``schedule`` (``sequential``,
+  ``pipelined``, and ``fused`` for layers on ds_uniep's grouped GEMM in bf16:
+  :meth:`Space.built_schedules`), ``num_chunks`` (of the pipelined schedule),
+  ``num_comm_sms`` (the block count of its dispatch and combine copy kernels;
+  under the fused schedule the SMs its dispatch keeps beside the first GEMM) and
+  ``dispatch_dtype``; ``roles``, ``tile_m``, ``tile_n``, ``stages`` and
+  ``signal_granularity`` are read by nothing yet (the fused schedule picks its
+  GEMM tiles itself and waits per run of tiles).
   The reference backend acts on ``dispatch_dtype`` only.
 """
 
@@ -78,13 +80,14 @@ ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
     "reference": ("dispatch_dtype",),
 }
 """The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
-fixes the others at the sequential baseline's values: the megakernel runs the sequential or the
-pipelined schedule (``num_chunks`` chunks of experts, their rows moved back by copy engines),
-launches its dispatch and combine copy kernels with ``num_comm_sms`` blocks and moves rows in
-``dispatch_dtype``; the tile, stage, role and signal knobs wait for the fused schedule."""
+fixes the others at the sequential baseline's values: the megakernel runs the sequential, the
+pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
+schedule, launches its dispatch and combine copy kernels with ``num_comm_sms`` blocks and moves rows
+in ``dispatch_dtype``; the tile, stage, role and signal knobs are read by nothing yet."""
 
-BUILT_SCHEDULES = ("sequential", "pipelined")
-"""The schedules the megakernel runs; a backend space walks these (``"fused"`` runs as sequential)."""
+BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
+"""The schedules the megakernel runs. A backend space walks the fused one only for layers it can run
+for (:meth:`Space.built_schedules`: ds_uniep's grouped GEMM, bf16); elsewhere it runs as sequential."""
 
 BACKEND_CHUNKS = (2, 4)
 """``num_chunks`` values a backend space walks for the pipelined schedule."""
@@ -347,12 +350,19 @@ class Space:
         code and is a point of this space (unchanged for the design space)."""
         fixed = self.fixed_knobs()
         if self.backend is not None and "schedule" in ACTING_KNOBS[self.backend] and \
-                plan.schedule not in BUILT_SCHEDULES:
+                plan.schedule not in self.built_schedules():
             fixed["schedule"] = "sequential"
         return plan.replace(**fixed) if fixed else plan
 
+    def built_schedules(self) -> Tuple[str, ...]:
+        """The schedules the backend runs for this layer: the fused one needs ds_uniep's grouped GEMM
+        (its first GEMM waits for rows inside it) and bf16 rows; the sequential one runs instead."""
+        if self.expert_gemm == "uniep" and self.shape.dtype == "bf16":
+            return BUILT_SCHEDULES
+        return tuple(s for s in BUILT_SCHEDULES if s != "fused")
+
     def _backend_values(self) -> Dict[str, Tuple[Any, ...]]:
-        walked = {"schedule": BUILT_SCHEDULES, "num_chunks": BACKEND_CHUNKS,
+        walked = {"schedule": self.built_schedules(), "num_chunks": BACKEND_CHUNKS,
                   "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES}
         out = {k: (v,) for k, v in self.fixed_knobs().items()}
         out.update({k: walked[k] for k in ACTING_KNOBS[self.backend]})
@@ -402,6 +412,13 @@ class Space:
             reasons.append("pipelined with 1 chunk: the sequential schedule with extra launches (num_chunks >= 2)")
         if plan.schedule == "pipelined" and plan.num_chunks > s.T:
             reasons.append(f"more chunks than tokens: num_chunks={plan.num_chunks} > T={s.T}")
+        if plan.schedule == "fused" and self.backend == "megakernel":
+            if plan.dispatch_dtype != "activation":
+                reasons.append("the fused schedule moves activation rows: FP8 rows are dequantized on arrival "
+                               f"(dispatch_dtype={plan.dispatch_dtype})")
+            if "fused" not in self.built_schedules():
+                reasons.append('the fused schedule needs ds_uniep\'s grouped GEMM ("expert_gemm": "uniep") and '
+                               f"bf16 rows (expert_gemm={self.expert_gemm}, dtype={self.shape.dtype})")
         if plan.roles == "interleaved" and plan.schedule != "fused":
             reasons.append(f"interleaved roles need the fused schedule: schedule={plan.schedule} runs communication "
                            "and GEMMs as separate kernels")
