@@ -50,9 +50,9 @@ class OverlapConfig(_Block):
         "engines while the next chunk computes (and, in the backward, each chunk's input gradient while the "
         "others' backward runs); fused (megakernel backend, expert_gemm 'uniep', bf16): the dispatch stores the "
         "rows one destination rank at a time from num_comm_sms SMs and signals each rank as soon as its rows are "
-        "there, while the first expert GEMM runs on the other SMs and starts each (source rank, expert) run of rows "
-        "once that source has signalled, this rank's own rows first; the rest of the layer and the backward run "
-        "as in sequential.")
+        "there, while the first expert GEMM runs on the other SMs and starts each run of its tiles once the latest "
+        "source rank among the tile's rows has arrived, this rank's own rows first; the rest of the layer and the "
+        "backward run as in sequential.")
     num_chunks: int = Field(2, ge=1, le=64, description="Chunks of local experts for the pipelined schedule (at "
                             "most one per local expert).")
     num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
