@@ -496,8 +496,9 @@ class NVLinkDispatcher:
                 t.record_stream(side)
             self._fused_done = torch.cuda.Event()
             self._fused_done.record(side)
-            if self._stream_waits:  # the GEMM queued next starts once every dispatch block holds its SM
-                self.ext.stream_wait_word(self._started_dev, e_disp)
+            # The GEMM queued next starts once every dispatch block holds its SM: the stream waits
+            # on the device, or (no stream memory wait) the host waits below.
+            waited = bool(self._stream_waits) and bool(self.ext.stream_wait_word(self._started_dev, e_disp))
             waits = self._arrival_waits(segs, e_disp)
         else:
             self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
@@ -514,8 +515,8 @@ class NVLinkDispatcher:
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         if fused:
             recv_pair = pairs_all[:rows]
-            if not self._stream_waits:
-                self._await_fused_start(e_disp)
+            if not waited:
+                self._await_fused_start(e_disp, started)
             # The first GEMM, queued now, before this returns to the caller: its tiles start on
             # this rank's own rows while the other sources' rows travel.
             from .gemm import grouped_mm_segments
@@ -575,12 +576,13 @@ class NVLinkDispatcher:
             torch.cuda.current_stream(self.device).wait_event(self._fused_done)
             self._fused_done = None
 
-    def _await_fused_start(self, epoch: int) -> None:
-        """Wait (on the host) until every block of the fused dispatch of ``epoch`` runs: the GEMM
-        queued next takes the other SMs and spins on the rows that those blocks take in, so all of
-        them must hold an SM first."""
+    def _await_fused_start(self, epoch: int, word: Tensor) -> None:
+        """Wait (on the host) until every block of the fused dispatch of ``epoch`` runs (they raise
+        ``word``: pinned host memory, or a device word read back by the current stream, which does
+        not wait for the dispatch): the GEMM queued next takes the other SMs and spins on the rows
+        that those blocks take in, so all of them must hold an SM first."""
         start = time.monotonic()
-        while (int(self._started_host[0]) - epoch) & 0xFFFFFFFF >= 1 << 31:  # before epoch, wrapping
+        while (int(word[0]) - epoch) & 0xFFFFFFFF >= 1 << 31:  # before epoch, wrapping
             if time.monotonic() - start > self.timeout_ns / 1e9:
                 self.check()
                 raise UniEPTimeoutError(f"{self.layer_name}: rank {self.rank}: the fused dispatch's "
