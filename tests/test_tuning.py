@@ -113,22 +113,22 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     pipe = [p for p in plans if p.schedule == "pipelined"]
     assert len(seq) + len(pipe) == len(plans)  # never the fused schedule on torch's grouped GEMM
     # Every SM count up to the whole GPU (the sequential copy kernels run alone), exact dispatch only.
-    assert [p.num_comm_sms for p in seq] == [16, 24, 32, 48, 64, 80, 96, 132]
+    assert [p.num_comm_sms for p in seq] == [8, 16, 24, 32, 48, 64, 80, 96, 132]
     # Pipelined: 2 and 4 chunks, every SM count but the whole GPU (its copy kernels share the GPU).
     assert sorted((p.num_chunks, p.num_comm_sms) for p in pipe) == [(c, n) for c in (2, 4) for n in
-                                                                     (16, 24, 32, 48, 64, 80, 96)]
+                                                                     (8, 16, 24, 32, 48, 64, 80, 96)]
     assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1)
                == mk.baseline() for p in plans)
-    assert mk.baseline() in plans and len(mk.table()) == 2 * (8 + 2 * 8)  # the FP8 plans are rejected ...
+    assert mk.baseline() in plans and len(mk.table()) == 2 * (9 + 2 * 9)  # the FP8 plans are rejected ...
     assert all("numerics change not allowed" in r or "SM budget" in r for _, r in mk.table() if r)
     allowed = Space(shape, h200, 4, allow_numerics_change=True, backend="megakernel")
     assert len(allowed.enumerate()) == 2 * len(plans)  # ... unless numerics may change
     # Capped by the GPU's SM count; FP8 rows need M divisible by 128 on the megakernel only.
-    assert comm_sms_values(114) == (16, 24, 32, 48, 64, 80, 96, 114) and comm_sms_values(20) == (16, 20)
+    assert comm_sms_values(114) == (8, 16, 24, 32, 48, 64, 80, 96, 114) and comm_sms_values(20) == (8, 16, 20)
     odd = Shape(T=64, M=96, F=64, E=4, k=2)
     small = Space(odd, GPUInfo("small", 20, 96 * 1024), allow_numerics_change=True, backend="megakernel")
     assert [(p.num_comm_sms, p.dispatch_dtype) for p in small.enumerate() if p.schedule == "sequential"] == [
-        (16, "activation"), (20, "activation")]
+        (8, "activation"), (16, "activation"), (20, "activation")]
     assert "FP8 rows need the hidden size divisible by 128: M=96" in small.check(small.baseline().replace(
         dispatch_dtype="fp8_e4m3"))
     ref = Space(odd, GPUInfo("small", 20, 96 * 1024), allow_numerics_change=True, backend="reference")
@@ -143,7 +143,7 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     # num_comm_sms SMs beside the first GEMM, which keeps at least half of them; activation rows only.
     own = Space(shape, h200, 4, backend="megakernel", expert_gemm="uniep", allow_numerics_change=True)
     fused = [p for p in own.enumerate() if p.schedule == "fused"]
-    assert sorted(p.num_comm_sms for p in fused) == [16, 24, 32, 48, 64]
+    assert sorted(p.num_comm_sms for p in fused) == [8, 16, 24, 32, 48, 64]
     assert all(p.dispatch_dtype == "activation" for p in fused)
     assert "the fused schedule moves activation rows" in own.check(fused[0].replace(dispatch_dtype="fp8_e4m3"))
     assert own.project(Plan(schedule="fused", num_comm_sms=20, tile_m=256)) == own.baseline().replace(

@@ -72,7 +72,7 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
 }
 """The values the design space (``backend=None``) walks, per knob."""
 
-COMM_SMS_VALUES = (16, 24, 32, 48, 64, 80, 96, 132)
+COMM_SMS_VALUES = (8, 16, 24, 32, 48, 64, 80, 96, 132)
 """``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
 
 ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
