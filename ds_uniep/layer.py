@@ -241,7 +241,8 @@ class UniEPMoE(MoE):
             # first expert GEMM runs on the others, each (source, expert) segment of rows as soon as
             # its source has signalled; then the sequential rest. The same bits as sequential.
             first = "w13" if "w13" in stacked.weights else "fc1"  # SwiGLU or GeLU experts
-            dispatcher.request_fused(stacked.weights[first])
+            # (contiguous, as grouped_linear makes it: a copy only for strided stacks of flattened experts)
+            dispatcher.request_fused(stacked.weights[first].contiguous())
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
             y = run_grouped(moe.experts.deepspeed_experts, recv, local_counts, "uniep", stacked=stacked,
                             waits=dispatcher.take_fused_waits())

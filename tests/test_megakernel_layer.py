@@ -154,6 +154,16 @@ def _compare_fused(rank, world_size):
             _check_same(layer, rank, cases, want, f"k={k} fused, comm SMs {sms}")
             stats = next(iter(layer._dispatchers.values())).fused_stats
             assert stats == {"fused": len(cases), "sequential": 0}, f"k={k} comm SMs {sms}: {stats}"
+        if k == 2:  # experts flattened into one buffer, as DeepSpeed's optimizers leave them: strided stacks
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
+                          overlap={"schedule": "fused", "num_comm_sms": 8})
+            params = list(layer.deepspeed_moe.experts.parameters())
+            flat = torch.cat([q.detach().reshape(-1) for q in params])
+            off = 0
+            for q in params:
+                q.data = flat[off:off + q.numel()].view(q.shape)
+                off += q.numel()
+            _check_same(layer, rank, cases, want, "k=2 fused, flattened experts")
 
 
 @needs_gpus(2)
