@@ -179,3 +179,25 @@ def test_fused_schedule_and_its_unread_knobs_are_named_off_the_megakernel():
     assert len(said) == 1, said
     assert "schedule='fused', tile_m=64" in said[0] and "reference backend" in said[0], said
     assert torch.equal(outs[0][0], outs[1][0])
+
+
+def test_the_hosts_wait_for_the_fused_dispatch_start_compares_epochs_cyclically():
+    """Where the driver offers no stream memory wait the host polls the word the fused dispatch's
+    blocks raise: it returns once the word reaches the epoch (across the 32-bit wrap) and raises
+    a timeout naming the layer, rank and block count when it never does."""
+    import types
+
+    from ds_uniep.megakernel import NVLinkDispatcher, UniEPTimeoutError
+    checked = []
+    d = types.SimpleNamespace(timeout_ns=int(0.05e9), layer_name="layer 3", rank=1, fused_comm_blocks=8,
+                              check=lambda: checked.append(True))
+    word = torch.zeros(1, dtype=torch.int32)
+    for now, epoch in ((5, 5), (6, 5), (2, 0xFFFFFFFF)):  # at it, past it, past it across the wrap
+        word[0] = now
+        NVLinkDispatcher._await_fused_start(d, epoch, word)
+    assert not checked
+    for now, epoch in ((4, 5), (-1, 2)):  # behind it; 0xFFFFFFFF is behind 2
+        word[0] = now
+        with pytest.raises(UniEPTimeoutError, match="layer 3: rank 1: the fused dispatch's 8 blocks did not all start"):
+            NVLinkDispatcher._await_fused_start(d, epoch, word)
+    assert len(checked) == 2  # the layer's error record is checked before the timeout is raised

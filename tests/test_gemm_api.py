@@ -44,3 +44,17 @@ def test_reference_is_per_group():
     assert torch.equal(gemm.reference("dgrad", dy, b, offs)[2:], dy[2:] @ b[2])
     dw = gemm.reference("wgrad", dy, a, offs)
     assert torch.equal(dw[1], torch.zeros(8, 16)) and torch.equal(dw[2], dy[2:].t() @ a[2:])
+
+
+def test_fused_runs_align_to_the_tiles_the_scheduler_counts():
+    """A run of the fused GEMM is cut at tile M x cluster 2 x band rows; the fused schedule picks among
+    band-1 configurations only, and an explicit configuration is taken as it is (nothing is timed)."""
+    assert gemm.run_alignment("coop128x256") == 256 and gemm.run_alignment("pingpong128x128:n1") == 256
+    assert gemm.run_alignment("coop256x128") == 512 and gemm.run_alignment("coop128x256:m4") == 1024
+    assert set(gemm.FUSED_CONFIGS) <= set(gemm.candidates())
+    assert {gemm.parse_config(c)[2] for c in gemm.FUSED_CONFIGS} == {1}
+    assert {c.partition(":")[0] for c in gemm.FUSED_CONFIGS} == set(gemm.CONFIGS)
+    w = torch.zeros(4, 16, 8, dtype=torch.bfloat16)
+    assert gemm.fused_config(1000, w, {"fwd": "pingpong128x128:n1"}, 116) == "pingpong128x128:n1"
+    with pytest.raises(ValueError, match="tile"):
+        gemm.run_alignment("coop64x64")
