@@ -238,8 +238,8 @@ class UniEPMoE(MoE):
                                 exp_counts)
         if self._fuses(dispatcher, stacked is not None):
             # The fused schedule: the rows travel one destination at a time from a few SMs while the
-            # first expert GEMM runs on the others, each (source, expert) segment of rows as soon as
-            # its source has signalled; then the sequential rest. The same bits as sequential.
+            # first expert GEMM runs on the others, each run of its tiles as soon as the latest source
+            # among the run's rows has arrived; then the sequential rest. The same bits as sequential.
             first = "w13" if "w13" in stacked.weights else "fc1"  # SwiGLU or GeLU experts
             # (contiguous, as grouped_linear makes it: a copy only for strided stacks of flattened experts)
             dispatcher.request_fused(stacked.weights[first].contiguous())
