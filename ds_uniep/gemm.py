@@ -125,17 +125,19 @@ def candidates():
     return [tile + order for tile in CONFIGS for order in ORDERS]
 
 
-def _tuning_key(op: str, a: Tensor, b: Tensor, groups: int, sm_count: int) -> Tuple:
-    n, k = (b.shape[1], b.shape[2]) if op != "wgrad" else (a.shape[1], b.shape[1])
-    rows = max(1, a.shape[0])
-    return (op, a.device, groups, n, k, 1 << (rows - 1).bit_length(), int(sm_count))
+def _tuning_key(op: str, a_shape, b: Tensor, groups: int, sm_count: int, tag: str = "") -> Tuple:
+    """The cache key of a choice: op, device, G, N, K, rows rounded up to a power of two, SMs (and
+    ``tag``, for choices among other candidates). ``a_shape``: the first operand's shape."""
+    n, k = (b.shape[1], b.shape[2]) if op != "wgrad" else (a_shape[1], b.shape[1])
+    rows = max(1, a_shape[0])
+    return (op, b.device, groups, n, k, 1 << (rows - 1).bit_length(), int(sm_count)) + ((tag, ) if tag else ())
 
 
 def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, repeats: int = 3, rounds: int = 3,
             configs: Optional[Tuple[str, ...]] = None, tag: str = "") -> str:
     """The fastest of ``configs`` (default :func:`candidates`) for this call's shape (cached under
     ``tag`` and the shape; see :data:`DEFAULT_CONFIGS`)."""
-    key = _tuning_key(op, a, b, offs.shape[0], sm_count) + ((tag, ) if tag else ())
+    key = _tuning_key(op, a.shape, b, offs.shape[0], sm_count, tag)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return chosen
@@ -241,6 +243,9 @@ def fused_config(rows: int, w: Tensor, configs: Optional[Mapping[str, str]], sm_
         return config
     groups = w.shape[0]
     rows = max(groups, int(rows))
+    chosen = _TUNED.get(_tuning_key("fwd", (rows, w.shape[2]), w, groups, sm_count, "fused"))
+    if chosen is not None:  # every forward after the first of a shape: no scratch rows
+        return chosen
     a = torch.zeros(rows, w.shape[2], dtype=w.dtype, device=w.device)
     offs = ((torch.arange(1, groups + 1, device=w.device) * rows) // groups).to(torch.int32)
     return _choose(a, w.detach(), offs, "fwd", sm_count, configs=FUSED_CONFIGS, tag="fused")

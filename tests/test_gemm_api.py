@@ -56,5 +56,13 @@ def test_fused_runs_align_to_the_tiles_the_scheduler_counts():
     assert {c.partition(":")[0] for c in gemm.FUSED_CONFIGS} == set(gemm.CONFIGS)
     w = torch.zeros(4, 16, 8, dtype=torch.bfloat16)
     assert gemm.fused_config(1000, w, {"fwd": "pingpong128x128:n1"}, 116) == "pingpong128x128:n1"
+    # A choice made before for this shape (rows bucketed) is looked up without scratch rows or timing
+    # (on this CPU tensor, timing would fail).
+    key = gemm._tuning_key("fwd", (1000, 8), w, 4, 116, "fused")
+    gemm._TUNED[key] = "coop128x256:n1"
+    try:
+        assert gemm.fused_config(900, w, None, 116) == "coop128x256:n1"
+    finally:
+        del gemm._TUNED[key]
     with pytest.raises(ValueError, match="tile"):
         gemm.run_alignment("coop64x64")

@@ -29,10 +29,11 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
                    const c10::optional<torch::Tensor>& row_out, bool dedup);
-// The fused schedule's dispatch (FusedArrive in types.h): segs [G * L, 4] int32, out the direct
-// region [R_max, M], recv_pair [R_max] int32 (every received row's source pair, written as its
-// source arrives), started [1] pinned int32 or None (gets epoch once every block runs); sends
-// rounds [send_begin, send_end), takes every round's arrivals with `take`. No copy-out after.
+// The fused schedule's dispatch (FusedArrive in types.h): segs [G * L, 4] int32 (the (source,
+// expert) blocks), out the direct region [R_max, M], recv_pair [R_max] int32 (every received
+// row's source pair, written as its source arrives), started [1] int32 on the device or in pinned
+// host memory, or None (gets epoch once every block runs); sends rounds [send_begin, send_end),
+// takes every round's arrivals with `take`. No copy-out after.
 void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                     int64_t num_experts, const std::vector<int64_t>& sym, const std::vector<int64_t>& direct,
                     int64_t epoch, int64_t num_blocks, bool dedup, const torch::Tensor& segs, torch::Tensor& out,

@@ -5,7 +5,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // layout: routing counts exchange and destination rows
   m.def("layout", &uniep::layout, "counts exchange + dest rows: (local_expert_counts, num_recv, counts_all, dest_row)");
   // dispatch: rows into the destinations' receive buffers, then copied out
-  m.def("fused_segments", &uniep::fused_segments, "the fused schedule's (source, expert) runs of received rows");
+  m.def("fused_segments", &uniep::fused_segments, "the fused schedule's runs of received rows: (source, expert) blocks, or whole tiles of align rows");
   m.def("dispatch_rows", &uniep::dispatch_rows, "store every kept row into its destination's receive buffer");
   m.def("dispatch_fused", &uniep::dispatch_fused,
         "the fused schedule's dispatch: rows one destination at a time, arrivals taken source by source");
