@@ -19,6 +19,10 @@ Baselines and bounds are measured in the same run:
 - megakernel-fused: megakernel under the fused schedule (``--fused-comm-sms`` SMs move the rows one
   destination at a time while the first expert GEMM runs on the others, each source's rows as they land);
   timed again alternately with megakernel (``--schedule-rounds``, medians) for the schedule's gain;
+- megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
+  experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
+  default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
+  queueing the dispatch early gains, the same bits;
 - megakernel-arrival: megakernel-torch-gemm with ``"deterministic": false``: rows claimed and summed in
   arrival order with atomics, the same kernels otherwise. Its time against megakernel-torch-gemm's is the
   cost of determinism; both are timed again alternately (``--determinism-rounds``, medians) for that ratio;
@@ -60,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
-            "megakernel-pipelined-sm", "megakernel-fused", "megakernel-arrival", "autoep"]
+            "megakernel-pipelined-sm", "megakernel-fused", "megakernel-arrival", "megakernel-late-route", "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -72,6 +76,9 @@ MEGAKERNEL_CONFIGS = {
     "megakernel-fused": {"backend": "megakernel", "expert_gemm": "uniep",
                          "overlap": {"schedule": "fused", "num_comm_sms": 20}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
+    # megakernel-torch-gemm with its dispatch queued after the whole gate and the experts' stacking
+    # (UniEPMoE.route_early = False), as before the dispatch was queued between them
+    "megakernel-late-route": {"backend": "megakernel", "expert_gemm": "torch"},
 }
 
 AUTOEP_NOTE = (
@@ -109,8 +116,9 @@ def parse_args(argv=None):
                    help="num_comm_sms of megakernel-fused: its dispatch blocks; its first GEMM gets the other SMs "
                         "(default 20)")
     p.add_argument("--schedule-rounds", type=int, default=3,
-                   help="alternating timings of megakernel-torch-gemm (sequential) and megakernel-pipelined "
-                   "(medians; default 3)")
+                   help="alternating timings of each schedule comparison: megakernel-torch-gemm (sequential) "
+                   "against megakernel-pipelined and megakernel-late-route, megakernel against megakernel-fused "
+                   "and megakernel-pipelined-sm (medians; default 3)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (config default, each num_comm_sms value) per shape")
@@ -281,6 +289,8 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
                              k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
                              top2_2nd_expert_sampling=False, config=config)
             layer.load_state_dict(proto.state_dict())
+        if name == "megakernel-late-route":
+            layer.route_early = False
         layer = layer.cuda().to(torch.bfloat16)
         layer.deepspeed_moe.gate.wg.float()  # DeepSpeed computes the gate in fp32 either way
         layer.set_deepspeed_parallelism()
@@ -523,7 +533,8 @@ def main(argv=None):
                     ("megakernel-torch-gemm", "megakernel-arrival", "determinism", args.determinism_rounds),
                     ("megakernel-torch-gemm", "megakernel-pipelined", "schedule", args.schedule_rounds),
                     ("megakernel", "megakernel-pipelined-sm", "schedule_sm", args.schedule_rounds),
-                    ("megakernel", "megakernel-fused", "schedule_fused", args.schedule_rounds)):
+                    ("megakernel", "megakernel-fused", "schedule_fused", args.schedule_rounds),
+                    ("megakernel-late-route", "megakernel-torch-gemm", "route_early", args.schedule_rounds)):
                 pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
                     times = {b: [] for b in pair}
@@ -538,6 +549,8 @@ def main(argv=None):
                         row[key] = {"sequential_ms": times[pair[0]], "speedup": med[pair[0]] / med[pair[1]]}
                         if key == "schedule_fused":
                             row[key]["fused_ms"] = times[pair[1]]
+                        elif key == "route_early":
+                            row[key]["early_ms"] = times[pair[1]]
                         else:
                             row[key].update(pipelined_ms=times[pair[1]], num_chunks=args.pipeline_chunks)
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
@@ -598,7 +611,8 @@ def print_table(results):
         print(" | ".join(cells))
     def times(v):
         return "/".join(f"{x:.2f}" for x in v)
-    for key in ("determinism", "schedule", "schedule_sm", "schedule_fused"):  # the alternating timings of two megakernel layers
+    # the alternating timings of two megakernel layers
+    for key in ("determinism", "schedule", "schedule_sm", "schedule_fused", "route_early"):
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
@@ -606,6 +620,10 @@ def print_table(results):
             if key == "determinism":
                 what = (f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
                         f"{times(d['layout_ms'])} ms, arrival order {times(d['arrival_ms'])} ms")
+            elif key == "route_early":
+                what = (f"dispatch queued after the routes vs after the whole gate (torch's GEMM), {r['shape']} "
+                        f"{r['mode']}: {d['speedup']:.3f}x (late {times(d['sequential_ms'])} ms, early "
+                        f"{times(d['early_ms'])} ms")
             elif key == "schedule_fused":
                 what = (f"fused vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x "
                         f"(sequential {times(d['sequential_ms'])} ms, fused {times(d['fused_ms'])} ms")

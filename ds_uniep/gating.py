@@ -15,7 +15,7 @@ and counts are bitwise DeepSpeed's (``tests/test_gating.py`` checks this against
 itself). Any other gate (k = 1, token dropping, a gate class of the user's own) is called as
 it is.
 """
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -34,27 +34,32 @@ def _dropless_kind(gate) -> Optional[str]:
 
 
 def _topk(gate, logits: Tensor):
-    """``topkgating(logits, k, ..., drop_tokens=False, sparse_routes=True)`` without locations and capacity."""
+    """``topkgating(logits, k, ..., drop_tokens=False, sparse_routes=True)`` without locations and
+    capacity, in two steps: ``(top_idx [T, k], rest)``, ``rest() -> (l_aux, route_gates [T, k], exp_counts)``."""
     k = gate.k
     gates = F.softmax(logits, dim=1)
     num_experts = int(gates.shape[1])
     top_gate, top_idx = torch.topk(gates, k=k, dim=1)
-    mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
-    exp_counts = torch.sum(mask, dim=0).detach().to(logits.device)
-    me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask.float(), dim=0)
-    l_aux = torch.mean(me * ce) * num_experts * num_experts / k
-    gates_masked = gates * mask
-    gates_s = torch.sum(gates_masked, dim=-1, keepdim=True)
-    denom_s = torch.clamp(gates_s, min=torch.finfo(gates_masked.dtype).eps)
-    gates_masked = gates_masked / denom_s
-    # Without dropping every route is kept: the route indices are top_idx itself.
-    route_gates = gates_masked.gather(1, top_idx)
-    return l_aux, top_idx.t().contiguous().to(torch.int32), route_gates.t().contiguous(), exp_counts
+
+    def rest():
+        mask = torch.zeros_like(gates, dtype=torch.bool).scatter_(1, top_idx, 1)
+        exp_counts = torch.sum(mask, dim=0).detach().to(logits.device)
+        me = torch.mean(gates, dim=0)
+        ce = torch.mean(mask.float(), dim=0)
+        l_aux = torch.mean(me * ce) * num_experts * num_experts / k
+        gates_masked = gates * mask
+        gates_s = torch.sum(gates_masked, dim=-1, keepdim=True)
+        denom_s = torch.clamp(gates_s, min=torch.finfo(gates_masked.dtype).eps)
+        gates_masked = gates_masked / denom_s
+        # Without dropping every route is kept: the route indices are top_idx itself.
+        return l_aux, gates_masked.gather(1, top_idx), exp_counts
+
+    return top_idx, rest
 
 
 def _top2(gate, logits: Tensor):
-    """``top2gating(logits, ..., drop_tokens=False, sparse_routes=True)`` without locations and capacity."""
+    """``top2gating(logits, ..., drop_tokens=False, sparse_routes=True)`` without locations and
+    capacity, in two steps as :func:`_topk`."""
     from deepspeed.moe import sharded_moe as sm
     gates = F.softmax(logits, dim=1)
     indices1_s = torch.argmax(gates, dim=1)
@@ -64,33 +69,37 @@ def _top2(gate, logits: Tensor):
         logits += sm.gumbel_rsample(logits.shape, device=logits.device)
     logits_except1 = logits.masked_fill(mask1.bool(), float("-inf"))
     indices2_s = torch.argmax(logits_except1, dim=1)
-    mask2 = F.one_hot(indices2_s, num_classes=num_experts)
-    me = torch.mean(gates, dim=0)
-    ce = torch.mean(mask1.float(), dim=0)
-    l_aux = torch.mean(me * ce) * num_experts * num_experts
-    exp_counts = torch.sum(mask1 + mask2, dim=0).detach().to(logits.device)
-    mask1_float = mask1.float()
-    mask2_float = mask2.float()
-    gates1_s = sm.einsum("se,se->s", gates, mask1_float)
-    gates2_s = sm.einsum("se,se->s", gates, mask2_float)
-    denom_s = gates1_s + gates2_s
-    denom_s = torch.clamp(denom_s, min=torch.finfo(denom_s.dtype).eps)
-    gates1_s /= denom_s
-    gates2_s /= denom_s
-    # Without dropping both routes of every token are kept.
-    return (l_aux, torch.stack([indices1_s, indices2_s]).to(torch.int32), torch.stack([gates1_s, gates2_s]),
-            exp_counts)
+
+    def rest():
+        mask2 = F.one_hot(indices2_s, num_classes=num_experts)
+        me = torch.mean(gates, dim=0)
+        ce = torch.mean(mask1.float(), dim=0)
+        l_aux = torch.mean(me * ce) * num_experts * num_experts
+        exp_counts = torch.sum(mask1 + mask2, dim=0).detach().to(logits.device)
+        mask1_float = mask1.float()
+        mask2_float = mask2.float()
+        gates1_s = sm.einsum("se,se->s", gates, mask1_float)
+        gates2_s = sm.einsum("se,se->s", gates, mask2_float)
+        denom_s = gates1_s + gates2_s
+        denom_s = torch.clamp(denom_s, min=torch.finfo(denom_s.dtype).eps)
+        gates1_s /= denom_s
+        gates2_s /= denom_s
+        # Without dropping both routes of every token are kept.
+        return l_aux, torch.stack([gates1_s, gates2_s], dim=1), exp_counts
+
+    return torch.stack([indices1_s, indices2_s], dim=1), rest
 
 
-def route(gate, x: Tensor, used_token: Optional[Tensor] = None
-          ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
-    """``(l_aux, capacity, route_idx [k, T] int32, route_gates [k, T] fp32, exp_counts [E])``
-    of ``gate(x, used_token, sparse_routes=True)``; ``capacity`` is None on the dropless top-2
-    and top-k paths (which skip it, see the module doc)."""
+def route_split(gate, x: Tensor, used_token: Optional[Tensor] = None
+                ) -> Optional[Tuple[Tensor, Callable[[], Tuple[Tensor, Tensor, Tensor]]]]:
+    """The dropless top-2 and top-k paths of :func:`route` in two steps, so that a dispatch can
+    start between them: ``(expert_idx [T, k] int32, rest)`` with the routes first, then
+    ``rest() -> (l_aux, gates [T, k] fp32, exp_counts [E])``, the same operations on the same
+    tensors as :func:`route` (so the same bits), token-major. None for every other gate, and
+    with ``used_token`` (call :func:`route`, which then calls the gate itself)."""
     kind = _dropless_kind(gate)
-    if kind is None:
-        l_aux, capacity, _, route_idx, _, route_gates, exp_counts = gate(x, used_token, True)
-        return l_aux, capacity, route_idx, route_gates, exp_counts
+    if kind is None or used_token is not None:  # DeepSpeed's top-2 masks the first routes by used_token
+        return None
     from deepspeed.moe import sharded_moe as sm
     if gate.wall_clock_breakdown:
         gate.timers(sm.TOPK_GATE_TIMER).start()
@@ -99,8 +108,27 @@ def route(gate, x: Tensor, used_token: Optional[Tensor] = None
     if gate.noisy_gate_policy == "Jitter" and gate.training:
         input_fp32 = sm.multiplicative_jitter(input_fp32, device=x.device)
     logits = F.linear(input_fp32, weight=gate.wg.weight.float(), bias=None)
-    l_aux, route_idx, route_gates, exp_counts = (_topk if kind == "topk" else _top2)(gate, logits)
-    if gate.wall_clock_breakdown:
-        gate.timers(sm.TOPK_GATE_TIMER).stop()
-        gate.gate_time = gate.timers(sm.TOPK_GATE_TIMER).elapsed(reset=False)
-    return l_aux, None, route_idx, route_gates, exp_counts
+    idx, rest = (_topk if kind == "topk" else _top2)(gate, logits)
+
+    def finish():
+        out = rest()
+        if gate.wall_clock_breakdown:
+            gate.timers(sm.TOPK_GATE_TIMER).stop()
+            gate.gate_time = gate.timers(sm.TOPK_GATE_TIMER).elapsed(reset=False)
+        return out
+
+    return idx.to(torch.int32), finish
+
+
+def route(gate, x: Tensor, used_token: Optional[Tensor] = None
+          ) -> Tuple[Tensor, Optional[Tensor], Tensor, Tensor, Tensor]:
+    """``(l_aux, capacity, route_idx [k, T] int32, route_gates [k, T] fp32, exp_counts [E])``
+    of ``gate(x, used_token, sparse_routes=True)``; ``capacity`` is None on the dropless top-2
+    and top-k paths (which skip it, see the module doc)."""
+    split = route_split(gate, x, used_token)
+    if split is None:
+        l_aux, capacity, _, route_idx, _, route_gates, exp_counts = gate(x, used_token, True)
+        return l_aux, capacity, route_idx, route_gates, exp_counts
+    idx, finish = split
+    l_aux, gates, exp_counts = finish()
+    return l_aux, None, idx.t().contiguous(), gates.t().contiguous(), exp_counts

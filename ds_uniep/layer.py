@@ -81,6 +81,9 @@ class UniEPMoE(MoE):
         self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
         self._uniep_gemm_ok = set()  # devices where expert_gemm "uniep" was found usable
         self._stack_cache = {}  # how this layer's expert parameters stack (ds_uniep.experts.stack_experts)
+        #: the megakernel's sequential schedule queues its dispatch between the gate's routes and the
+        #: rest of the gate and the experts' stacking (see _forward_dispatch_early); False: after them
+        self.route_early = True
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
         self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -201,6 +204,10 @@ class UniEPMoE(MoE):
         x = hidden_states.reshape(-1, self.hidden_size)
         if self._hybrid is not None:  # HybridEP: the domain's replicas travel while the gate and dispatch run
             self._hybrid.prefetch()
+        elif self.route_early:
+            early = self._forward_dispatch_early(hidden_states, x, used_token)
+            if early is not None:
+                return early
         # 1. DeepSpeed's gate: routes [k, T] (-1 = dropped), gates [k, T] fp32, l_aux, exp_counts (the
         # dropless top-2/top-k paths skip the locations and capacity they do not use: ds_uniep.gating).
         l_aux, capacity, route_idx, route_gates, exp_counts = gating.route(moe.gate, x, used_token)
@@ -265,6 +272,36 @@ class UniEPMoE(MoE):
                             gemm=self._expert_gemm(recv.device), stacked=stacked)
         output = dispatcher.combine(y, gates, handle)
         return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux, exp_counts)
+
+    def _forward_dispatch_early(self, hidden_states: Tensor, x: Tensor, used_token: Optional[Tensor]):
+        """The megakernel's sequential schedule with its dispatch queued as soon as the gate's routes
+        exist: the counts exchange, the layout and the rows' stores then run on the device while
+        the host issues the rest of the gate (gates, auxiliary loss, counts: ``gating.route_split``)
+        and stacks the experts' weights, work that otherwise comes before the dispatch while the
+        device waits (``NVLinkDispatcher.dispatch_begin``). The same operations on the same tensors,
+        so the same bits. None where this does not apply (another schedule or backend, tensor
+        parallelism, arrival ordering, a gate other than DeepSpeed's dropless top-2/top-k): the
+        general path runs."""
+        if self.uniep_config.overlap.schedule != "sequential" or tp_context()[1] > 1:
+            return None
+        dispatcher = self._dispatcher(x)
+        if isinstance(dispatcher, ReferenceDispatcher) or dispatcher.ordering != "layout":
+            return None
+        moe = self.deepspeed_moe
+        x = x.contiguous()  # the very tensor the dispatch's kernels read, checked again by dispatch()
+        split = gating.route_split(moe.gate, x, used_token)
+        if split is None:
+            return None
+        expert_idx, finish = split
+        dispatcher.dispatch_begin(x, expert_idx)
+        l_aux, gates, exp_counts = finish()
+        moe.l_aux, moe.exp_counts = l_aux, exp_counts
+        stacked = stack_experts(moe.experts.deepspeed_experts, x.dtype, x.device, cache=self._stack_cache)
+        recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
+        y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, grouped=stacked is not None,
+                        gemm=self._expert_gemm(recv.device), stacked=stacked)
+        output = dispatcher.combine(y, gates, handle)
+        return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
 
     def _finish(self, output: Tensor, hidden_states: Tensor, tp_sizes, tp_rank, tp_group, l_aux, exp_counts):
         """The combined tokens back in the input's shape (gathered over TP ranks), plus PR-MoE's residual."""

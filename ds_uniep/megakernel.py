@@ -358,8 +358,9 @@ class NVLinkDispatcher:
         # A pulling combine leaves peers reading this rank's source region; the next counts
         # exchange or barrier ends that, and combine_source() puts a barrier in before then.
         self._peers_may_read_source = False
-        #: forward dispatches whose rows were received in place / copied out of staging
-        self.direct_stats = {"in_place": 0, "copied": 0}
+        #: forward dispatches whose rows were received in place / copied out of staging; of all
+        #: forward dispatches, those queued by dispatch_begin
+        self.direct_stats = {"in_place": 0, "copied": 0, "begun_early": 0}
         #: forward combines that pulled from the source regions / pushed rows back / ran pipelined
         self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
@@ -373,6 +374,7 @@ class NVLinkDispatcher:
         self._fused_stream = None
         self._round_sources = None
         self._fuse_next = False
+        self._pending = None  # (x, expert_idx, launched state) of dispatch_begin
         self._fused_waits = None
         self._fused_weight = None
         self._fused_done = None
@@ -427,6 +429,34 @@ class NVLinkDispatcher:
     def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor] = None,
                       host_counts: bool = False):
         # host_counts: also bring every rank's counts to the host (``_counts_host``) with R.
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return self._dispatch_collect(self._dispatch_launch(x, expert_idx, gates, host_counts))
+        # dispatch_begin queued this dispatch's kernels already: only the row count is left to read.
+        px, pidx, launched = pending
+        if (px.data_ptr(), px.shape, pidx.data_ptr(), pidx.shape, host_counts, gates) != (
+                x.data_ptr(), x.shape, expert_idx.data_ptr(), expert_idx.shape, False, None):
+            raise RuntimeError(f"{self.layer_name}: dispatch() got other inputs than the dispatch_begin() before "
+                               "it; call dispatch() next with the same x and expert_idx")
+        return self._dispatch_collect(launched)
+
+    def dispatch_begin(self, x: Tensor, expert_idx: Tensor) -> bool:
+        """Queue the next :meth:`dispatch`'s kernels now (counts exchange, layout, the rows' stores),
+        so that the host work the caller does before calling :meth:`dispatch` with the same ``x``
+        and ``expert_idx`` overlaps them; that call then only reads the row count and returns. The
+        same kernels, the same results. Returns False (nothing queued) where the dispatch needs more
+        at its start: arrival ordering (the gates) or a fused request (the expert weights)."""
+        if self._pending is not None:
+            raise RuntimeError(f"{self.layer_name}: dispatch_begin() twice without a dispatch() between")
+        if self.ordering != "layout" or self._fuse_next:
+            return False
+        x, idx = self.checked_inputs(x, expert_idx)
+        self._pending = (x, idx, self._dispatch_launch(x, idx, None, False))
+        self.direct_stats["begun_early"] += 1
+        return True
+
+    def _dispatch_launch(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor], host_counts: bool) -> dict:
+        """The dispatch's kernels, up to where the host needs the row count (see _dispatch_collect)."""
         self.check()
         e_counts = self._next_epoch(0)
         self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
@@ -437,6 +467,7 @@ class NVLinkDispatcher:
             self._fused_weight = None
         if asked:
             self.fused_stats["fused" if fused else "sequential"] += 1
+        st = {"x": x, "fused": fused, "in_place": in_place}
         if fused:
             from .gemm import fused_config
             (fused_w, configs), self._fused_weight = self._fused_weight, None
@@ -445,6 +476,7 @@ class NVLinkDispatcher:
             if self._stream_waits is None:
                 # A wait that holds at once (the word is 0, cyclic >= 0) tells whether the driver offers it.
                 self._stream_waits = bool(self.ext.stream_wait_word(self._started_dev, 0))
+            st.update(fused_w=fused_w, fused_gemm=fused_gemm)
         local_counts, num_recv, counts_all, dest_row = self.ext.layout(expert_idx, self.num_experts,
                                                                        self.bufs.descriptor, e_counts,
                                                                        *self._wait_args(), in_place)
@@ -466,7 +498,6 @@ class NVLinkDispatcher:
             per_expert = counts_all.sum(0).view(self.ep_size, L)
             seg_base = (per_expert.cumsum(1) - per_expert).reshape(-1).to(torch.int32)
             row_out = torch.empty_like(dest_row)
-        side = pairs_all = None
         if fused:
             # The fused schedule: from a side stream, the rows go out one destination at a time.
             # This rank's own rows first, on every SM (nothing else could run yet: the first GEMM
@@ -478,7 +509,7 @@ class NVLinkDispatcher:
             # layout.fused_runs on the device: the (source, expert) blocks the dispatch takes in,
             # and the runs of the GEMM's tiles
             source_blocks = self.ext.fused_segments(counts_all, self.rank, 1)
-            segs = self.ext.fused_segments(counts_all, self.rank, run_alignment(fused_gemm))
+            segs = self.ext.fused_segments(counts_all, self.rank, run_alignment(st["fused_gemm"]))
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             side = self._fused_side_stream()
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -499,36 +530,47 @@ class NVLinkDispatcher:
             # The GEMM queued next starts once every dispatch block holds its SM: the stream waits
             # on the device, or (no stream memory wait) the host waits below.
             waited = bool(self._stream_waits) and bool(self.ext.stream_wait_word(self._started_dev, e_disp))
-            waits = self._arrival_waits(segs, e_disp)
+            st.update(pairs_all=pairs_all, waited=waited, started=started, segs=segs,
+                      waits=self._arrival_waits(segs, e_disp))
         else:
             self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
                                    self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
                                    self.dedup)
         if row_out is not None:
             dest_row = row_out
+        st.update(counted=counted, e_disp=e_disp, local_counts=local_counts, num_recv=num_recv,
+                  counts_all=counts_all, dest_row=dest_row)
+        return st
+
+    def _dispatch_collect(self, st: dict):
+        """The rest of a dispatch whose kernels _dispatch_launch queued: the row count on the host
+        (the exact-R form's one host sync), the received rows' tensor, and the copy-out (or, fused,
+        the first GEMM queued)."""
+        x, fused, in_place, num_recv, e_disp = st["x"], st["fused"], st["in_place"], st["num_recv"], st["e_disp"]
         if self.padded_recv:
             rows = self.bufs.recv_rows
         else:
-            counted.synchronize()  # the one host sync of the exact-R form: layout done, dispatch queued
+            st["counted"].synchronize()  # the one host sync of the exact-R form: layout done, dispatch queued
             rows = int(self._num_recv_host[0])
             self.check()
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         if fused:
-            recv_pair = pairs_all[:rows]
-            if not waited:
-                self._await_fused_start(e_disp, started)
+            recv_pair = st["pairs_all"][:rows]
+            if not st["waited"]:
+                self._await_fused_start(e_disp, st["started"])
             # The first GEMM, queued now, before this returns to the caller: its tiles start on
             # this rank's own rows while the other sources' rows travel.
             from .gemm import grouped_mm_segments
+            waits = st["waits"]
             self._fused_waits = waits
-            waits.result = grouped_mm_segments(recv, fused_w, segs, fused_gemm, waits)
+            waits.result = grouped_mm_segments(recv, st["fused_w"], st["segs"], st["fused_gemm"], waits)
         else:
             recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
             self.ext.recv_copyout(num_recv, self.fp8, recv, recv_pair, self.bufs.descriptor, e_disp,
                                   *self._wait_args(), self.num_blocks, not in_place,
                                   self.num_experts // self.ep_size if self.ordering == "arrival" else 0, self.dedup)
         self.direct_stats["in_place" if in_place else "copied"] += 1
-        return recv, local_counts, dest_row, recv_pair, num_recv, counts_all
+        return recv, st["local_counts"], st["dest_row"], recv_pair, num_recv, st["counts_all"]
 
     def set_comm_sms(self, blocks: int, fused: bool = False) -> None:
         """``blocks`` SMs for the copy kernels, or, with ``fused``, for the fused dispatch beside the

@@ -1,4 +1,4 @@
-"""ds_uniep.gating.route against DeepSpeed's TopKGate itself: the same bits.
+"""ds_uniep.gating.route and route_split against DeepSpeed's TopKGate itself: the same bits.
 
 On the dropless top-2 and top-k paths (k >= 2, no token dropping) route() skips the
 locations cumsum and the capacity all-reduce, so its routes, gates, auxiliary loss, counts
@@ -45,23 +45,39 @@ def _gate_vs_route(rank, world_size):
         x0 = _inputs(T, M, case, ties)
         w = torch.randn(k, T, generator=torch.Generator().manual_seed(case))
         results = []
-        for use_route in (False, True):
+        for how in ("gate", "route", "split"):
             gate.wg.weight.grad = None
             x = x0.clone().requires_grad_(True)
-            torch.manual_seed(50 + case)  # the same jitter noise for both calls
-            if use_route:
+            torch.manual_seed(50 + case)  # the same jitter noise for every call
+            if how == "route":
                 l_aux, capacity, idx, gates, counts = gating.route(gate, x)
                 assert capacity is None
+            elif how == "split":  # the routes, then (after a dispatch could start) the rest
+                idx_tk, finish = gating.route_split(gate, x)
+                assert idx_tk.dtype == torch.int32 and idx_tk.is_contiguous() and idx_tk.shape == (T, k)
+                l_aux, gates_tk, counts = finish()
+                assert gates_tk.is_contiguous() and gates_tk.shape == (T, k)
+                idx, gates = idx_tk.t(), gates_tk.t()
             else:
                 l_aux, _, _, idx, _, gates, counts = gate(x, None, True)
             (l_aux * 0.37 + (gates * w).sum()).backward()
             results.append((l_aux.detach(), idx, gates.detach(), counts, x.grad, gate.wg.weight.grad.clone()))
         where = f"rank {rank} k={k} E={E} T={T} training={training} policy={policy} ties={ties} sampling={sampling}"
-        for a, b, name in zip(*results, ("l_aux", "route_idx", "route_gates", "exp_counts", "grad_x", "grad_wg")):
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{name}: {where}"
-            assert torch.equal(a, b), f"{name} differs: {where}"
+        for other, how in ((results[1], "route"), (results[2], "route_split")):
+            for a, b, name in zip(results[0], other,
+                                  ("l_aux", "route_idx", "route_gates", "exp_counts", "grad_x", "grad_wg")):
+                assert a.dtype == b.dtype and a.shape == b.shape, f"{how} {name}: {where}"
+                assert torch.equal(a, b), f"{how}: {name} differs: {where}"
         assert int(results[1][3].sum()) == T * k, where  # dropless: every pair counted
         assert results[1][4].abs().sum() > 0, where
+        if k == 2 and T > 1:  # top-2 masks the first routes by used_token: the gate itself runs
+            used = (torch.arange(T) % 2).float()
+            assert gating.route_split(gate, x0, used) is None, where
+            torch.manual_seed(50 + case)
+            got = gating.route(gate, x0, used)
+            torch.manual_seed(50 + case)
+            ref = gate(x0, used, True)
+            assert torch.equal(got[2], ref[3]) and torch.equal(got[3], ref[5]) and torch.equal(got[4], ref[6]), where
 
     # Anything else goes through the gate as it is.
     for k, drop in ((1, False), (1, True), (2, True), (4, True)):

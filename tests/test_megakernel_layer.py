@@ -6,7 +6,8 @@ gradient is reduced in a different (fixed) order by each, so gradients agree to
 bf16 tolerance. Megakernel runs must be bitwise identical to each other. The
 arrival-ordered megakernel (``"deterministic": false``) must agree to bf16 tolerance.
 The pipelined and fused schedules must equal the sequential one bit for bit, for every chunk
-count and number of communication SMs.
+count and number of communication SMs, and so must the sequential schedule with its dispatch
+queued before the rest of the gate (the default) and after it.
 """
 import pytest
 import torch
@@ -99,6 +100,34 @@ def test_megakernel_layer_matches_reference(world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare, world_size, backend="nccl")
+
+
+def _compare_route_order(rank, world_size):
+    # The sequential schedule queues its dispatch between the gate's routes and the rest of the
+    # gate (route_early, the default): the same bits as with the dispatch after the whole gate.
+    for k in (1, 2, 6, 8):
+        cases = [(T, one) for kk, T, one in CASES if kk == k]
+        late = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"})
+        late.route_early = False
+        want = [_step(late, rank, T, one) for T, one in cases]
+        assert next(iter(late._dispatchers.values())).direct_stats["begun_early"] == 0
+        del late
+        for gemm in ("torch", "uniep"):
+            layer = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm=gemm)
+            _check_same(layer, rank, cases, want, f"k={k} dispatch queued early, {gemm} GEMM")
+            begun = next(iter(layer._dispatchers.values())).direct_stats["begun_early"]
+            # k = 1 is DeepSpeed's top-1 gate, called whole: no early dispatch there
+            assert begun == (0 if k == 1 else len(cases)), f"rank {rank} k={k}: {begun} dispatches queued early"
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_early_dispatch_is_bitwise_the_late_one(world_size):
+    """Outputs, input and every parameter gradient with the dispatch queued before the rest of
+    the gate and the experts' stacking, against it queued after them; k 1-8, 1 to 4096 tokens."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_distributed(_compare_route_order, world_size, backend="nccl")
 
 
 def _compare_schedules(rank, world_size):
