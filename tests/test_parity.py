@@ -66,7 +66,11 @@ def _parity(rank, world_size):
         torch.testing.assert_close(gx2, gx1, rtol=1e-5, atol=1e-6, msg=where)
         assert gp1.keys() == gp2.keys()
         for n in gp1:
-            torch.testing.assert_close(gp2[n], gp1[n], rtol=1e-5, atol=1e-6, msg=f"{where} grad {n}")
+            # A parameter gradient sums over tokens; summed in another order (the stock layer's
+            # capacity-padded buffers) an element near zero keeps the rounding of its largest terms,
+            # so the absolute tolerance scales with the gradient's largest element.
+            atol = 1e-6 * max(1.0, gp1[n].abs().max().item())
+            torch.testing.assert_close(gp2[n], gp1[n], rtol=1e-5, atol=atol, msg=f"{where} grad {n}")
         # The output depends on the experts: a zero output would pass the checks above vacuously.
         assert o2.abs().sum() > 0 and gx2.abs().sum() > 0
 
