@@ -81,8 +81,8 @@ class UniEPMoE(MoE):
         self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
         self._uniep_gemm_ok = set()  # devices where expert_gemm "uniep" was found usable
         self._stack_cache = {}  # how this layer's expert parameters stack (ds_uniep.experts.stack_experts)
-        #: the megakernel's sequential schedule queues its dispatch between the gate's routes and the
-        #: rest of the gate and the experts' stacking (see _forward_dispatch_early); False: after them
+        #: the megakernel's sequential and fused schedules queue their dispatch between the gate's routes
+        #: and the rest of the gate (see _forward_dispatch_early); False: after the whole gate
         self.route_early = True
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -274,15 +274,17 @@ class UniEPMoE(MoE):
         return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux, exp_counts)
 
     def _forward_dispatch_early(self, hidden_states: Tensor, x: Tensor, used_token: Optional[Tensor]):
-        """The megakernel's sequential schedule with its dispatch queued as soon as the gate's routes
-        exist: the counts exchange, the layout and the rows' stores then run on the device while
-        the host issues the rest of the gate (gates, auxiliary loss, counts: ``gating.route_split``)
-        and stacks the experts' weights, work that otherwise comes before the dispatch while the
-        device waits (``NVLinkDispatcher.dispatch_begin``). The same operations on the same tensors,
-        so the same bits. None where this does not apply (another schedule or backend, tensor
-        parallelism, arrival ordering, a gate other than DeepSpeed's dropless top-2/top-k): the
-        general path runs."""
-        if self.uniep_config.overlap.schedule != "sequential" or tp_context()[1] > 1:
+        """The megakernel's sequential and fused schedules with the dispatch queued as soon as the
+        gate's routes exist: the counts exchange, the layout and the rows' stores then run on the
+        device while the host issues the rest of the gate (gates, auxiliary loss, counts:
+        ``gating.route_split``) and, in the sequential schedule, stacks the experts' weights, work
+        that otherwise comes before the dispatch while the device waits
+        (``NVLinkDispatcher.dispatch_begin``; the fused dispatch needs the stacked first projection
+        at its start). The same operations on the same tensors, so the same bits. None where this
+        does not apply (the pipelined schedule, the reference backend, tensor parallelism, arrival
+        ordering, a gate other than DeepSpeed's dropless top-2/top-k): the general path runs."""
+        schedule = self.uniep_config.overlap.schedule
+        if schedule not in ("sequential", "fused") or tp_context()[1] > 1:
             return None
         dispatcher = self._dispatcher(x)
         if isinstance(dispatcher, ReferenceDispatcher) or dispatcher.ordering != "layout":
@@ -293,13 +295,26 @@ class UniEPMoE(MoE):
         if split is None:
             return None
         expert_idx, finish = split
+        experts = moe.experts.deepspeed_experts
+        stacked = fused = None
+        if schedule == "fused":
+            stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
+            fused = self._fuses(dispatcher, stacked is not None)
+            if fused:  # as in forward(): the dispatch queues the first GEMM over the arriving rows
+                first = "w13" if "w13" in stacked.weights else "fc1"
+                dispatcher.request_fused(stacked.weights[first].contiguous())
         dispatcher.dispatch_begin(x, expert_idx)
         l_aux, gates, exp_counts = finish()
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
-        stacked = stack_experts(moe.experts.deepspeed_experts, x.dtype, x.device, cache=self._stack_cache)
+        if schedule != "fused":
+            stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
         recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-        y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, grouped=stacked is not None,
-                        gemm=self._expert_gemm(recv.device), stacked=stacked)
+        if fused:
+            y = run_grouped(experts, recv, local_counts, "uniep", stacked=stacked,
+                            waits=dispatcher.take_fused_waits())
+        else:
+            y = run_experts(experts, recv, local_counts, grouped=stacked is not None,
+                            gemm=self._expert_gemm(recv.device), stacked=stacked)
         output = dispatcher.combine(y, gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
 

@@ -444,11 +444,11 @@ class NVLinkDispatcher:
         """Queue the next :meth:`dispatch`'s kernels now (counts exchange, layout, the rows' stores),
         so that the host work the caller does before calling :meth:`dispatch` with the same ``x``
         and ``expert_idx`` overlaps them; that call then only reads the row count and returns. The
-        same kernels, the same results. Returns False (nothing queued) where the dispatch needs more
-        at its start: arrival ordering (the gates) or a fused request (the expert weights)."""
+        same kernels, the same results (a :meth:`request_fused` before this call applies to it).
+        Returns False (nothing queued) under arrival ordering, whose dispatch needs the gates."""
         if self._pending is not None:
             raise RuntimeError(f"{self.layer_name}: dispatch_begin() twice without a dispatch() between")
-        if self.ordering != "layout" or self._fuse_next:
+        if self.ordering != "layout":
             return False
         x, idx = self.checked_inputs(x, expert_idx)
         self._pending = (x, idx, self._dispatch_launch(x, idx, None, False))

@@ -177,12 +177,17 @@ def _compare_fused(rank, world_size):
                     M=1024, F=512)
         want = [_step(seq, rank, T, one) for T, one in cases]
         del seq
-        for sms in (20, 8, 20):  # 20 twice: run to run
+        # 20 twice: run to run, the second time with the dispatch queued after the whole gate
+        for sms, early in ((20, True), (8, True), (20, False)):
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": sms})
-            _check_same(layer, rank, cases, want, f"k={k} fused, comm SMs {sms}")
-            stats = next(iter(layer._dispatchers.values())).fused_stats
+            layer.route_early = early
+            _check_same(layer, rank, cases, want, f"k={k} fused, comm SMs {sms}, early dispatch {early}")
+            disp = next(iter(layer._dispatchers.values()))
+            stats = disp.fused_stats
             assert stats == {"fused": len(cases), "sequential": 0}, f"k={k} comm SMs {sms}: {stats}"
+            begun = disp.direct_stats["begun_early"]
+            assert begun == (len(cases) if early and k > 1 else 0), f"k={k} early {early}: {begun} queued early"
         if k == 2:  # experts flattened into one buffer, as DeepSpeed's optimizers leave them: strided stacks
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": 8})
