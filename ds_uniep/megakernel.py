@@ -358,9 +358,10 @@ class NVLinkDispatcher:
         # A pulling combine leaves peers reading this rank's source region; the next counts
         # exchange or barrier ends that, and combine_source() puts a barrier in before then.
         self._peers_may_read_source = False
-        #: forward dispatches whose rows were received in place / copied out of staging; of all
-        #: forward dispatches, those queued by dispatch_begin
-        self.direct_stats = {"in_place": 0, "copied": 0, "begun_early": 0}
+        #: forward dispatches whose rows were received in place / copied out of staging
+        self.direct_stats = {"in_place": 0, "copied": 0}
+        #: forward dispatches whose kernels dispatch_begin queued
+        self.early_dispatches = 0
         #: forward combines that pulled from the source regions / pushed rows back / ran pipelined
         self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
@@ -452,7 +453,7 @@ class NVLinkDispatcher:
             return False
         x, idx = self.checked_inputs(x, expert_idx)
         self._pending = (x, idx, self._dispatch_launch(x, idx, None, False))
-        self.direct_stats["begun_early"] += 1
+        self.early_dispatches += 1
         return True
 
     def _dispatch_launch(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor], host_counts: bool) -> dict:

@@ -110,12 +110,12 @@ def _compare_route_order(rank, world_size):
         late = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"})
         late.route_early = False
         want = [_step(late, rank, T, one) for T, one in cases]
-        assert next(iter(late._dispatchers.values())).direct_stats["begun_early"] == 0
+        assert next(iter(late._dispatchers.values())).early_dispatches == 0
         del late
         for gemm in ("torch", "uniep"):
             layer = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm=gemm)
             _check_same(layer, rank, cases, want, f"k={k} dispatch queued early, {gemm} GEMM")
-            begun = next(iter(layer._dispatchers.values())).direct_stats["begun_early"]
+            begun = next(iter(layer._dispatchers.values())).early_dispatches
             # k = 1 is DeepSpeed's top-1 gate, called whole: no early dispatch there
             assert begun == (0 if k == 1 else len(cases)), f"rank {rank} k={k}: {begun} dispatches queued early"
 
@@ -186,7 +186,7 @@ def _compare_fused(rank, world_size):
             disp = next(iter(layer._dispatchers.values()))
             stats = disp.fused_stats
             assert stats == {"fused": len(cases), "sequential": 0}, f"k={k} comm SMs {sms}: {stats}"
-            begun = disp.direct_stats["begun_early"]
+            begun = disp.early_dispatches
             assert begun == (len(cases) if early and k > 1 else 0), f"k={k} early {early}: {begun} queued early"
         if k == 2:  # experts flattened into one buffer, as DeepSpeed's optimizers leave them: strided stacks
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,

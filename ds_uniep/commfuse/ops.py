@@ -66,10 +66,12 @@ import torch.distributed as dist
 SCHEDULES = ("ring", "bidirectional_ring", "local_first")
 TRANSPORTS = ("auto", "p2p", "copy_engine")
 
-# cuBLAS may pick a different kernel for operands that are less aligned than a
-# fresh allocation; such operands are copied so every block GEMM matches the
-# reference GEMM on a freshly allocated block.
+# cuBLAS, and on the CPU torch's BLAS, may pick a different kernel (with other
+# bits) for operands and outputs less aligned than a fresh allocation; such
+# operands are copied (and such outputs computed fresh, then copied in) so every
+# block GEMM matches the reference GEMM on a freshly allocated block.
 _CUDA_ALIGN = 256
+_CPU_ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
 
 _comm_streams = {}
 
@@ -286,7 +288,7 @@ class _Exchange:
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    if t.is_cuda and t.numel() and t.data_ptr() % _CUDA_ALIGN:
+    if t.numel() and t.data_ptr() % (_CUDA_ALIGN if t.is_cuda else _CPU_ALIGN):
         return t.clone()
     return t
 
@@ -295,7 +297,7 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     if out.numel() == 0:
         return
     a = _aligned(a)
-    if out.is_cuda and out.data_ptr() % _CUDA_ALIGN:
+    if out.data_ptr() % (_CUDA_ALIGN if out.is_cuda else _CPU_ALIGN):
         out.copy_(a @ b)
     else:
         torch.mm(a, b, out=out)
