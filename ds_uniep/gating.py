@@ -95,8 +95,16 @@ def route_split(gate, x: Tensor, used_token: Optional[Tensor] = None
     """The dropless top-2 and top-k paths of :func:`route` in two steps, so that a dispatch can
     start between them: ``(expert_idx [T, k] int32, rest)`` with the routes first, then
     ``rest() -> (l_aux, gates [T, k] fp32, exp_counts [E])``, the same operations on the same
-    tensors as :func:`route` (so the same bits), token-major. None for every other gate, and
-    with ``used_token`` (call :func:`route`, which then calls the gate itself)."""
+    tensors as :func:`route` (so the same bits), token-major. None for every other gate, with
+    ``used_token`` (call :func:`route`, which then calls the gate itself) and with the gate's
+    ``wall_clock_breakdown`` timer on."""
+    if getattr(gate, "wall_clock_breakdown", False):
+        return None  # the gate's timer would time the dispatch queued between the two steps
+    return _route_split(gate, x, used_token)
+
+
+def _route_split(gate, x: Tensor, used_token: Optional[Tensor] = None):
+    """:func:`route_split`'s two steps, the gate's timer (``wall_clock_breakdown``) around both."""
     kind = _dropless_kind(gate)
     if kind is None or used_token is not None:  # DeepSpeed's top-2 masks the first routes by used_token
         return None
@@ -125,7 +133,7 @@ def route(gate, x: Tensor, used_token: Optional[Tensor] = None
     """``(l_aux, capacity, route_idx [k, T] int32, route_gates [k, T] fp32, exp_counts [E])``
     of ``gate(x, used_token, sparse_routes=True)``; ``capacity`` is None on the dropless top-2
     and top-k paths (which skip it, see the module doc)."""
-    split = route_split(gate, x, used_token)
+    split = _route_split(gate, x, used_token)
     if split is None:
         l_aux, capacity, _, route_idx, _, route_gates, exp_counts = gate(x, used_token, True)
         return l_aux, capacity, route_idx, route_gates, exp_counts

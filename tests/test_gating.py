@@ -70,6 +70,9 @@ def _gate_vs_route(rank, world_size):
                 assert torch.equal(a, b), f"{how}: {name} differs: {where}"
         assert int(results[1][3].sum()) == T * k, where  # dropless: every pair counted
         assert results[1][4].abs().sum() > 0, where
+        gate.wall_clock_breakdown = True  # its timer would time a dispatch queued between the steps
+        assert gating.route_split(gate, x0) is None, where
+        gate.wall_clock_breakdown = False
         if k == 2 and T > 1:  # top-2 masks the first routes by used_token: the gate itself runs
             used = (torch.arange(T) % 2).float()
             assert gating.route_split(gate, x0, used) is None, where
