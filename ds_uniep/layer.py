@@ -247,9 +247,7 @@ class UniEPMoE(MoE):
             # The fused schedule: the rows travel one destination at a time from a few SMs while the
             # first expert GEMM runs on the others, each run of its tiles as soon as the latest source
             # among the run's rows has arrived; then the sequential rest. The same bits as sequential.
-            first = "w13" if "w13" in stacked.weights else "fc1"  # SwiGLU or GeLU experts
-            # (contiguous, as grouped_linear makes it: a copy only for strided stacks of flattened experts)
-            dispatcher.request_fused(stacked.weights[first].contiguous())
+            self._request_fused(dispatcher, stacked)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
             y = run_grouped(moe.experts.deepspeed_experts, recv, local_counts, "uniep", stacked=stacked,
                             waits=dispatcher.take_fused_waits())
@@ -300,9 +298,8 @@ class UniEPMoE(MoE):
         if schedule == "fused":
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             fused = self._fuses(dispatcher, stacked is not None)
-            if fused:  # as in forward(): the dispatch queues the first GEMM over the arriving rows
-                first = "w13" if "w13" in stacked.weights else "fc1"
-                dispatcher.request_fused(stacked.weights[first].contiguous())
+            if fused:
+                self._request_fused(dispatcher, stacked)
         dispatcher.dispatch_begin(x, expert_idx)
         l_aux, gates, exp_counts = finish()
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
@@ -317,6 +314,14 @@ class UniEPMoE(MoE):
                             gemm=self._expert_gemm(recv.device), stacked=stacked)
         output = dispatcher.combine(y, gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
+
+    @staticmethod
+    def _request_fused(dispatcher, stacked) -> None:
+        """Ask the next dispatch to queue the first expert GEMM (``w13`` of SwiGLU experts, ``fc1`` of
+        GeLU ones) over the rows as they arrive; the weight contiguous, as grouped_linear makes it (a
+        copy only for the strided stacks of flattened experts)."""
+        first = "w13" if "w13" in stacked.weights else "fc1"
+        dispatcher.request_fused(stacked.weights[first].contiguous())
 
     def _finish(self, output: Tensor, hidden_states: Tensor, tp_sizes, tp_rank, tp_group, l_aux, exp_counts):
         """The combined tokens back in the input's shape (gathered over TP ranks), plus PR-MoE's residual."""

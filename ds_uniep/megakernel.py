@@ -435,8 +435,9 @@ class NVLinkDispatcher:
             return self._dispatch_collect(self._dispatch_launch(x, expert_idx, gates, host_counts))
         # dispatch_begin queued this dispatch's kernels already: only the row count is left to read.
         px, pidx, launched = pending
-        if (px.data_ptr(), px.shape, pidx.data_ptr(), pidx.shape, host_counts, gates) != (
-                x.data_ptr(), x.shape, expert_idx.data_ptr(), expert_idx.shape, False, None):
+        same = (px.data_ptr(), px.shape, pidx.data_ptr(), pidx.shape) == (
+            x.data_ptr(), x.shape, expert_idx.data_ptr(), expert_idx.shape)
+        if not same or host_counts or gates is not None:
             raise RuntimeError(f"{self.layer_name}: dispatch() got other inputs than the dispatch_begin() before "
                                "it; call dispatch() next with the same x and expert_idx")
         return self._dispatch_collect(launched)
