@@ -1,6 +1,7 @@
 """Dispatch and combine of NVLinkDispatcher against the NVLink peer copy and NCCL all_to_all_single.
 
     torchrun --nproc_per_node N benchmarks/bench_dispatch.py --out dispatch.json
+    torchrun --nproc_per_node 4 benchmarks/bench_dispatch.py --tokens 8192 --combine-variants 16/0/2/0.5 32/0/2/0.5
 
 Per rank: T tokens [T, M] bf16, top-k routing over E = 32 * N / 4 experts (at least k),
 each token's k experts distinct. Payload = T * k * M * 2 bytes per rank (every pair row;
@@ -16,7 +17,8 @@ the spin outlasted the launches).
 Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
 order first); the megakernel dispatch receiving in place (its direct region) and
 through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
-default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS and the
+default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS (or of
+--combine-variants) and the
 pulling combine from source regions with one and two blocks per SM, and the copy-engine
 combine of the pipelined schedule in one chunk (each (expert, source) segment copied into its
 source's combine buffer by cudaMemcpyAsync, one stream per destination, then the slot-order
@@ -44,6 +46,19 @@ COMBINE_VARIANTS = [(0, None, 0, 1), (16, None, 0, 1), (16, None, 2, 1), (16, No
                     (16, None, 0, 1 / 2)]
 # Pulling combine variants: (result key, blocks per SM). The first is the dispatcher's default.
 PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
+
+
+def parse_variant(text):
+    """``"C/R/L/S"`` -> a COMBINE_VARIANTS entry (R 0 and S 0 mean the dispatcher's defaults)."""
+    try:
+        chunks, reducers, lead, share = text.split("/")
+        chunks, reducers, lead, share = int(chunks), int(reducers), int(lead), float(share)
+    except ValueError:
+        raise SystemExit(f"--combine-variants: {text!r} is not chunks/reduce_blocks/push_lead/push_share, "
+                         "e.g. 16/0/2/0.5") from None
+    if chunks < 0 or reducers < 0 or lead < 0 or not 0 <= share <= 1:
+        raise SystemExit(f"--combine-variants: {text!r} has a negative count or a share outside [0, 1]")
+    return chunks, reducers or None, lead, share or None
 
 
 def _median_over_ranks(times, device):
@@ -123,8 +138,12 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--combine-variants", nargs="+", metavar="C/R/L/S",
+                   help="combine variants to time instead of the built-in list: chunks/reduce blocks (0: one per "
+                        "SM)/push lead/pushing blocks as a share of num_blocks (0: the default half), e.g. 16/0/2/0.4")
     p.add_argument("--out", default="bench_dispatch.json")
     a = p.parse_args()
+    variants = COMBINE_VARIANTS if not a.combine_variants else [parse_variant(v) for v in a.combine_variants]
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -207,7 +226,7 @@ def main():
                        disp.combine_push_blocks)
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
-            for chunks, reducers, lead, share in COMBINE_VARIANTS:
+            for chunks, reducers, lead, share in variants:
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
                 disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
                 pushers = disp.combine_pushers()

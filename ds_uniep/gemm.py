@@ -13,8 +13,9 @@ problem shapes from ``offs`` on the device (the host never waits for the routing
 bf16 operands, fp32 accumulation, one rounding to bf16. No split-K: every output element is a
 single CTA's k-ordered sum, so results are bitwise the same for every tile configuration, tile
 order and SM count (tests check it) and from run to run. :data:`CONFIGS` are the tile
-configurations built; :data:`DEFAULT_CONFIGS` lets the first call of each shape pick the fastest
-(``bench_grouped_gemm.py`` measures them all).
+configurations built; :data:`DEFAULT_CONFIGS` says which each operation runs (a fixed one, or
+``"auto"``: the first call of each shape picks the fastest; ``bench_grouped_gemm.py`` measures
+them all alone, ``bench_gemm_in_layer.py`` inside the MoE layer).
 """
 
 from dataclasses import dataclass
@@ -33,12 +34,15 @@ bands of 4 (``m``: along M, the default; band 1, 2, 4 or 8). Neither changes the
 ORDERS = ("", ":n1", ":m4", ":n4")
 """Scheduler tile orders the automatic choice tries with every tile configuration."""
 
-DEFAULT_CONFIGS = {"fwd": "auto", "dgrad": "auto", "wgrad": "auto"}
+DEFAULT_CONFIGS = {"fwd": "coop128x256", "dgrad": "auto", "wgrad": "auto"}
 """The configuration each operation runs with unless told otherwise. ``"auto"``: the first call
 of an (op, G, N, K, rows rounded up to a power of two) on a device times every tile
 configuration with every order of :data:`ORDERS` on that call's operands and keeps the fastest
 for the process. The values cannot change with the choice (see above), so choosing is safe on
-every rank independently."""
+every rank independently. The forward runs ``coop128x256``: inside the MoE layer (4 H200s,
+``benchmarks/bench_gemm_in_layer.py``) the forward configurations that timed fastest alone on the
+layer's own rows (ping-pong 128x128) made the layer's forward 4-6% slower than torch's GEMM at
+dsv3-like, while ``coop128x256`` made it level, at dsv2-lite-like too."""
 
 _TUNED: Dict[Tuple, str] = {}
 
@@ -237,8 +241,9 @@ def fused_config(rows: int, w: Tensor, configs: Optional[Mapping[str, str]], sm_
     """The forward configuration of the fused schedule's waiting GEMM over about ``rows`` rows of
     ``w``'s groups (``[G, N, K]``) on ``sm_count`` SMs: ``configs["fwd"]`` when set, else the fastest
     of :data:`FUSED_CONFIGS` for that many rows split evenly over the groups on that many SMs,
-    timed once per shape on scratch rows (a waiting GEMM cannot be timed on rows in flight)."""
-    config = (configs or DEFAULT_CONFIGS).get("fwd", "auto")
+    timed once per shape on scratch rows (a waiting GEMM cannot be timed on rows in flight). Not
+    :data:`DEFAULT_CONFIGS`: the waiting GEMM runs on fewer SMs than the plain forward it was set for."""
+    config = (configs or {}).get("fwd", "auto")
     if config != "auto":
         return config
     groups = w.shape[0]
