@@ -66,3 +66,19 @@ def test_fused_runs_align_to_the_tiles_the_scheduler_counts():
         del gemm._TUNED[key]
     with pytest.raises(ValueError, match="tile"):
         gemm.run_alignment("coop64x64")
+
+
+def test_default_configs_are_built_ones_and_the_fused_gemm_keeps_its_own_choice(monkeypatch):
+    assert set(gemm.DEFAULT_CONFIGS) == set(gemm.OPS)
+    for op, config in gemm.DEFAULT_CONFIGS.items():
+        assert config == "auto" or gemm.parse_config(config), op  # parse_config raises on unbuilt ones
+    w = torch.zeros(2, 16, 16, dtype=torch.bfloat16)
+    # A configuration named by the caller is taken as it is (no timing, so no GPU needed) ...
+    assert gemm.fused_config(64, w, {"fwd": "pingpong128x128:n1"}, 64) == "pingpong128x128:n1"
+    # ... but the plain forward's default is not: without configs the waiting GEMM times its own
+    # candidates (here the stand-in for the timing records that it was asked).
+    asked = []
+    monkeypatch.setattr(gemm, "_choose", lambda *a, **kw: asked.append(kw.get("configs")) or "coop256x128")
+    monkeypatch.setitem(gemm.DEFAULT_CONFIGS, "fwd", "coop128x256")
+    assert gemm.fused_config(64, w, None, 64) == "coop256x128"
+    assert asked == [gemm.FUSED_CONFIGS]
