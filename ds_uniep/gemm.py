@@ -42,7 +42,7 @@ for the process. The values cannot change with the choice (see above), so choosi
 every rank independently. The forward runs ``coop128x256``: inside the MoE layer (4 H200s,
 ``benchmarks/bench_gemm_in_layer.py``) the forward configurations that timed fastest alone on the
 layer's own rows (ping-pong 128x128) made the layer's forward 4-6% slower than torch's GEMM at
-dsv3-like, while ``coop128x256`` made it level, at dsv2-lite-like too."""
+dsv3-like, while ``coop128x256`` made it level, at dsv2lite-like too."""
 
 _TUNED: Dict[Tuple, str] = {}
 
