@@ -82,11 +82,6 @@ def main(argv=None):
         raise SystemExit(f"the megakernel cannot run here: {status[1]}")
     defaults = dict(gemm.DEFAULT_CONFIGS)
 
-    def slowest(ms):
-        t = torch.tensor([ms], device="cuda")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return float(t)
-
     results = {"ep": ep, "configs": args.configs, "default_configs": defaults, "shapes": {}}
     for name in args.shapes:
         shape = PRESETS[name]
@@ -119,7 +114,7 @@ def main(argv=None):
             with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
                 r = bench_interleaved(variants, warmup=args.warmup, repeats=args.repeats, sync=dist.barrier)
             gemm.DEFAULT_CONFIGS.update(defaults)
-            res["layer"][mode] = {k: slowest(v["median_ms"]) if "median_ms" in v else v for k, v in r.items()}
+            res["layer"][mode] = {k: layer_bench.slowest(v["median_ms"], dist) if "median_ms" in v else v for k, v in r.items()}
 
         # The forward GEMMs alone on this rank's rows of the layer (a reference dispatch of xs[0]).
         recv, counts, experts = layer_bench._layer_rows(layers["megakernel"], xs[0])
@@ -140,7 +135,7 @@ def main(argv=None):
                     gemm.grouped_mm(rows, up, offs, "fwd", c), gemm.grouped_mm(act_rows, down, offs, "fwd", c)), None)
                     for c in args.configs})
             r = bench_interleaved(alone, warmup=args.warmup, repeats=args.repeats, sync=dist.barrier)
-        res["gemms_alone_fwd"] = {k: slowest(v["median_ms"]) for k, v in r.items()}
+        res["gemms_alone_fwd"] = {k: layer_bench.slowest(v["median_ms"], dist) for k, v in r.items()}
         chosen = [None] * ep
         torch.distributed.all_gather_object(
             chosen, {f"{k[0]} G={k[2]} N={k[3]} K={k[4]} rows<={k[5]}": v for k, v in gemm.chosen_configs().items()
