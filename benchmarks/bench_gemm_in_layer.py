@@ -114,7 +114,8 @@ def main(argv=None):
             with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
                 r = bench_interleaved(variants, warmup=args.warmup, repeats=args.repeats, sync=dist.barrier)
             gemm.DEFAULT_CONFIGS.update(defaults)
-            res["layer"][mode] = {k: layer_bench.slowest(v["median_ms"], dist) if "median_ms" in v else v for k, v in r.items()}
+            res["layer"][mode] = {k: layer_bench.slowest(v["median_ms"], dist) if "median_ms" in v else v
+                                  for k, v in r.items()}
 
         # The forward GEMMs alone on this rank's rows of the layer (a reference dispatch of xs[0]).
         recv, counts, experts = layer_bench._layer_rows(layers["megakernel"], xs[0])
