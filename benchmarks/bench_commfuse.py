@@ -5,7 +5,9 @@
 Llama-70B-like MLP shapes by default (hidden 8192, FFN 28672, 8192 tokens in
 total split over the G tensor-parallel ranks), bf16, forward:
 
-* all_gather_matmul (up projection): x_shard ``[T/G, H]`` @ w ``[H, F/G]`` -> ``[T, F/G]``
+* all_gather_matmul (up projection): x_shard ``[T/G, H]`` @ w ``[H, F/G]`` -> ``[T, F/G]``, w given as
+  ``weight.t()`` of an ``nn.Linear``-layout ``[F/G, H]`` weight, as ``ColumnParallelLinear`` passes it
+  (``--weight-layout kn``: a contiguous ``[H, F/G]`` tensor instead, the layout of the older results in docs/results)
 * matmul_reduce_scatter (down projection): x ``[T, F/G]`` @ w ``[F/G, H]`` -> ``[T/G, H]``
 
 Per op, in one run: GEMM alone, collective alone, unfused (collective then
@@ -22,7 +24,10 @@ it into on this rank: its own block, then each run of the others' rows), ``sum_a
 (reduce-scatter: the rank-order fp32 sum of the G partials, which follows the last GEMM) and
 ``gemm_beside_copies`` (the whole GEMM while the same bytes are copied into the peers' symmetric
 buffers on a side stream, nothing waiting on anything: what the GEMM costs beside the
-transfers). Exposed communication = time - GEMM alone (for ``sum_alone``: its time), as a
+transfers). With the ``arrival`` schedule (all-gather on ds_uniep's grouped GEMM, one launch;
+copy engine only, skipped on gloo) also ``gemm_alone_uniep``: that GEMM alone over the gathered
+rows with the configuration ``arrival`` runs; ``arrival``'s exposure over it is reported beside
+the one over the cuBLAS GEMM alone (``exposed_vs_own_gemm``). Exposed communication = time - GEMM alone (for ``sum_alone``: its time), as a
 fraction of the collective-alone time. Times are the slowest rank's median; the variants take
 turns run by run (``timing.bench_interleaved``), so a drift of the clocks weighs on all alike.
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
@@ -56,8 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--ffn", type=int, default=28672, help="F, MLP width (all ranks together)")
     p.add_argument("--tokens", type=int, default=8192, help="T, tokens in total (split over ranks)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--schedules", nargs="+", default=["ring", "bidirectional_ring", "local_first"],
-                   choices=["ring", "bidirectional_ring", "local_first"])
+    p.add_argument("--schedules", nargs="+", default=["ring", "bidirectional_ring", "local_first", "arrival"],
+                   choices=["ring", "bidirectional_ring", "local_first", "arrival"],
+                   help="arrival runs on the copy engine only (all-gather; its reduce-scatter is bidirectional_ring)")
+    p.add_argument("--weight-layout", choices=["linear", "kn"], default="linear",
+                   help="all-gather's w: weight.t() of an nn.Linear-layout [F/G, H] weight (what ColumnParallelLinear "
+                   "passes) or a contiguous [H, F/G] tensor")
     p.add_argument("--num-chunks", type=int, nargs="+", default=[1], help="CommFuse chunk counts to time (p2p)")
     p.add_argument("--transports", nargs="+", default=["p2p", "copy_engine"], choices=["p2p", "copy_engine"],
                    help="CommFuse transports to time (copy_engine needs CUDA; skipped on gloo)")
@@ -99,6 +108,8 @@ def _commfuse_points(a, gloo):
         if t == "copy_engine" and gloo:
             continue
         for s in a.schedules:
+            if s == "arrival" and t != "copy_engine":
+                continue
             for c in (a.num_chunks if t == "p2p" else [1]):
                 out.append((f"cf.{t}.{s}.c{c}", t, s, c))
     return out
@@ -119,8 +130,8 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
 
     out = {}
     if op == "all_gather_matmul":
-        inputs = rotating(lambda i: (rnd(T // G, H), rnd(H, F)), a.pool)
-        full = rotating(lambda i: (rnd(T, H), rnd(H, F)), a.pool)
+        inputs = rotating(lambda i: (rnd(T // G, H), _weight(rnd, H, F, a)), a.pool)
+        full = rotating(lambda i: (rnd(T, H), _weight(rnd, H, F, a)), a.pool)
         gathered = torch.empty(T, H, dtype=dtype, device=device)
 
         def unfused(x, w):
@@ -159,7 +170,28 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
                 x, w, group, s, c, out_sizes=sizes, transport=t)[0], inputs)
     if "copy_engine" in a.transports and not gloo:
         out.update(_floors(op, a, G, group, device, dtype, rnd))
+        if op == "all_gather_matmul" and "arrival" in a.schedules:
+            out["gemm_alone_uniep"] = (_uniep_gemm(T, device), full)
     return out
+
+
+def _uniep_gemm(T, device):
+    """ds_uniep's grouped GEMM over all T rows (one group) with the configuration the ``arrival``
+    schedule runs."""
+    from ds_uniep.commfuse.arrival import default_config
+    from ds_uniep.gemm import grouped_mm
+    offs = torch.tensor([T], dtype=torch.int32, device=device)
+
+    def run(x, w):
+        wt = w.t().contiguous().unsqueeze(0)  # a view, no copy, for the default weight layout
+        return grouped_mm(x, wt, offs, "fwd", default_config())
+    return run
+
+
+def _weight(rnd, K, N, a):
+    """The all-gather's ``w [K, N]``: ``weight.t()`` of an ``nn.Linear``-layout ``[N, K]`` weight, as
+    ``ColumnParallelLinear`` passes it (``--weight-layout linear``), or a contiguous ``[K, N]``."""
+    return rnd(N, K).t() if a.weight_layout == "linear" else rnd(K, N)
 
 
 def _floors(op, a, G, group, device, dtype, rnd):
@@ -170,7 +202,10 @@ def _floors(op, a, G, group, device, dtype, rnd):
     rank = dist.get_rank(group)
     # All-gather moves x's row blocks [T/G, H], reduce-scatter partials of the same shape.
     K, N = (H, F) if op == "all_gather_matmul" else (F, H)
-    inputs = rotating(lambda i: (rnd(T, K), rnd(K, N)), a.pool)
+    if op == "all_gather_matmul":  # w as the op's variants take it (see _variants)
+        inputs = rotating(lambda i: (rnd(T, K), _weight(rnd, K, N, a)), a.pool)
+    else:
+        inputs = rotating(lambda i: (rnd(T, K), rnd(K, N)), a.pool)
     block_rows = T // G
     ws = _workspace(group, device, G * block_rows * H * torch.empty(0, dtype=dtype).element_size())
     block = rnd(block_rows, H)
@@ -210,7 +245,7 @@ def _floors(op, a, G, group, device, dtype, rnd):
 
 def _is_bare(name):
     """Floors that run only part of the op (some of its GEMMs, or its sum): not checked."""
-    return name in ("gemm_blocks", "gemm_local_first", "sum_alone")
+    return name in ("gemm_blocks", "gemm_local_first", "sum_alone", "gemm_alone_uniep")
 
 
 def _collect(timed, device):
@@ -234,6 +269,12 @@ def _collect(timed, device):
             # sum_alone runs after the last GEMM, so all of it is exposed.
             r["exposed_comm_ms"] = t if name == "sum_alone" else t - t_gemm
             r["exposed_frac_of_unfused_comm"] = r["exposed_comm_ms"] / t_comm
+    t_own = res.get("gemm_alone_uniep", {}).get("median_ms")
+    for name, r in res.items():
+        if ".arrival." in name and r["median_ms"] is not None and t_own and t_comm:
+            # arrival runs ds_uniep's GEMM: its exposure over that GEMM alone too.
+            r["exposed_vs_own_gemm_ms"] = r["median_ms"] - t_own
+            r["exposed_vs_own_gemm_frac"] = r["exposed_vs_own_gemm_ms"] / t_comm
     return res
 
 
@@ -267,11 +308,14 @@ def _checks(op, variants, G, group, gloo, points):
         blocks = list(gathered.chunk(G))
         blockwise = torch.cat([b.clone() @ w for b in blocks])
         grouped = ref_all_gather_matmul(blocks, w, dist.get_rank(group))
+        refs = {"local_first": grouped}
+        if any(p[2] == "arrival" for p in points):
+            refs["arrival"] = ref_all_gather_matmul(blocks, w, gemm="uniep")
         for name, t, sched, c in points:
             y = all_gather_matmul_impl(x, w, group, sched, c, transport=t)[0]
-            out[name + "_bitwise_vs_reference"] = bool(torch.equal(y, grouped if sched == "local_first" else blockwise))
-            if sched == "local_first":
-                out[name + "_local_first_max_diff_vs_blockwise"] = (y.float() - blockwise.float()).abs().max().item()
+            out[name + "_bitwise_vs_reference"] = bool(torch.equal(y, refs.get(sched, blockwise)))
+            if sched in ("local_first", "arrival"):
+                out[name + "_max_diff_vs_blockwise"] = (y.float() - blockwise.float()).abs().max().item()
     return out
 
 
@@ -280,7 +324,8 @@ def _timeline(op, a, G, group, device, dtype, schedule, num_chunks, transport):
     H, F, T = a.hidden, a.ffn // G, a.tokens
     sizes = even_split(T, G)
     if op == "all_gather_matmul":
-        x, w = torch.randn(T // G, H, device=device, dtype=dtype), torch.randn(H, F, device=device, dtype=dtype)
+        x = torch.randn(T // G, H, device=device, dtype=dtype)
+        w = _weight(lambda *sh: torch.randn(*sh, device=device, dtype=dtype), H, F, a)
         run = lambda tl: all_gather_matmul_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl,  # noqa
                                                 transport=transport, keep_full=False)
     else:
@@ -430,6 +475,10 @@ def main(argv=None):
                     ("" if bit is None else f" bitwise={bit}")
                 if r["median_ms"] is None:
                     chk = f"{r['error']} {chk}"
+                if "exposed_vs_own_gemm_frac" in r:
+                    q = queued.get(name, {}).get("exposed_vs_own_gemm_frac")
+                    chk += f" exposed over gemm_alone_uniep {100 * r['exposed_vs_own_gemm_frac']:.1f}%" + \
+                        ("" if q is None else f" | {100 * q:.1f}%")
                 print(f"{op:<22} {name:<34} {cells(r)} |{cells(queued.get(name)) if queued else ''}  {chk}")
         if any(r.get("late_runs") for d in results["ops"].values() for r in d.get("times_queued", {}).values()):
             print("*: some queued runs started before their launches ended (raise --queue-spin-ms)")

@@ -111,11 +111,13 @@ class CommFuseConfig(_Block):
 
     enabled: bool = Field(False, description="For callers choosing between CommFuse's parallel linears and plain "
                           "ones; ColumnParallelLinear/RowParallelLinear read schedule and num_chunks.")
-    schedule: Literal["ring", "bidirectional_ring", "local_first"] = Field(
+    schedule: Literal["ring", "bidirectional_ring", "local_first", "arrival"] = Field(
         "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
         "round, half the steps; local_first: every block moves in one step while this rank's block is "
         "multiplied, then the other rows in two GEMMs (fewer, larger GEMMs; equal to the ring schedules within "
-        "the GEMM's rounding).")
+        "the GEMM's rounding); arrival (CUDA, Hopper, bf16): blocks move as in local_first and the all-gather's "
+        "GEMM is one launch of ds_uniep's grouped GEMM whose tiles wait on the GPU for their block, this rank's "
+        "block first (the bits of that GEMM; its reduce-scatter runs bidirectional_ring).")
     num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into (p2p "
                             "transport).")
     transport: Literal["auto", "p2p", "copy_engine"] = Field(

@@ -256,13 +256,20 @@ def fused_config(rows: int, w: Tensor, configs: Optional[Mapping[str, str]], sm_
     return _choose(a, w.detach(), offs, "fwd", sm_count, configs=FUSED_CONFIGS, tag="fused")
 
 
+SEG_ALT_ROWS = 1 << 30
+"""Flag in a segment's weight index (``segs[:, 2]``): the segment's rows come from ``a_alt``."""
+
+
 def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: Optional[ArrivalWaits] = None,
-                        sm_count: int = 0, out: Optional[Tensor] = None) -> Tensor:
+                        sm_count: int = 0, out: Optional[Tensor] = None, a_alt: Optional[Tensor] = None,
+                        alt_row0: int = 0) -> Tensor:
     """Forward over segments (``segs [S, 4]``: first row, rows, weight index, word index): the
     rows of each segment of ``a [R, K]`` times ``w[weight]^T`` (``w [W, N, K]``) into the same rows
     of ``out [R, N]`` (new when None; rows in no segment are left as they are). ``waits``: each
     segment first waits for its word (see :class:`ArrivalWaits`); its ``sm_count`` then applies.
-    ``config``: an explicit tile configuration (not ``"auto"``)."""
+    ``config``: an explicit tile configuration (not ``"auto"``). ``a_alt`` (``[R', K]``, standing
+    for rows ``alt_row0 ..`` of ``a``): segments whose weight index carries :data:`SEG_ALT_ROWS`
+    read their rows there instead (the caller keeps such segments inside those rows)."""
     if segs.dtype != torch.int32 or segs.dim() != 2 or segs.shape[1] != 4 or segs.device != a.device:
         raise ValueError(f"grouped GEMM segments: segs must be [S, 4] int32 on {a.device}, got {segs.dtype} "
                          f"{tuple(segs.shape)} on {segs.device}")
@@ -274,7 +281,12 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
     wait_args = (None, 0, 1, None, None, 0, 0, 0) if waits is None else (
         waits.ready, int(waits.epoch), int(waits.timeout_ns), waits.error_record, waits.poison, int(waits.layer_id),
         int(waits.rank), int(waits.phase))
-    _ops().grouped_mm_segments(a, w, segs, out, tile, int(sms), raster_n, swizzle, *wait_args)
+    if a_alt is not None and (a_alt.dtype != a.dtype or a_alt.dim() != 2 or a_alt.shape[1] != a.shape[1]
+                              or not 0 <= alt_row0 <= a.shape[0] - a_alt.shape[0]):
+        raise ValueError(f"grouped GEMM segments: a_alt must be [R', {a.shape[1]}] {a.dtype} standing for rows "
+                         f"{alt_row0}.. of a's {a.shape[0]}, got {a_alt.dtype} {tuple(a_alt.shape)}")
+    _ops().grouped_mm_segments(a, w, segs, out, tile, int(sms), raster_n, swizzle, *wait_args,
+                               None if a_alt is None else a_alt.contiguous(), int(alt_row0))
     return out
 
 

@@ -113,18 +113,23 @@ def _check_back_to_back(me, G, device, calls=12):
     every result equals its reference. Returns how many calls differed."""
     from ds_uniep.commfuse import (all_gather_matmul, matmul_reduce_scatter, ref_all_gather_matmul,
                                    ref_matmul_reduce_scatter)
+    from ds_uniep.commfuse.arrival import available
     schedules = ("ring", "bidirectional_ring", "local_first")
     K, N, rows = 2048, 1024, 1024
+    probe = torch.empty(1, K, dtype=torch.bfloat16, device=device)
+    if available(probe, torch.empty(K, N, dtype=torch.bfloat16, device=device), None)[0]:
+        schedules += ("arrival", )
     cases, refs = [], []
     for i in range(calls):  # inputs and references first: nothing below waits for the host
-        schedule = schedules[(i // 2) % 3]
+        schedule = schedules[(i // 2) % len(schedules)]
         lf = schedule == "local_first"
         seed = 9000 + 100 * i
         if i % 2 == 0:
             xs = [_rand((rows, K), seed + r, torch.bfloat16, device) for r in range(G)]
             w = _rand((K, N), seed + 50 + me, torch.bfloat16, device)
             cases.append((all_gather_matmul, xs[me], w, schedule))
-            refs.append(ref_all_gather_matmul(xs, w, me if lf else None))
+            refs.append(ref_all_gather_matmul(xs, w, me if lf else None,
+                                              gemm="uniep" if schedule == "arrival" else "torch"))
         else:
             xs = [_rand((rows * G, K), seed + r, torch.bfloat16, device) for r in range(G)]
             ws = [_rand((K, N), seed + 50 + r, torch.bfloat16, device) for r in range(G)]
@@ -139,6 +144,49 @@ def _check_back_to_back(me, G, device, calls=12):
         outs.append(op(x, w, schedule=schedule, transport="copy_engine", **sizes))
     torch.cuda.synchronize(device)
     return sum(not torch.equal(o, r) for o, r in zip(outs, refs))
+
+
+def _check_arrival(me, G, device):
+    """The ``arrival`` schedule: the bits of ds_uniep's GEMM over the gathered rows (odd blocks,
+    empty ones, this rank's among them), within rounding of the cuBLAS block GEMMs; its backward
+    and its reduce-scatter are bidirectional_ring's, bit for bit."""
+    from ds_uniep.commfuse import (all_gather_matmul, matmul_reduce_scatter, ref_all_gather_matmul,
+                                   ref_matmul_reduce_scatter)
+    bf16 = torch.bfloat16
+    K, N = 264, 136  # multiples of 8, not of any tile
+    sizes = _shard_sizes(G)
+    xs = [_rand((sizes[r], K), 7000 + r, bf16, device) for r in range(G)]
+    weights = [_rand((N, K), 7100 + r, bf16, device) for r in range(G)]  # nn.Linear layout
+    gys = [_rand((sum(sizes), N), 7200 + r, bf16, device) for r in range(G)]
+    x = xs[me].clone().requires_grad_()
+    weight = weights[me].clone().requires_grad_()
+    y = all_gather_matmul(x, weight.t(), schedule="arrival")
+    want = ref_all_gather_matmul(xs, weights[me].t(), gemm="uniep")
+    assert torch.equal(y, want), "arrival forward against ds_uniep's GEMM over the gathered rows"
+    cublas = ref_all_gather_matmul(xs, weights[me].t())
+    assert (y.float() - cublas.float()).abs().max().item() <= 0.02 * cublas.float().abs().max().item()
+    y.backward(gys[me])
+    assert torch.equal(x.grad, ref_matmul_reduce_scatter(gys, weights, out_sizes=sizes)[me]), "arrival d x_shard"
+    assert torch.equal(weight.grad, (torch.cat(xs).t() @ gys[me]).t()), "arrival d weight"
+    # A [K, N] w that is not a transposed view (copied into the GEMM's layout): the same bits.
+    assert torch.equal(all_gather_matmul(xs[me], weights[me].t().contiguous(), schedule="arrival",
+                                         shard_sizes=sizes), want)
+    # Empty blocks (this rank's on every even rank) move nothing and change nothing.
+    sizes0 = [0 if r % 2 == 0 else sizes[r] for r in range(G)]
+    xs0 = [x_[:n] for x_, n in zip(xs, sizes0)]
+    y0 = all_gather_matmul(xs0[me].clone(), weights[me].t(), schedule="arrival", shard_sizes=sizes0)
+    assert torch.equal(y0, ref_all_gather_matmul(xs0, weights[me].t(), gemm="uniep")), "arrival, empty blocks"
+    # Its reduce-scatter is bidirectional_ring's.
+    T = 131
+    xr = [_rand((T, 16 + 8 * r), 7300 + r, bf16, device) for r in range(G)]
+    wr = [_rand((16 + 8 * r, N), 7400 + r, bf16, device) for r in range(G)]
+    out = matmul_reduce_scatter(xr[me], wr[me], schedule="arrival")
+    assert torch.equal(out, ref_matmul_reduce_scatter(xr, wr)[me]), "arrival reduce-scatter"
+    with pytest.raises(ValueError, match="transport 'p2p' does not apply"):
+        all_gather_matmul(xs[me], weights[me].t(), schedule="arrival", transport="p2p")
+    with pytest.raises(RuntimeError, match="'arrival' cannot run here: it runs ds_uniep's grouped GEMM, which "
+                       "takes bf16"):
+        all_gather_matmul(xs[me].float(), weights[me].t().float(), schedule="arrival")
 
 
 # --------------------------------------------------------------------------- parallel linears
@@ -331,6 +379,10 @@ def _body(rank, G, device_kind, bench_out=None):
                                                for s in ("ring", "bidirectional_ring", "local_first")]):
             _check_ops(rank, G, device, dtype, schedule, 1, 5000 + 1000 * i, transport="copy_engine")
         _check_fixed_order(rank, G, device, "copy_engine")
+        from ds_uniep.commfuse.arrival import available
+        probe = torch.empty(1, 8, dtype=torch.bfloat16, device=device)
+        if available(probe, torch.empty(8, 8, dtype=torch.bfloat16, device=device), None)[0]:
+            _check_arrival(rank, G, device)
         assert _check_back_to_back(rank, G, device) == 0, "back-to-back copy-engine calls differ from references"
     else:
         from ds_uniep.commfuse import all_gather_matmul
@@ -339,6 +391,13 @@ def _body(rank, G, device_kind, bench_out=None):
             all_gather_matmul(x, torch.ones(3, 2), transport="copy_engine")
         with pytest.raises(ValueError, match="transport must be one of"):
             all_gather_matmul(x, torch.ones(3, 2), transport="nvlink")
+        from ds_uniep.commfuse import matmul_reduce_scatter
+        xb, wb = torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(8, 16, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="all_gather_matmul: commfuse schedule 'arrival' cannot run here: it "
+                           "needs the copy-engine transport, which needs CUDA tensors"):
+            all_gather_matmul(xb, wb, schedule="arrival")
+        with pytest.raises(RuntimeError, match="matmul_reduce_scatter: commfuse schedule 'arrival' cannot run here"):
+            matmul_reduce_scatter(torch.ones(4, 16, dtype=torch.bfloat16), wb.t(), schedule="arrival")
     for dtype in (torch.float32, torch.bfloat16):
         _check_linears(rank, G, device, dtype)
     _check_errors(rank, G, device)

@@ -44,6 +44,14 @@ reduce-scatter multiplies the peers' partials first and sends them all while
 multiplying its own. Fewer, larger GEMMs lose less to partly filled waves of
 tiles than one GEMM per block; the transfers hide behind one block's GEMM.
 
+``arrival`` (CUDA, Hopper, bf16; ``arrival.py``): all-gather moves every block in one step by
+the copy engines, as ``local_first``, and runs the whole GEMM as one launch of ds_uniep's grouped
+GEMM whose tiles of a peer's block wait (on the GPU) for that block's arrival, this rank's block
+first; bitwise equal to that GEMM over the gathered rows
+(:func:`ds_uniep.commfuse.reference.ref_all_gather_matmul` with ``gemm="uniep"``), equal to the
+other schedules within the GEMM's rounding. Its reduce-scatter (also the all-gather's backward)
+is ``bidirectional_ring``'s. Where it cannot run, both ops raise, naming why.
+
 Streams (CUDA): transfers are issued from a side stream, so a transfer waits
 only for the GEMM that produced what it sends, and each GEMM waits (by event)
 only for the transfer that brought its block. Buffers a transfer writes are
@@ -63,7 +71,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-SCHEDULES = ("ring", "bidirectional_ring", "local_first")
+SCHEDULES = ("ring", "bidirectional_ring", "local_first", "arrival")
 TRANSPORTS = ("auto", "p2p", "copy_engine")
 
 # cuBLAS, and on the CPU torch's BLAS, may pick a different kernel (with other
@@ -134,6 +142,16 @@ def resolve_transport(transport: str, group, G: int, device: torch.device) -> st
     if transport == "copy_engine":
         raise RuntimeError(f"commfuse transport 'copy_engine' is not usable here: {reason}")
     return "p2p"
+
+
+def check_arrival(op: str, a: torch.Tensor, w: torch.Tensor, group) -> None:
+    """Raise unless the ``arrival`` schedule can run ``op`` here: its all-gather (of ``op`` itself,
+    or of its backward) runs ds_uniep's GEMM with copy-engine transfers."""
+    from .arrival import available
+    ok, why = available(a, w, group)
+    if not ok:
+        raise RuntimeError(f"{op}: commfuse schedule 'arrival' cannot run here: {why} (schedules 'ring', "
+                           "'bidirectional_ring' and 'local_first' run everywhere)")
 
 
 def _peer_order(G: int, schedule: str) -> List[int]:
@@ -400,6 +418,14 @@ def all_gather_matmul_impl(x_shard: torch.Tensor, w: torch.Tensor, group=None, s
         raise ValueError(f"all_gather_matmul: shard_sizes {shard_sizes} must have one entry per rank ({G}) and "
                          f"entry {me} must equal x_shard.shape[0] = {x_shard.shape[0]}")
     offs = _offsets(shard_sizes)
+    if schedule == "arrival":
+        if transport == "p2p":
+            raise ValueError("all_gather_matmul: commfuse schedule 'arrival' moves blocks by the copy engines; "
+                             "transport 'p2p' does not apply (use 'auto' or 'copy_engine')")
+        check_arrival("all_gather_matmul", x_shard, w, g)
+        from .arrival import all_gather_matmul_arrival
+        out, x_full = all_gather_matmul_arrival(x_shard, w, g, me, shard_sizes, offs, keep_full, timeline)
+        return out, x_full, shard_sizes
     runs = _remote_runs(shard_sizes, me) if schedule == "local_first" else None
     if resolve_transport(transport, g, G, x_shard.device) == "copy_engine":
         from .copy_engine import all_gather_matmul_ce
@@ -486,6 +512,8 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
         raise ValueError(f"matmul_reduce_scatter: out_sizes {out_sizes} must have one non-negative entry per "
                          f"rank ({G}) summing to x.shape[0] = {T}")
     offs = _offsets(out_sizes)
+    if schedule == "arrival":  # no arrival form of its own (see the module doc)
+        schedule = "bidirectional_ring"
     runs = _remote_runs(out_sizes, me) if schedule == "local_first" else None
     if resolve_transport(transport, g, G, x.device) == "copy_engine":
         from .copy_engine import matmul_reduce_scatter_ce
@@ -635,7 +663,8 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedu
         w: ``[K, N]`` same dtype and device (this rank's weight; may be a view
             such as ``weight.t()``).
         group: process group (default: the world group).
-        schedule: ``"ring"`` or ``"bidirectional_ring"``.
+        schedule: ``"ring"``, ``"bidirectional_ring"``, ``"local_first"`` or ``"arrival"``
+            (see the module doc; ``arrival`` runs ds_uniep's GEMM, so its bits are that GEMM's).
         num_chunks: messages each block transfer is split into.
         shard_sizes: rows of every rank's block, if known; otherwise gathered
             once (a small all-gather and, on GPU, a host sync).
@@ -645,13 +674,16 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedu
 
     Returns:
         ``[T, N]``, rows in rank order, bitwise equal to
-        ``torch.cat([x_r @ w for r in ranks])``.
+        ``torch.cat([x_r @ w for r in ranks])`` (``local_first`` and ``arrival``: to the
+        references of :mod:`ds_uniep.commfuse.reference` with their grouping or GEMM).
     Backward: ``d x_shard`` is a :func:`matmul_reduce_scatter` of ``d y`` with
     ``w^T``; ``d w = x_full^T @ d y`` with the gathered ``x_full`` kept from forward.
     """
     _check_pair("all_gather_matmul", "x_shard", x_shard, w, "[T_r, K]", "[K, N]")
     check_schedule(schedule, num_chunks)
     check_transport(transport)
+    if schedule == "arrival":
+        check_arrival("all_gather_matmul", x_shard, w, _resolve_group(group)[0])
     return _AllGatherMatmul.apply(x_shard, w, group, schedule, num_chunks,
                                   None if shard_sizes is None else tuple(int(s) for s in shard_sizes), transport)
 
@@ -680,5 +712,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, schedule
     _check_pair("matmul_reduce_scatter", "x", x, w, "[T, K_r]", "[K_r, N]")
     check_schedule(schedule, num_chunks)
     check_transport(transport)
+    if schedule == "arrival":  # its backward is an arrival all-gather of d out with w^T
+        check_arrival("matmul_reduce_scatter", x, w.t(), _resolve_group(group)[0])
     return _MatmulReduceScatter.apply(x, w, group, schedule, num_chunks,
                                       None if out_sizes is None else tuple(int(s) for s in out_sizes), transport)

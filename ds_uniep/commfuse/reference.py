@@ -16,11 +16,20 @@ def _local_first_rows(sizes: Sequence[int], me: int):
 
 
 def ref_all_gather_matmul(x_shards: Sequence[torch.Tensor], w: torch.Tensor,
-                          local_first_rank: Optional[int] = None) -> torch.Tensor:
+                          local_first_rank: Optional[int] = None, gemm: str = "torch") -> torch.Tensor:
     """``torch.cat([x_r @ w for r])``: x_shards ``[T_r, K]`` per rank, w ``[K, N]`` -> ``[T, N]``.
 
     ``local_first_rank=me``: the ``local_first`` schedule's grouping on rank ``me`` instead: its own
-    block, the blocks after it and the blocks before it, each group one GEMM."""
+    block, the blocks after it and the blocks before it, each group one GEMM. ``gemm="uniep"``
+    (the ``arrival`` schedule's reference): ds_uniep's grouped GEMM over all gathered rows (bf16,
+    CUDA), whose row results do not depend on how the rows are cut."""
+    if gemm == "uniep":
+        from ..gemm import grouped_mm
+        x_full = torch.cat(list(x_shards))
+        offs = torch.tensor([x_full.shape[0]], dtype=torch.int32, device=x_full.device)
+        return grouped_mm(x_full, w.t().contiguous().unsqueeze(0), offs, "fwd")
+    if gemm != "torch":
+        raise ValueError(f"ref_all_gather_matmul: gemm must be 'torch' or 'uniep', got {gemm!r}")
     if local_first_rank is None:
         return torch.cat([x @ w for x in x_shards])
     x_full = torch.cat(list(x_shards))

@@ -112,6 +112,15 @@ void signal_raise(const std::vector<int64_t>& sym, int64_t phase, int64_t epoch,
 // (cyclic compare, as epochs wrap), without the host waiting: the driver's stream memory wait.
 // False when the driver does not offer it (nothing was queued then).
 bool stream_wait_word(const torch::Tensor& word, int64_t value);
+// Writes `value` into the int32 `word` (device memory, a peer's mapped word included) once the
+// current stream's earlier work, copy-engine copies included, is done and visible: the driver's
+// stream memory write, which takes no SM. False when the driver does not offer it (nothing queued).
+bool stream_write_word(const torch::Tensor& word, int64_t value);
+// On the current stream: waits until words[i] reaches `epoch` (cyclic compare) for every i whose
+// bit is set in `mask`; a wait past timeout_ns fills error_record (pinned), sets `poison` and ends.
+void wait_words(const torch::Tensor& words, int64_t mask, int64_t epoch, int64_t timeout_ns,
+                const torch::Tensor& error_record, const torch::Tensor& poison, int64_t layer_id, int64_t rank,
+                int64_t phase);
 
 // gemm/gemm_adapter.cpp
 // op 0 (fwd): a = x [R, K], b = w [G, N, K] -> y [R, N]; op 1 (dgrad): a = dy [R, N], b = w -> dx [R, K];
@@ -123,12 +132,14 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
 // w[segs[g, 2]] (w: [W, N, K]). With `ready` (int32 words): group g's tiles wait until
 // ready[segs[g, 3]] reaches `epoch` (segs[g, 3] < 0: no wait); a wait past timeout_ns fills
 // error_record (pinned) and sets the poison word. out: [R, N] bf16, rows outside every segment
-// left untouched.
+// left untouched. With `a_alt` ([R', K] bf16): segments whose weight index has bit 30 set read
+// their rows from a_alt at (first row - alt_row0) instead of from a.
 void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& segs, torch::Tensor& out,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
-                         int64_t layer_id, int64_t rank, int64_t phase);
+                         int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
+                         int64_t alt_row0);
 std::string grouped_mm_config_name(int64_t config);
 
 }  // namespace uniep

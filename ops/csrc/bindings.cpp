@@ -38,4 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("signal_raise", &uniep::signal_raise, "raise a phase signal on every rank, no wait");
   m.def("stream_wait_word", &uniep::stream_wait_word,
         "hold the current stream until a device word reaches a value (False: not offered by the driver)");
+  m.def("stream_write_word", &uniep::stream_write_word,
+        "write a device word (a peer's included) after the current stream's earlier work, no SM taken "
+        "(False: not offered by the driver)");
+  m.def("wait_words", &uniep::wait_words, "on the current stream, wait until the masked words reach an epoch");
 }

@@ -85,7 +85,8 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
-                         int64_t layer_id, int64_t rank, int64_t phase) {
+                         int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
+                         int64_t alt_row0) {
   check_call("grouped_mm_segments", a, w, segs, config, raster_n, swizzle);
   UNIEP_CHECK_INPUT(out);
   UNIEP_CHECK_DTYPE(out, torch::kBFloat16);
@@ -115,6 +116,18 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
     args.layer_id = wp.layer_id;
     args.rank = static_cast<int>(rank);
     args.phase = static_cast<int>(phase);
+  }
+  if (a_alt.has_value()) {
+    UNIEP_CHECK_INPUT((*a_alt));
+    UNIEP_CHECK_DTYPE((*a_alt), torch::kBFloat16);
+    TORCH_CHECK(a_alt->device() == a.device(), "grouped_mm_segments: a_alt must be on a's device");
+    TORCH_CHECK(a_alt->dim() == 2 && a_alt->size(1) == a.size(1), "grouped_mm_segments: a_alt must be [R', ",
+                a.size(1), "], got ", a_alt->sizes());
+    TORCH_CHECK(alt_row0 >= 0 && alt_row0 + a_alt->size(0) <= a.size(0),
+                "grouped_mm_segments: a_alt's rows must stand for rows of a, got alt_row0 ", alt_row0, " and ",
+                a_alt->size(0), " rows for ", a.size(0));
+    if (a_alt->numel() > 0) args.a_alt = a_alt->data_ptr();
+    args.alt_row0 = alt_row0;
   }
   if (a.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());

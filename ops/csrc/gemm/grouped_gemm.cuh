@@ -14,6 +14,10 @@
 // loaded before ready[segs[4g+3]] reaches `ready_epoch` (segs[4g+3] < 0: no wait), so the rows of
 // a run may still be arriving when the kernel starts; a wait that outlasts `timeout_ns` writes
 // the error record as the NVLink kernels' waits do (common.cuh) and the tile is computed anyway.
+// Second row operand (segments only, `a_alt` set): a segment whose weight index has kSegAltRows
+// set reads its x rows from `a_alt` instead, at row (first row - alt_row0); its y rows stay
+// where its first row says. (CommFuse's all-gather: this rank's block is read where the caller
+// holds it, the peers' blocks where they arrive.)
 // No split-K or stream-K: each output tile is computed by one CTA with a fixed k order
 // (k16 wgmma steps in increasing k), so a row's result never depends on the tile shape, the
 // raster order or how many SMs run the kernel. Tests check this bit for bit.
@@ -26,6 +30,9 @@
 
 namespace uniep {
 namespace gemm {
+
+// Flag in a segment's weight index: its x rows come from GroupedGemmArgs::a_alt.
+constexpr int32_t kSegAltRows = 1 << 30;
 
 enum GemmOp : int { kFwd = 0, kDgrad = 1, kWgrad = 2, kNumOps = 3 };
 
@@ -52,6 +59,8 @@ struct GroupedGemmArgs {
   // Segments and arrival waits (see above); null: groups by `offs`, no waits.
   const int32_t* segs = nullptr;
   int weights = 0;                    // w's leading extent with segments
+  const void* a_alt = nullptr;        // x rows of the segments flagged kSegAltRows
+  int64_t alt_row0 = 0;               // the row of x that a_alt's first row stands for
   const uint32_t* ready = nullptr;    // signal words, release-stored by the producers of the rows
   uint32_t ready_epoch = 0;
   uint64_t timeout_ns = 0;

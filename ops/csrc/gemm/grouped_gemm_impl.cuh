@@ -202,15 +202,16 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
   const int32_t* sg = seg ? args.segs + 4 * g : nullptr;
   const int64_t start = seg ? sg[0] : g == 0 ? 0 : args.offs[g - 1];
   const int rows = seg ? sg[1] : static_cast<int>(args.offs[g] - start);
-  const int64_t wi = seg ? sg[2] : g;
+  const bool alt = seg && args.a_alt != nullptr && (sg[2] & kSegAltRows) != 0;
+  const int64_t wi = seg ? (sg[2] & ~kSegAltRows) : g;
   out.ready[g] = seg && args.ready != nullptr && sg[3] >= 0 ? args.ready + sg[3] : nullptr;
   const int64_t n = args.n, k = args.k;
-  const Bf16* a = static_cast<const Bf16*>(args.a);
+  const Bf16* a = static_cast<const Bf16*>(alt ? args.a_alt : args.a);
   const Bf16* b = static_cast<const Bf16*>(args.b);
   Bf16* d = static_cast<Bf16*>(args.d);
   if (Op == kFwd) {
     out.shapes[g] = Shape3{rows, args.n, args.k};
-    out.a[g] = a + start * k;
+    out.a[g] = a + (alt ? start - args.alt_row0 : start) * k;
     out.b[g] = b + wi * n * k;
     out.d[g] = d + start * n;
   } else if (Op == kDgrad) {

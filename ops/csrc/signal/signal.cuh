@@ -16,4 +16,9 @@ cudaError_t launch_barrier(const SymView& sym, uint32_t epoch, const WaitPolicy&
 // included: they finish before the kernel starts); waits for nothing.
 cudaError_t launch_raise(const SymView& sym, int phase, uint32_t epoch, cudaStream_t stream);
 
+// Waits until words[i] reaches `epoch` for every bit i of `mask` (i < 32), one thread per word;
+// a wait past the policy's timeout sets `poison` and fills the record (phase, word index, rank).
+cudaError_t launch_wait_words(const uint32_t* words, uint32_t mask, uint32_t epoch, const WaitPolicy& wait,
+                              uint32_t* poison, int rank, int phase, cudaStream_t stream);
+
 }  // namespace uniep
