@@ -11,7 +11,9 @@ data:
 
 - ``torch._grouped_mm`` in the layouts torch's own autograd uses;
 - ds_uniep's grouped GEMM (:mod:`ds_uniep.gemm`) with every tile configuration, each with the
-  scheduler tile orders of :data:`ORDERS`; all variants are timed in alternation (rounds).
+  scheduler tile orders of :data:`ORDERS`; all variants are timed in alternation (rounds), call by
+  call, or with ``--burst-ms`` in sustained bursts of back-to-back calls (near the power limit the
+  ranking differs).
 
 Checks, all in the same run: each result against an fp32 reference (relative Frobenius error;
 ds_uniep's may be at most 2x torch's own); ds_uniep's results bitwise equal across tile
@@ -64,7 +66,11 @@ def operands(op, rows, n, k, groups, gen, device):
 
 def interleaved(fns, args, rounds=None):
     """Median ms of each of ``fns`` ({name: fn}), timed in alternation over ``rounds`` rounds
-    (default ``args.rounds``) so that clock or temperature drift falls on all of them alike."""
+    (default ``args.rounds``) so that clock or temperature drift falls on all of them alike; with
+    ``--burst-ms``, in sustained bursts (``ds_uniep.gemm.time_sustained``)."""
+    if args.burst_ms:
+        from ds_uniep.gemm import time_sustained
+        return time_sustained(fns, args.burst_ms, rounds or args.rounds)
     samples = {name: [] for name in fns}
     for r in range(rounds or args.rounds):
         for name, fn in fns.items():
@@ -155,6 +161,9 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=5, help="timed runs per variant and round")
     p.add_argument("--rounds", type=int, default=3, help="rounds of alternation between the variants")
+    p.add_argument("--burst-ms", type=float, default=0.0,
+                   help="time every variant in sustained bursts of about this many ms (back-to-back calls, no "
+                   "host wait inside a round, as the automatic choice times) instead of call by call")
     p.add_argument("--confirm-rounds", type=int, default=6, help="rounds of torch against the 'auto' choice")
     p.add_argument("--fewer-sms", type=int, default=100, help="SM count of the bitwise check with fewer SMs")
     p.add_argument("--out", default="bench_out/gemm")

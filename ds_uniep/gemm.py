@@ -20,7 +20,7 @@ them all alone, ``bench_gemm_in_layer.py`` inside the MoE layer).
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -141,52 +141,53 @@ def _tuning_key(op: str, a_shape, b: Tensor, groups: int, sm_count: int, tag: st
     return (op, b.device, groups, n, k, 1 << (rows - 1).bit_length(), int(sm_count)) + ((tag, ) if tag else ())
 
 
+def time_sustained(fns: Mapping[str, Callable[[], object]], burst_ms: float = BURST_MS,
+                   rounds: int = 3) -> Dict[str, float]:
+    """Median ms per call of each of ``fns`` under sustained load: per round, each runs an untimed
+    burst of back-to-back calls of about ``burst_ms`` and then a timed burst as long, in turns,
+    and the host waits only at the end of a round, so the GPU never idles between them (one call
+    of each first: the warm-up, and how many calls make a burst). Timed one call at a time, with
+    idle gaps, a GPU runs at clocks it cannot hold under a training step's load; near the power
+    limit the ranking of GEMM configurations differs (see :data:`DEFAULT_CONFIGS`)."""
+    def timed(fn, calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        return start, end
+
+    marks = {name: timed(fn, 1) for name, fn in fns.items()}
+    list(marks.values())[-1][1].synchronize()
+    calls = {name: max(2, math.ceil(burst_ms / max(s.elapsed_time(e), 1e-3))) for name, (s, e) in marks.items()}
+    samples: Dict[str, list] = {name: [] for name in fns}
+    for _ in range(rounds):  # in turns, so clock drift falls on every one alike
+        for name, fn in fns.items():
+            for _ in range(calls[name]):
+                fn()
+            marks[name] = timed(fn, calls[name])
+        list(marks.values())[-1][1].synchronize()
+        for name, (start, end) in marks.items():
+            samples[name].append(start.elapsed_time(end) / calls[name])
+    return {name: sorted(v)[len(v) // 2] for name, v in samples.items()}
+
+
 def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, burst_ms: float = BURST_MS,
             rounds: int = 3, configs: Optional[Tuple[str, ...]] = None, tag: str = "") -> str:
     """The fastest of ``configs`` (default :func:`candidates`) for this call's shape (cached under
-    ``tag`` and the shape; see :data:`DEFAULT_CONFIGS`), timed under sustained load: per round,
-    every candidate runs an untimed burst of back-to-back calls of about ``burst_ms`` and then a
-    timed one as long, candidates in turns, and the host waits only at the end of a round, so
-    the GPU never idles between them. (Timed one call at a time, with idle gaps, a GPU runs at
-    clocks it cannot hold under a training step's load; near the power limit the ranking
-    differs: see :data:`DEFAULT_CONFIGS`.) The median over ``rounds`` counts."""
+    ``tag`` and the shape; see :data:`DEFAULT_CONFIGS`), timed under sustained load
+    (:func:`time_sustained`)."""
     key = _tuning_key(op, a.shape, b, offs.shape[0], sm_count, tag)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return chosen
     ext = _ops()
-    configs = list(configs or candidates())
-    parsed = {c: parse_config(c) for c in configs}
 
-    def run(config):
-        tile, raster_n, swizzle = parsed[config]
-        ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
+    def runner(config):
+        tile, raster_n, swizzle = parse_config(config)
+        return lambda: ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
 
-    marks = []
-    for config in configs:  # one call each: the warm-up, and how many calls make a burst
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run(config)
-        end.record()
-        marks.append((config, start, end))
-    marks[-1][2].synchronize()
-    calls = {c: max(2, math.ceil(burst_ms / max(s.elapsed_time(e), 1e-3))) for c, s, e in marks}
-    samples: Dict[str, list] = {c: [] for c in configs}
-    for _ in range(rounds):  # candidates in turns, so clock drift falls on every one alike
-        marks = []
-        for config in configs:
-            for _ in range(calls[config]):
-                run(config)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls[config]):
-                run(config)
-            end.record()
-            marks.append((config, start, end))
-        marks[-1][2].synchronize()
-        for config, start, end in marks:
-            samples[config].append(start.elapsed_time(end) / calls[config])
-    timings = {c: sorted(v)[len(v) // 2] for c, v in samples.items()}
+    timings = time_sustained({c: runner(c) for c in (configs or candidates())}, burst_ms, rounds)
     chosen = min(timings, key=timings.get)
     _TUNED[key] = chosen
     return chosen

@@ -415,6 +415,26 @@ def test_schedules_cover_every_block_once():
     _plans_consistent()
 
 
+def test_arrival_segments_cover_every_row_once_own_block_first():
+    """The arrival schedule's one GEMM: this rank's block first (read from the caller's tensor, no
+    wait), then the blocks of me-1, me-2, ... each waiting for its owner's word; empty blocks have
+    no segment, and together the segments cover every row once."""
+    from ds_uniep.commfuse.arrival import segments
+    from ds_uniep.commfuse.ops import _offsets
+    from ds_uniep.gemm import SEG_ALT_ROWS
+    for sizes in ([3], [5, 7], [1, 19, 111, 5], [0, 5, 0, 2, 7, 0, 1, 4], [0, 0, 0]):
+        offs = _offsets(sizes)
+        for me in range(len(sizes)):
+            segs = segments(sizes, offs, me)
+            rows = sorted(i for r0, n, _, _ in segs for i in range(r0, r0 + n))
+            assert rows == list(range(sum(sizes))), (sizes, me, segs)
+            if sizes[me]:
+                assert segs[0] == (offs[me], sizes[me], SEG_ALT_ROWS, -1)
+                segs = segs[1:]
+            owners = [(me - d) % len(sizes) for d in range(1, len(sizes)) if sizes[(me - d) % len(sizes)]]
+            assert [(r0, n, w, word) for r0, n, w, word in segs] == [(offs[o], sizes[o], 0, o) for o in owners]
+
+
 def test_two_ranks_gloo(tmp_path):
     run_distributed(_body, 2, "cpu", str(tmp_path))
     for name in ("commfuse_results.json", "commfuse_timeline.png"):
