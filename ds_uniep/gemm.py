@@ -39,8 +39,8 @@ DEFAULT_CONFIGS = {"fwd": "coop128x256", "dgrad": "auto", "wgrad": "auto"}
 """The configuration each operation runs with unless told otherwise. ``"auto"``: the first call
 of an (op, G, N, K, rows rounded up to a power of two) on a device times every tile
 configuration with every order of :data:`ORDERS` on that call's operands, under sustained load
-(see ``_choose``), and keeps the fastest for the process. The values cannot change with the choice (see above), so choosing is safe on
-every rank independently. The forward runs ``coop128x256``: inside the MoE layer (4 H200s,
+(:func:`time_sustained`), and keeps the fastest for the process. The values cannot change with
+the choice (see above), so choosing is safe on every rank independently. The forward runs ``coop128x256``: inside the MoE layer (4 H200s,
 ``benchmarks/bench_gemm_in_layer.py``) the forward configurations that timed fastest alone on the
 layer's own rows (ping-pong 128x128) made the layer's forward 4-6% slower than torch's GEMM at
 dsv3-like, while ``coop128x256`` made it level, at dsv2lite-like too."""
@@ -278,7 +278,8 @@ def fused_config(rows: int, w: Tensor, configs: Optional[Mapping[str, str]], sm_
     chosen = _TUNED.get(_tuning_key("fwd", (rows, w.shape[2]), w, groups, sm_count, "fused"))
     if chosen is not None:  # every forward after the first of a shape: no scratch rows
         return chosen
-    a = torch.zeros(rows, w.shape[2], dtype=w.dtype, device=w.device)
+    # Random rows, not zeros: timed under sustained load, zeros would draw less power than data.
+    a = torch.randn(rows, w.shape[2], device=w.device).to(w.dtype)
     offs = ((torch.arange(1, groups + 1, device=w.device) * rows) // groups).to(torch.int32)
     return _choose(a, w.detach(), offs, "fwd", sm_count, configs=FUSED_CONFIGS, tag="fused")
 

@@ -1,8 +1,10 @@
 """CommFuse's ``arrival`` all-gather + GEMM: one GEMM launch whose tiles wait for their rows.
 
 The other schedules cut the GEMM into one launch per block (or per run of blocks), each queued
-behind the wait for its block: every launch ends in a partly filled wave of tiles, and at TP4
-that alone left 18-24% of the collective exposed. Here the whole ``[T, K] @ [K, N]`` is one
+behind the wait for its block: every launch ends in a partly filled wave of tiles, which at TP4
+with a contiguous ``[K, N]`` weight alone left 18-24% of the collective exposed (with
+``nn.Linear``'s layout cuBLAS's block GEMMs cost 1-2%, and those schedules measured faster than
+this one, whose GEMM is slower than cuBLAS's at those shapes; see README). Here the whole ``[T, K] @ [K, N]`` is one
 launch of ds_uniep's grouped GEMM (``ds_uniep.gemm.grouped_mm_segments``) over G segments of
 rows, this rank's block first (read where the caller holds it), then the blocks of
 ``me-1, me-2, ...``, read where they land in this rank's half of the symmetric workspace. No tile
@@ -39,6 +41,7 @@ _PHASE = 7  # recorded in the error record as the phase waited for
 _MAX_RANKS = 32  # one word per rank, the closing wait's mask is 32 bits
 
 _words: Dict[Tuple[str, int], "_ArrivalWords"] = {}
+_usable: Dict[Tuple[str, int], Tuple[bool, str]] = {}
 _ids = iter(range(1 << 20, 1 << 30))
 
 
@@ -91,13 +94,16 @@ def available(x_shard: torch.Tensor, w: torch.Tensor, group) -> Tuple[bool, str]
     ok, reason = copy_engine_available(group, x_shard.device)
     if not ok:
         return False, f"it needs the copy-engine transport, which {reason}"
-    if torch.distributed.get_world_size(group) > _MAX_RANKS:
-        return False, f"at most {_MAX_RANKS} ranks per group"
-    from ..gemm import available as gemm_available
-    ok, reason = gemm_available(x_shard.device)
-    if not ok:
-        return False, f"ds_uniep's grouped GEMM is not usable here: {reason}"
-    return True, "copy engine + ds_uniep's grouped GEMM"
+    key = _group_key(group, x_shard.device)
+    if key not in _usable:  # the device and build checks once per group and device (host time per call)
+        from ..gemm import available as gemm_available
+        ok, reason = gemm_available(x_shard.device)
+        if torch.distributed.get_world_size(group) > _MAX_RANKS:
+            ok, reason = False, f"at most {_MAX_RANKS} ranks per group"
+        elif not ok:
+            reason = f"ds_uniep's grouped GEMM is not usable here: {reason}"
+        _usable[key] = (ok, reason if not ok else "copy engine + ds_uniep's grouped GEMM")
+    return _usable[key]
 
 
 def _arrival_words(group, device: torch.device, G: int, me: int) -> _ArrivalWords:
