@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..symm import rendezvous
-from .copy_engine import _element_bytes, _group_key, _workspace
+from .copy_engine import _element_bytes, _group_key, _workspace, gathered_rows
 from .copy_engine import available as copy_engine_available
 
 TIMEOUT_S = 100.0
@@ -195,14 +195,7 @@ def all_gather_matmul_arrival(x_shard: torch.Tensor, w: torch.Tensor, group, me:
     mask = sum(1 << p for p in range(G) if p != me)
     _ops().wait_words(aw.words, mask, epoch, int(TIMEOUT_S * 1e9), aw.error_record, aw.poison, aw.layer_id, me,
                       _PHASE)
-    x_full = None
-    if keep_full:
-        # Kept for the weight gradient: the next call may overwrite the workspace.
-        x_full = torch.empty(T, K, dtype=dtype, device=device)
-        a, b = offs[me], offs[me] + shard_sizes[me]
-        x_full[:a].copy_(mine[:a])
-        x_full[a:b].copy_(x_shard)
-        x_full[b:].copy_(mine[b:T])
+    x_full = gathered_rows(mine, x_shard, offs[me]) if keep_full else None
     compute.wait_stream(comm)
     return out, x_full
 

@@ -183,16 +183,22 @@ def all_gather_matmul_ce(x_shard: torch.Tensor, w: torch.Tensor, group, me: int,
             src = (me - d) % G
             ws.handle.wait_signal(src, _DATA_CHANNEL)
             gemm(i + 1, rows(mine, src), src)
-    x_full = None
-    if keep_full:
-        # Kept for the weight gradient: the next call may overwrite the workspace.
-        x_full = torch.empty(T, K, dtype=dtype, device=device)
-        a, b = offs[me], offs[me] + shard_sizes[me]
-        x_full[:a].copy_(mine[:a])
-        x_full[a:b].copy_(x_shard)
-        x_full[b:].copy_(mine[b:T])
+    x_full = gathered_rows(mine, x_shard, offs[me]) if keep_full else None
     compute.wait_stream(comm)
     return out, x_full
+
+
+def gathered_rows(mine: torch.Tensor, x_shard: torch.Tensor, row0: int) -> torch.Tensor:
+    """A copy of all gathered rows (``mine``: this rank's workspace view ``[T, K]``, where the peers'
+    blocks landed; this rank's own block, rows ``row0`` on, from ``x_shard``), kept for the weight
+    gradient: the next call may overwrite the workspace. Queued on the current stream, after the
+    waits for the peers' blocks."""
+    x_full = torch.empty_like(mine)
+    a, b = row0, row0 + x_shard.shape[0]
+    x_full[:a].copy_(mine[:a])
+    x_full[a:b].copy_(x_shard)
+    x_full[b:].copy_(mine[b:])
+    return x_full
 
 
 def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, out_sizes: List[int],

@@ -23,21 +23,28 @@ void signal_raise(const std::vector<int64_t>& sym, int64_t phase, int64_t epoch,
                                   c10::cuda::getCurrentCUDAStream()));
 }
 
+namespace {
+
+// A driver entry point of the 11.7 ABI (no link against the driver library); null where the driver
+// does not offer it. Callers keep it in a function-local static, so each is looked up once.
+void* driver_entry(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 11070, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    fn = nullptr;
+  }
+  return fn;
+}
+
+}  // namespace
+
 bool stream_wait_word(const torch::Tensor& word, int64_t value) {
   UNIEP_CHECK_INPUT(word);
   UNIEP_CHECK_DTYPE(word, torch::kInt32);
   TORCH_CHECK(word.numel() >= 1, "stream_wait_word: the word tensor is empty");
-  // The driver entry point, looked up once (no link against the driver library).
-  static const PFN_cuStreamWaitValue32_v11070 wait_value = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &fn, 11070, cudaEnableDefault, &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      fn = nullptr;
-    }
-    return reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(fn);
-  }();
+  static const auto wait_value = reinterpret_cast<PFN_cuStreamWaitValue32_v11070>(driver_entry("cuStreamWaitValue32"));
   if (wait_value == nullptr) return false;
   const c10::cuda::CUDAGuard guard(word.device());
   const CUresult r = wait_value(c10::cuda::getCurrentCUDAStream().stream(), reinterpret_cast<CUdeviceptr>(word.data_ptr()),
@@ -49,17 +56,8 @@ bool stream_write_word(const torch::Tensor& word, int64_t value) {
   UNIEP_CHECK_INPUT(word);
   UNIEP_CHECK_DTYPE(word, torch::kInt32);
   TORCH_CHECK(word.numel() >= 1, "stream_write_word: the word tensor is empty");
-  static const PFN_cuStreamWriteValue32_v11070 write_value = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &fn, 11070, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      fn = nullptr;
-    }
-    return reinterpret_cast<PFN_cuStreamWriteValue32_v11070>(fn);
-  }();
+  static const auto write_value =
+      reinterpret_cast<PFN_cuStreamWriteValue32_v11070>(driver_entry("cuStreamWriteValue32"));
   if (write_value == nullptr) return false;
   const c10::cuda::CUDAGuard guard(word.device());
   // Default flags: a fence orders the stream's earlier writes (copies included) before this one.
