@@ -682,8 +682,6 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedu
     _check_pair("all_gather_matmul", "x_shard", x_shard, w, "[T_r, K]", "[K, N]")
     check_schedule(schedule, num_chunks)
     check_transport(transport)
-    if schedule == "arrival":
-        check_arrival("all_gather_matmul", x_shard, w, _resolve_group(group)[0])
     return _AllGatherMatmul.apply(x_shard, w, group, schedule, num_chunks,
                                   None if shard_sizes is None else tuple(int(s) for s in shard_sizes), transport)
 
