@@ -65,9 +65,12 @@ def parse_args(argv=None):
                    choices=["ring", "bidirectional_ring", "local_first", "arrival"],
                    help="arrival runs on the copy engine only (all-gather; its reduce-scatter is bidirectional_ring)")
     p.add_argument("--weight-layout", choices=["linear", "kn"], default="linear",
-                   help="all-gather's w: weight.t() of an nn.Linear-layout [F/G, H] weight (what ColumnParallelLinear "
-                   "passes) or a contiguous [H, F/G] tensor")
+                   help="w: weight.t() of an nn.Linear-layout weight (what ColumnParallelLinear and "
+                   "RowParallelLinear pass) or a contiguous [K, N] tensor")
     p.add_argument("--num-chunks", type=int, nargs="+", default=[1], help="CommFuse chunk counts to time (p2p)")
+    p.add_argument("--ce-chunks", type=int, nargs="+", default=[1, 4],
+                   help="chunk counts to time on the copy engine (reduce-scatter only: its own partial's GEMM and "
+                   "the closing sum in that many row chunks)")
     p.add_argument("--transports", nargs="+", default=["p2p", "copy_engine"], choices=["p2p", "copy_engine"],
                    help="CommFuse transports to time (copy_engine needs CUDA; skipped on gloo)")
     p.add_argument("--warmup", type=int, default=5)
@@ -101,8 +104,8 @@ def _reduce_scatter(out, y, group, gloo):
 
 
 # --------------------------------------------------------------------------- variants
-def _commfuse_points(a, gloo):
-    """``(name, transport, schedule, chunks)`` of every CommFuse variant to time."""
+def _commfuse_points(a, gloo, op):
+    """``(name, transport, schedule, chunks)`` of every CommFuse variant of ``op`` to time."""
     out = []
     for t in a.transports:
         if t == "copy_engine" and gloo:
@@ -110,7 +113,8 @@ def _commfuse_points(a, gloo):
         for s in a.schedules:
             if s == "arrival" and t != "copy_engine":
                 continue
-            for c in (a.num_chunks if t == "p2p" else [1]):
+            ce = a.ce_chunks if op == "matmul_reduce_scatter" and s != "arrival" else [1]
+            for c in (a.num_chunks if t == "p2p" else ce):
                 out.append((f"cf.{t}.{s}.c{c}", t, s, c))
     return out
 
@@ -146,11 +150,11 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
             out["torch_symm_mem"] = (
                 lambda x, w: torch.ops.symm_mem.fused_all_gather_matmul(x, [w], 0, name, return_A=False)[1][0],
                 inputs)
-        for key, t, s, c in _commfuse_points(a, gloo):
+        for key, t, s, c in _commfuse_points(a, gloo, op):
             out[key] = (lambda x, w, s=s, c=c, t=t: all_gather_matmul_impl(
                 x, w, group, s, c, shard_sizes=sizes, transport=t, keep_full=False)[0], inputs)
     else:
-        inputs = rotating(lambda i: (rnd(T, F), rnd(F, H)), a.pool)
+        inputs = rotating(lambda i: (rnd(T, F), _weight(rnd, F, H, a)), a.pool)
         partials = rotating(lambda i: (rnd(T, H), ), a.pool)
         scattered = torch.empty(T // G, H, dtype=dtype, device=device)
 
@@ -165,7 +169,7 @@ def _variants(op, a, G, group, device, dtype, gloo, symm):
             name = group.group_name
             out["torch_symm_mem"] = (
                 lambda x, w: torch.ops.symm_mem.fused_matmul_reduce_scatter(x, w, "sum", 0, name), inputs)
-        for key, t, s, c in _commfuse_points(a, gloo):
+        for key, t, s, c in _commfuse_points(a, gloo, op):
             out[key] = (lambda x, w, s=s, c=c, t=t: matmul_reduce_scatter_impl(
                 x, w, group, s, c, out_sizes=sizes, transport=t)[0], inputs)
     if "copy_engine" in a.transports and not gloo:
@@ -189,8 +193,8 @@ def _uniep_gemm(T, device):
 
 
 def _weight(rnd, K, N, a):
-    """The all-gather's ``w [K, N]``: ``weight.t()`` of an ``nn.Linear``-layout ``[N, K]`` weight, as
-    ``ColumnParallelLinear`` passes it (``--weight-layout linear``), or a contiguous ``[K, N]``."""
+    """``w [K, N]``: ``weight.t()`` of an ``nn.Linear``-layout ``[N, K]`` weight, as the parallel linears
+    pass it (``--weight-layout linear``), or a contiguous ``[K, N]``."""
     return rnd(N, K).t() if a.weight_layout == "linear" else rnd(K, N)
 
 
@@ -202,10 +206,7 @@ def _floors(op, a, G, group, device, dtype, rnd):
     rank = dist.get_rank(group)
     # All-gather moves x's row blocks [T/G, H], reduce-scatter partials of the same shape.
     K, N = (H, F) if op == "all_gather_matmul" else (F, H)
-    if op == "all_gather_matmul":  # w as the op's variants take it (see _variants)
-        inputs = rotating(lambda i: (rnd(T, K), _weight(rnd, K, N, a)), a.pool)
-    else:
-        inputs = rotating(lambda i: (rnd(T, K), rnd(K, N)), a.pool)
+    inputs = rotating(lambda i: (rnd(T, K), _weight(rnd, K, N, a)), a.pool)  # w as the op's variants take it
     block_rows = T // G
     ws = _workspace(group, device, G * block_rows * H * torch.empty(0, dtype=dtype).element_size())
     block = rnd(block_rows, H)
@@ -316,6 +317,23 @@ def _checks(op, variants, G, group, gloo, points):
             out[name + "_bitwise_vs_reference"] = bool(torch.equal(y, refs.get(sched, blockwise)))
             if sched in ("local_first", "arrival"):
                 out[name + "_max_diff_vs_blockwise"] = (y.float() - blockwise.float()).abs().max().item()
+    if op == "matmul_reduce_scatter" and not gloo:
+        # Bitwise promise: every rank's partials (its GEMMs: local_first's row groups, the copy
+        # engine's own partial in row chunks) added in rank order in fp32 (reference.py).
+        from ds_uniep.commfuse import matmul_reduce_scatter_impl, ref_matmul_reduce_scatter
+        x, w = args
+        me = dist.get_rank(group)
+        xs = [torch.empty_like(x) for _ in range(G)]
+        dist.all_gather(xs, x.contiguous(), group=group)
+        base = w if w.is_contiguous() else w.t().contiguous()  # the weight as its rank holds it
+        bases = [torch.empty_like(base) for _ in range(G)]
+        dist.all_gather(bases, base, group=group)
+        ws = bases if w.is_contiguous() else [b.t() for b in bases]
+        for name, t, sched, c in points:
+            lf = sched == "local_first"
+            ref = ref_matmul_reduce_scatter(xs, ws, local_first=lf, own_chunks=c if t == "copy_engine" else 1)[me]
+            y = matmul_reduce_scatter_impl(x, w, group, sched, c, transport=t)[0]
+            out[name + "_bitwise_vs_reference"] = bool(torch.equal(y, ref))
     return out
 
 
@@ -426,14 +444,14 @@ def main(argv=None):
             per_mode[mode] = _collect(timed, device)
         res = per_mode["launched"]
         try:
-            checks = _checks(op, variants, G, group, gloo, _commfuse_points(a, gloo))
+            checks = _checks(op, variants, G, group, gloo, _commfuse_points(a, gloo, op))
         except Exception as e:  # noqa: BLE001
             checks = {"error": f"{type(e).__name__}: {e}"}
         results["ops"][op] = {"times": res, "checks": checks}
         if "queued" in per_mode:
             results["ops"][op]["times_queued"] = per_mode["queued"]
-        for _, t, s, c in _commfuse_points(a, gloo):
-            if c != (a.num_chunks[0] if t == "p2p" else 1):
+        for _, t, s, c in _commfuse_points(a, gloo, op):
+            if c != (a.num_chunks[0] if t == "p2p" else max(a.ce_chunks if op == "matmul_reduce_scatter" else [1])):
                 continue
             key = f"{op} {t} {s} c{c}"
             try:

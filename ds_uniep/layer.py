@@ -249,9 +249,8 @@ class UniEPMoE(MoE):
             # among the run's rows has arrived; then the sequential rest. The same bits as sequential.
             self._request_fused(dispatcher, stacked)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-            y = run_grouped(moe.experts.deepspeed_experts, recv, local_counts, "uniep", stacked=stacked,
-                            waits=dispatcher.take_fused_waits())
-            output = dispatcher.combine(y, gates, handle)
+            output = dispatcher.combine(self._local_experts(dispatcher, recv, local_counts, stacked, True), gates,
+                                        handle)
             return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
                                 exp_counts)
         if isinstance(dispatcher, ReferenceDispatcher):
@@ -266,8 +265,7 @@ class UniEPMoE(MoE):
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
                                        self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)
         else:
-            y = run_experts(moe.experts.deepspeed_experts, recv, local_counts, grouped=stacked is not None,
-                            gemm=self._expert_gemm(recv.device), stacked=stacked)
+            y = self._local_experts(dispatcher, recv, local_counts, stacked, False)
         output = dispatcher.combine(y, gates, handle)
         return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux, exp_counts)
 
@@ -306,14 +304,18 @@ class UniEPMoE(MoE):
         if schedule != "fused":
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
         recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-        if fused:
-            y = run_grouped(experts, recv, local_counts, "uniep", stacked=stacked,
-                            waits=dispatcher.take_fused_waits())
-        else:
-            y = run_experts(experts, recv, local_counts, grouped=stacked is not None,
-                            gemm=self._expert_gemm(recv.device), stacked=stacked)
-        output = dispatcher.combine(y, gates, handle)
+        output = dispatcher.combine(self._local_experts(dispatcher, recv, local_counts, stacked, fused), gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
+
+    def _local_experts(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool) -> Tensor:
+        """This rank's experts over the received rows: the fused schedule's grouped GEMMs (the first
+        one's tiles waiting for their rows, ``take_fused_waits``), else ``run_experts``."""
+        experts = self.deepspeed_moe.experts.deepspeed_experts
+        if fused:
+            return run_grouped(experts, recv, local_counts, "uniep", stacked=stacked,
+                               waits=dispatcher.take_fused_waits())
+        return run_experts(experts, recv, local_counts, grouped=stacked is not None,
+                           gemm=self._expert_gemm(recv.device), stacked=stacked)
 
     @staticmethod
     def _request_fused(dispatcher, stacked) -> None:

@@ -44,10 +44,13 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto
     x = xs[me].clone().requires_grad_()
     w = ws[me].clone().requires_grad_()
     lf = schedule == "local_first"
+    # On the copy engine, chunks cut the reduce-scatter's own partial GEMM (its closing sum overlapped).
+    oc = num_chunks if transport == "copy_engine" else 1
     y = all_gather_matmul(x, w, schedule=schedule, num_chunks=num_chunks, transport=transport)
     assert torch.equal(y, ref_all_gather_matmul(xs, ws[me], me if lf else None)), f"all_gather_matmul forward {tag}"
     y.backward(gys[me])
-    ref_gx = ref_matmul_reduce_scatter(gys, [wr.t() for wr in ws], out_sizes=sizes, local_first=lf)[me]
+    ref_gx = ref_matmul_reduce_scatter(gys, [wr.t() for wr in ws], out_sizes=sizes, local_first=lf,
+                                       own_chunks=oc)[me]
     assert torch.equal(x.grad, ref_gx), f"all_gather_matmul d x_shard {tag}"
     assert torch.equal(w.grad, torch.cat(xs).t() @ gys[me]), f"all_gather_matmul d w {tag}"
     # Known sizes skip the size gather and give the same bits.
@@ -63,7 +66,7 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto
     o0 = matmul_reduce_scatter(gys[me][:sum(sizes0)].contiguous(), ws[me].t().contiguous(), schedule=schedule,
                                num_chunks=num_chunks, out_sizes=sizes0, transport=transport)
     ref0 = ref_matmul_reduce_scatter([g[:sum(sizes0)] for g in gys], [w_.t().contiguous() for w_ in ws], sizes0,
-                                     local_first=lf)[me]
+                                     local_first=lf, own_chunks=oc)[me]
     assert torch.equal(o0, ref0), f"empty output blocks {tag}"
 
     # matmul_reduce_scatter: odd T, a different K_r per rank, default and explicit row splits.
@@ -71,7 +74,7 @@ def _check_ops(me, G, device, dtype, schedule, num_chunks, seed, transport="auto
     xs = [_rand((T, 11 + 7 * r), seed + 300 + r, dtype, device) for r in range(G)]
     ws = [_rand((11 + 7 * r, N), seed + 400 + r, dtype, device) for r in range(G)]
     for out_sizes in (None, sizes[:-1] + [T - sum(sizes[:-1])] if sum(sizes[:-1]) <= T else None):
-        ref = ref_matmul_reduce_scatter(xs, ws, out_sizes, local_first=lf)
+        ref = ref_matmul_reduce_scatter(xs, ws, out_sizes, local_first=lf, own_chunks=oc)
         x = xs[me].clone().requires_grad_()
         w = ws[me].clone().requires_grad_()
         out = matmul_reduce_scatter(x, w, schedule=schedule, num_chunks=num_chunks, out_sizes=out_sizes,
@@ -101,9 +104,10 @@ def _check_fixed_order(me, G, device, transport="auto"):
     for v in vals[1:]:
         acc = acc + torch.tensor(v, dtype=torch.float32)
     for schedule in ("ring", "bidirectional_ring", "local_first"):
-        out = matmul_reduce_scatter(x, w, schedule=schedule, transport=transport)
-        assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), \
-            f"rank-order sum {schedule} {transport}: {out[0, 0]}"
+        for c in ((1, 3) if transport == "copy_engine" else (1, )):
+            out = matmul_reduce_scatter(x, w, schedule=schedule, num_chunks=c, transport=transport)
+            assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), \
+                f"rank-order sum {schedule} {transport} chunks={c}: {out[0, 0]}"
 
 
 def _check_back_to_back(me, G, device, calls=12):
@@ -144,6 +148,39 @@ def _check_back_to_back(me, G, device, calls=12):
         outs.append(op(x, w, schedule=schedule, transport="copy_engine", **sizes))
     torch.cuda.synchronize(device)
     return sum(not torch.equal(o, r) for o, r in zip(outs, refs))
+
+
+def _check_arrival_timeout(me, G, device):
+    """A peer that never makes the call: the waiting rank does not hang, and its next call raises
+    ArrivalTimeoutError naming itself and a missing peer. On a group of its own, whose buffers the
+    timeout leaves unusable."""
+    import time
+
+    import torch.distributed as dist
+
+    from ds_uniep.commfuse import all_gather_matmul, arrival
+    group = dist.new_group(list(range(G)))
+    rows, K, N = 16, 64, 64
+    x = _rand((rows, K), 8000 + me, torch.bfloat16, device)
+    w = _rand((K, N), 8100, torch.bfloat16, device)
+    all_gather_matmul(x, w, group, schedule="arrival", shard_sizes=[rows] * G)  # buffers and words: collective
+    torch.cuda.synchronize(device)
+    dist.barrier(group=group)
+    if me == 0:
+        old = arrival.TIMEOUT_S
+        arrival.TIMEOUT_S = 0.5
+        try:
+            t0 = time.monotonic()
+            all_gather_matmul(x, w, group, schedule="arrival", shard_sizes=[rows] * G)  # no peer comes
+            torch.cuda.synchronize(device)
+            waited = time.monotonic() - t0
+            with pytest.raises(arrival.ArrivalTimeoutError,
+                               match=r"rank 0 waited more than 0.5 s for the block of group rank [1-9]"):
+                all_gather_matmul(x, w, group, schedule="arrival", shard_sizes=[rows] * G)
+        finally:
+            arrival.TIMEOUT_S = old
+        assert waited < 30, f"the timed-out call took {waited:.1f} s"
+    dist.barrier(group=group)
 
 
 def _check_arrival(me, G, device):
@@ -374,16 +411,21 @@ def _body(rank, G, device_kind, bench_out=None):
         _check_ops(rank, G, device, dtype, schedule, num_chunks, 1000 * (i + 1), transport="p2p")
     _check_fixed_order(rank, G, device, "p2p")
     if device_kind == "cuda":
-        # The copy-engine transport: the same bits as the references, chunks do not apply.
-        for i, (dtype, schedule) in enumerate([(d, s) for d in (torch.float32, torch.bfloat16)
-                                               for s in ("ring", "bidirectional_ring", "local_first")]):
-            _check_ops(rank, G, device, dtype, schedule, 1, 5000 + 1000 * i, transport="copy_engine")
+        # The copy-engine transport: the same bits as the references (chunks: the reduce-scatter's
+        # own partial GEMM in row chunks, each chunk's sum overlapped with the next).
+        for i, (dtype, schedule, c) in enumerate([(d, s, c) for d in (torch.float32, torch.bfloat16)
+                                                  for s in ("ring", "bidirectional_ring", "local_first")
+                                                  for c in (1, 3)]):
+            _check_ops(rank, G, device, dtype, schedule, c, 5000 + 1000 * i, transport="copy_engine")
         _check_fixed_order(rank, G, device, "copy_engine")
         from ds_uniep.commfuse.arrival import available
         probe = torch.empty(1, 8, dtype=torch.bfloat16, device=device)
-        if available(probe, torch.empty(8, 8, dtype=torch.bfloat16, device=device), None)[0]:
+        arrival_ok = available(probe, torch.empty(8, 8, dtype=torch.bfloat16, device=device), None)[0]
+        if arrival_ok:
             _check_arrival(rank, G, device)
         assert _check_back_to_back(rank, G, device) == 0, "back-to-back copy-engine calls differ from references"
+        if arrival_ok:
+            _check_arrival_timeout(rank, G, device)
     else:
         from ds_uniep.commfuse import all_gather_matmul
         x = torch.ones(2, 3)

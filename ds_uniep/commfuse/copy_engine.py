@@ -202,11 +202,15 @@ def gathered_rows(mine: torch.Tensor, x_shard: torch.Tensor, row0: int) -> torch
 
 
 def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, out_sizes: List[int],
-                             offs: List[int], order: Sequence[int], timeline=None, runs=None) -> torch.Tensor:
+                             offs: List[int], order: Sequence[int], timeline=None, runs=None,
+                             tail_chunks: int = 1) -> torch.Tensor:
     """``out [out_sizes[me], N]``: partials added in rank order 0..G-1 in fp32, cast once. ``order``:
     the offsets d of the peers in the order their partials (rows of ``me+d``) are computed and sent.
     ``runs`` (``local_first``): the peers' partials come from one GEMM per ``(start, rows, blocks)``
-    run instead, each run's partials sent as soon as it is computed."""
+    run instead, each run's partials sent as soon as it is computed. ``tail_chunks`` > 1: this
+    rank's own partial is computed in that many row chunks (``_chunks``), and each chunk's rows are
+    summed on a third stream while the next chunk's GEMM runs, so only the last chunk's sum
+    follows the last GEMM (see :func:`_own_partial_and_sum`)."""
     G = len(out_sizes)
     N = w.shape[1]
     device = x.device
@@ -245,18 +249,61 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
                 timeline.entries.append(("transfer", i, t0, timeline.mark(comm)))
         p.record_stream(comm)
         sent.append(p)
-    own = partial(len(runs) if runs is not None else len(order), me)
+    step = len(runs) if runs is not None else len(order)
     t_me = out_sizes[me]
-    for src in range(G):
-        if src != me:
-            ws.handle.wait_signal(src, _DATA_CHANNEL)
-    parts = [own if src == me else mine[src, :t_me] for src in range(G)]
-    t0 = timeline.mark(compute) if timeline else None
-    out = ordered_sum(parts)
-    if timeline:
-        timeline.entries.append(("reduce", 0, t0, timeline.mark(compute)))
+    if tail_chunks > 1 and t_me > 1:
+        out = _own_partial_and_sum(x[offs[me]:offs[me] + t_me], w, ws, me, G, mine, tail_chunks, step,
+                                   compute, timeline)
+    else:
+        own = partial(step, me)
+        for src in range(G):
+            if src != me:
+                ws.handle.wait_signal(src, _DATA_CHANNEL)
+        parts = [own if src == me else mine[src, :t_me] for src in range(G)]
+        t0 = timeline.mark(compute) if timeline else None
+        out = ordered_sum(parts)
+        if timeline:
+            timeline.entries.append(("reduce", 0, t0, timeline.mark(compute)))
     compute.wait_stream(comm)
     del sent
+    return out
+
+
+_sum_streams: Dict[Tuple[int, int], "torch.cuda.Stream"] = {}
+
+
+def _own_partial_and_sum(x_me, w, ws, me, G, mine, tail_chunks, step, compute, timeline):
+    """This rank's partial in ``tail_chunks`` row chunks on the compute stream; each chunk's rows
+    summed (rank order, fp32, cast once: :func:`ordered_sum`) on a third stream as soon as its GEMM
+    is done, behind the waits for every peer's signal, while the next chunk's GEMM runs. One GEMM
+    per chunk: its bits are those of ``ref_matmul_reduce_scatter(..., own_chunks=tail_chunks)``."""
+    from .ops import _chunks
+    t_me, N = x_me.shape[0], w.shape[1]
+    key = (compute.device.index, compute.cuda_stream)
+    if key not in _sum_streams:
+        _sum_streams[key] = torch.cuda.Stream(device=compute.device)
+    red = _sum_streams[key]
+    out = torch.empty(t_me, N, dtype=mine.dtype, device=x_me.device)  # before red first waits on compute
+    red.wait_stream(compute)
+    for c, (c0, cn) in enumerate(_chunks(t_me, tail_chunks)):
+        t0 = timeline.mark(compute) if timeline else None
+        p = x_me[c0:c0 + cn] @ w
+        if timeline:
+            timeline.entries.append(("gemm", step + c, t0, timeline.mark(compute)))
+        ready = torch.cuda.Event()
+        ready.record(compute)
+        red.wait_event(ready)
+        with torch.cuda.stream(red):
+            if c == 0:  # the peers' partials are in (queued behind the first chunk, off the GEMM's SMs)
+                for src in range(G):
+                    if src != me:
+                        ws.handle.wait_signal(src, _DATA_CHANNEL)
+            t0 = timeline.mark(red) if timeline else None
+            out[c0:c0 + cn] = ordered_sum([p if src == me else mine[src, c0:c0 + cn] for src in range(G)])
+            if timeline:
+                timeline.entries.append(("reduce", c, t0, timeline.mark(red)))
+        p.record_stream(red)
+    compute.wait_stream(red)
     return out
 
 

@@ -20,7 +20,16 @@ Exactness (the promise every schedule keeps):
 
 ``num_chunks`` splits each step's transfer into that many row chunks (separate
 messages). GEMMs stay whole blocks: splitting a GEMM by rows may change the
-kernel (and so the rounding) and would break the promise above.
+kernel (and so the rounding) and would break the promise above. The one
+exception, on the copy-engine transport (whose copies are never split): there
+``num_chunks`` > 1 cuts the reduce-scatter's own partial, its last GEMM, into
+that many row chunks, and each chunk's rank-order sum runs on a side stream
+while the next chunk's GEMM runs, so only the last chunk's sum is left after
+the last GEMM. The sum keeps its order; the own partial's bits are those of
+one GEMM per chunk, as :func:`ds_uniep.commfuse.reference.ref_matmul_reduce_scatter`
+computes them with ``own_chunks=num_chunks`` (equal to ``num_chunks=1``'s
+within the GEMM's rounding, bitwise where the GEMM library runs the same
+kernel for the chunk's row count).
 
 The ``local_first`` schedule multiplies fewer, larger row groups instead (see
 :func:`_remote_runs`): this rank's block, then the blocks after it as one GEMM,
@@ -518,7 +527,7 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
     if resolve_transport(transport, g, G, x.device) == "copy_engine":
         from .copy_engine import matmul_reduce_scatter_ce
         return matmul_reduce_scatter_ce(x, w, g, me, out_sizes, offs, _peer_order(G, schedule), timeline,
-                                        runs), out_sizes
+                                        runs, tail_chunks=num_chunks), out_sizes
     dtype = torch.result_type(x, w)
     t_me = out_sizes[me]
 
@@ -670,7 +679,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedu
             once (a small all-gather and, on GPU, a host sync).
         transport: ``"p2p"`` (NCCL or gloo send/recv), ``"copy_engine"``
             (copies into peers' symmetric buffers, CUDA only; ``num_chunks``
-            does not apply) or ``"auto"`` (the copy engine where usable).
+            does not split its copies: in its reduce-scatter, also the backward
+            of this op, it cuts the own partial's GEMM and the closing sum into
+            row chunks, see the module doc) or ``"auto"`` (the copy engine where usable).
 
     Returns:
         ``[T, N]``, rows in rank order, bitwise equal to

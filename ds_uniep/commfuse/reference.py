@@ -7,12 +7,22 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .ops import _offsets, _remote_runs, even_split
+from .ops import _chunks, _offsets, _remote_runs, even_split
 
 
-def _local_first_rows(sizes: Sequence[int], me: int):
-    """``(start, rows)`` of every GEMM the ``local_first`` schedule runs on rank ``me``."""
-    return [(_offsets(sizes)[me], sizes[me])] + [(r0, n) for r0, n, _ in _remote_runs(sizes, me)]
+def _local_first_rows(sizes: Sequence[int], me: int, own_chunks: int = 1):
+    """``(start, rows)`` of every GEMM the ``local_first`` schedule runs on rank ``me`` (its own
+    block as ``own_chunks`` row chunks)."""
+    return _own_rows(sizes, me, own_chunks) + [(r0, n) for r0, n, _ in _remote_runs(sizes, me)]
+
+
+def _own_rows(sizes: Sequence[int], me: int, own_chunks: int):
+    """``(start, rows)`` of the GEMMs of rank ``me``'s own block: ``own_chunks`` row chunks
+    (``_chunks``), or the whole block."""
+    r0 = _offsets(sizes)[me]
+    if own_chunks > 1 and sizes[me] > 1:
+        return [(r0 + c0, n) for c0, n in _chunks(sizes[me], own_chunks)]
+    return [(r0, sizes[me])]
 
 
 def ref_all_gather_matmul(x_shards: Sequence[torch.Tensor], w: torch.Tensor,
@@ -42,7 +52,7 @@ def ref_all_gather_matmul(x_shards: Sequence[torch.Tensor], w: torch.Tensor,
 
 def ref_matmul_reduce_scatter(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
                               out_sizes: Optional[Sequence[int]] = None,
-                              local_first: bool = False) -> List[torch.Tensor]:
+                              local_first: bool = False, own_chunks: int = 1) -> List[torch.Tensor]:
     """Every rank's output block of ``sum_r xs[r] @ ws[r]``.
 
     xs ``[T, K_r]`` and ws ``[K_r, N]`` per rank r. Block j (rows
@@ -50,22 +60,30 @@ def ref_matmul_reduce_scatter(xs: Sequence[torch.Tensor], ws: Sequence[torch.Ten
     ``xs[r][rows_j] @ ws[r]`` in the input dtype, added in rank order in fp32,
     cast once. Returns ``[out_sizes[j], N]`` per rank j. ``local_first``: rank
     r's partials come from its ``local_first`` GEMMs (its own rows, the rows
-    after them, the rows before them, each group one GEMM), sliced per block."""
+    after them, the rows before them, each group one GEMM), sliced per block.
+    ``own_chunks`` (the copy-engine transport's ``num_chunks``): rank j's own
+    partial of block j comes from one GEMM per row chunk of the block."""
     G, T = len(xs), xs[0].shape[0]
     sizes = even_split(T, G) if out_sizes is None else list(out_sizes)
     offs = _offsets(sizes)
+
+    def gemms(r, rows):
+        full = torch.empty(T, ws[r].shape[1], dtype=torch.result_type(xs[r], ws[r])).to(xs[r].device)
+        for r0, n in rows:
+            full[r0:r0 + n] = xs[r][r0:r0 + n] @ ws[r]
+        return full
+
     if local_first:
-        partial_rows = []
-        for r in range(G):
-            full = torch.empty(T, ws[r].shape[1], dtype=torch.result_type(xs[r], ws[r])).to(xs[r].device)
-            for r0, n in _local_first_rows(sizes, r):
-                full[r0:r0 + n] = xs[r][r0:r0 + n] @ ws[r]
-            partial_rows.append(full)
+        partial_rows = [gemms(r, _local_first_rows(sizes, r, own_chunks)) for r in range(G)]
 
         def partial(r, j):
             return partial_rows[r][offs[j]:offs[j] + sizes[j]]
     else:
+        own_rows = [gemms(r, _own_rows(sizes, r, own_chunks)) for r in range(G)]
+
         def partial(r, j):
+            if r == j:
+                return own_rows[r][offs[j]:offs[j] + sizes[j]]
             return xs[r][offs[j]:offs[j] + sizes[j]] @ ws[r]
     out = []
     for j in range(G):
