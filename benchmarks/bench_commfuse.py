@@ -8,12 +8,14 @@ total split over the G tensor-parallel ranks), bf16, forward:
 * all_gather_matmul (up projection): x_shard ``[T/G, H]`` @ w ``[H, F/G]`` -> ``[T, F/G]``, w given as
   ``weight.t()`` of an ``nn.Linear``-layout ``[F/G, H]`` weight, as ``ColumnParallelLinear`` passes it
   (``--weight-layout kn``: a contiguous ``[H, F/G]`` tensor instead, the layout of the older results in docs/results)
-* matmul_reduce_scatter (down projection): x ``[T, F/G]`` @ w ``[F/G, H]`` -> ``[T/G, H]``
+* matmul_reduce_scatter (down projection): x ``[T, F/G]`` @ w ``[F/G, H]`` -> ``[T/G, H]``, w given as
+  ``weight.t()`` of an ``[H, F/G]`` weight, as ``RowParallelLinear`` passes it (``kn``: contiguous)
 
 Per op, in one run: GEMM alone, collective alone, unfused (collective then
 GEMM, or GEMM then collective), ``torch.ops.symm_mem`` fused op, and CommFuse
 per transport (``p2p``: NCCL send/recv; ``copy_engine``: copies into peers'
-symmetric buffers), schedule and chunk count (chunks apply to ``p2p`` only),
+symmetric buffers), schedule and chunk count (``p2p``: messages per step; copy engine,
+reduce-scatter only, ``--ce-chunks``: row chunks of the own partial's GEMM and closing sum),
 named ``cf.<transport>.<schedule>.c<chunks>``. On CUDA every variant is timed twice: launched
 (each run after a host barrier, so the ranks' launch skew counts) and queued (each run after a
 GPU spin and a GPU-side barrier, so every GPU starts at once with the run's launches queued, as

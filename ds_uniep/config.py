@@ -118,8 +118,10 @@ class CommFuseConfig(_Block):
         "the GEMM's rounding); arrival (CUDA, Hopper, bf16): blocks move as in local_first and the all-gather's "
         "GEMM is one launch of ds_uniep's grouped GEMM whose tiles wait on the GPU for their block, this rank's "
         "block first (the bits of that GEMM; its reduce-scatter runs bidirectional_ring).")
-    num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into (p2p "
-                            "transport).")
+    num_chunks: int = Field(1, ge=1, le=16, description="p2p transport: chunks each peer-to-peer step is split "
+                            "into. copy_engine transport (whose copies stay whole): the reduce-scatter's own partial "
+                            "GEMM in that many row chunks, each chunk's rank-order sum overlapping the next chunk's "
+                            "GEMM (one GEMM per chunk, so equal to 1 chunk within the GEMM's rounding).")
     transport: Literal["auto", "p2p", "copy_engine"] = Field(
         "auto", description="p2p: NCCL/gloo send/recv; copy_engine: copies into peers' symmetric buffers (CUDA, "
         "no SMs taken from the GEMMs); auto: copy_engine where usable, else p2p.")
