@@ -66,8 +66,11 @@ class OverlapConfig(_Block):
         "partitioned",
         description="partitioned: whole SMs communicate while others compute; interleaved: communication "
         "warps run beside GEMM warpgroups inside one SM.")
-    tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256).")
-    tile_n: int = Field(128, description="GEMM tile columns (64, 128 or 256).")
+    tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256). Read by ds_uniep's GEMM (expert_gemm "
+                        "'uniep') when the block sets tile_m or tile_n: every expert GEMM (forward, dgrad, wgrad) "
+                        "then runs the tile_m x tile_n configuration it is built with (128x256, 256x128 or 128x128; "
+                        "another pair is an error naming the layer), the same bits as its own choice.")
+    tile_n: int = Field(128, description="GEMM tile columns (64, 128 or 256); see tile_m.")
     stages: int = Field(4, ge=2, le=8, description="Shared-memory pipeline stages of the GEMM.")
     signal_granularity: Literal["tile", "expert", "rank"] = Field(
         "tile", description="What one arrival signal covers: a tile of rows, all rows of an expert, or a rank.")
@@ -195,8 +198,8 @@ class UniEPConfig(_Block):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
                                    "backend runs the sequential, pipelined or fused schedule and reads schedule, "
-                                   "num_chunks, num_comm_sms and timeout_s; the fused schedule does not read roles, "
-                                   "tile_m, tile_n, stages or signal_granularity yet).")
+                                   "num_chunks, num_comm_sms and timeout_s; no schedule reads roles, stages or "
+                                   "signal_granularity yet; tile_m and tile_n reach ds_uniep's GEMM only).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")

@@ -59,14 +59,15 @@ class _AddGroupBias(torch.autograd.Function):
 
 
 def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, counts: Tensor,
-                    gemm: str = "torch", sm_count: int = 0, waits=None) -> Tensor:
+                    gemm: str = "torch", sm_count: int = 0, waits=None, configs=None) -> Tensor:
     """Rows of group ``l`` of ``x [R, K]`` times ``w[l].T`` (``w [L, N, K]``, nn.Linear's layout), plus
     ``bias[l]`` (``[L, N]``); ``offs``: ``[L]`` int32 ends. ``gemm``: ``torch._grouped_mm`` or ds_uniep's
     grouped GEMM (see :data:`GEMMS`; ``sm_count``: the SMs it uses, 0 for all; ``waits``: its forward
-    runs while the rows arrive, :class:`ds_uniep.gemm.ArrivalWaits`)."""
+    runs while the rows arrive, :class:`ds_uniep.gemm.ArrivalWaits`; ``configs``: its tile
+    configuration per operation, default its own)."""
     if gemm == "uniep":
         from .gemm import grouped_linear
-        y = grouped_linear(x, w, offs, sm_count=sm_count, waits=waits)
+        y = grouped_linear(x, w, offs, configs=configs, sm_count=sm_count, waits=waits)
     else:  # viewed as [L, K, N]: the column-major B operand grouped_mm takes
         y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if bias is not None:
@@ -284,7 +285,7 @@ GEMMS = ("torch", "uniep")
 def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
                 params: Optional[Sequence[Dict[str, Tensor]]] = None,
                 stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None,
-                sm_count: int = 0, waits=None) -> Tensor:
+                sm_count: int = 0, waits=None, configs: Optional[Dict[str, str]] = None) -> Tensor:
     """All groups as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [G]`` rows per group; group ``g``
     runs expert ``experts[g]`` with its own parameters, or, given ``params`` (``G`` dicts of
     ``named_parameters`` form, e.g. gathered replicas), the module of ``experts[0]``'s kind with
@@ -293,9 +294,11 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     on the device when the caller has them (else computed from ``counts``). ``sm_count``: the SMs
     ds_uniep's GEMM uses, forward and backward (0: all; the same bits); only with ``gemm="uniep"``.
     ``waits`` (:class:`ds_uniep.gemm.ArrivalWaits`, ``gemm="uniep"`` only): the first projection's
-    forward starts while ``recv``'s rows still arrive, segment by segment (the fused schedule)."""
-    if (sm_count or waits is not None) and gemm != "uniep":
-        raise ValueError(f"sm_count and waits apply to ds_uniep's grouped GEMM (gemm='uniep'), not {gemm!r}")
+    forward starts while ``recv``'s rows still arrive, segment by segment (the fused schedule).
+    ``configs`` (``gemm="uniep"`` only): ds_uniep's GEMM configuration per operation, as
+    :func:`ds_uniep.gemm.grouped_linear` takes them (the same bits under every one)."""
+    if (sm_count or waits is not None or configs) and gemm != "uniep":
+        raise ValueError(f"sm_count, waits and configs apply to ds_uniep's grouped GEMM (gemm='uniep'), not {gemm!r}")
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     if stacked is None:
@@ -310,18 +313,21 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
         offs = torch.cumsum(counts, 0).to(torch.int32)
 
     def linear(x, proj, w=None):
-        return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count, w)
+        return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count, w,
+                               configs)
     if stacked.kind is SwiGLUExpert:
         return linear(swiglu(linear(recv, "w13", waits)), "w2")
     return linear(F.gelu(linear(recv, "fc1", waits)), "fc2")
 
 
 def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,
-                grouped: bool = True, gemm: str = "torch", stacked: Optional[StackedExperts] = None) -> Tensor:
+                grouped: bool = True, gemm: str = "torch", stacked: Optional[StackedExperts] = None,
+                configs: Optional[Dict[str, str]] = None) -> Tensor:
     """Run local expert ``l`` over its rows of ``recv [R, M]``; returns ``[R, M]`` in the same order.
 
     Recognised bf16 MLP experts run as grouped GEMMs (when ``grouped``) on ``gemm`` (see
-    :func:`run_grouped`; ``stacked``: their operands, stacked beforehand by :func:`stack_experts`).
+    :func:`run_grouped`; ``stacked``: their operands, stacked beforehand by :func:`stack_experts`;
+    ``configs``: ds_uniep's GEMM configurations there).
     Otherwise every
     expert is called, also with zero rows, so its parameters always join the autograd
     graph (zero gradients rather than None, as with DeepSpeed's padded buffers). A
@@ -331,7 +337,7 @@ def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts:
         if stacked is None:
             stacked = stack_experts(experts, recv.dtype, recv.device)
         if stacked is not None:
-            return run_grouped(experts, recv, local_expert_counts, gemm, stacked=stacked)
+            return run_grouped(experts, recv, local_expert_counts, gemm, stacked=stacked, configs=configs)
     outs: List[Tensor] = []
     for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
         out = expert(rows)

@@ -32,6 +32,21 @@ CONFIGS = ("coop128x256", "coop256x128", "pingpong128x128")
 persistent scheduler's tile order after a colon: ``"coop128x256:n4"`` walks tiles along N in
 bands of 4 (``m``: along M, the default; band 1, 2, 4 or 8). Neither changes the values."""
 
+TILE_CONFIGS = {(128, 256): "coop128x256", (256, 128): "coop256x128", (128, 128): "pingpong128x128"}
+"""``(tile_m, tile_n)`` of the ``uniep.overlap`` block -> the tile configuration with those tiles."""
+
+
+def configs_for_tiles(tile_m: int, tile_n: int) -> Dict[str, str]:
+    """Every operation's configuration for a ``tile_m`` x ``tile_n`` tile (:data:`TILE_CONFIGS`, the
+    scheduler's default tile order); a ValueError naming the tiles built for any other pair."""
+    config = TILE_CONFIGS.get((int(tile_m), int(tile_n)))
+    if config is None:
+        built = ", ".join(f"{m}x{n}" for m, n in TILE_CONFIGS)
+        raise ValueError(f"ds_uniep's grouped GEMM is built with tiles (tile_m x tile_n) {built}, not "
+                         f"{tile_m}x{tile_n}")
+    return {op: config for op in OPS}
+
+
 ORDERS = ("", ":n1", ":m4", ":n4")
 """Scheduler tile orders the automatic choice tries with every tile configuration."""
 

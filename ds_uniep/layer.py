@@ -75,6 +75,8 @@ class UniEPMoE(MoE):
         self.hidden_size = hidden_size
         self.k = k
         self.layer_name = f"UniEPMoE[{next(_layer_ids)}]"
+        if self.uniep_config.expert_gemm == "uniep":
+            self._gemm_configs()  # tile sizes ds_uniep's GEMM is not built with: said now
         self._dispatchers = {}
         self._backend_by_device = {}
         self._hybrid = None
@@ -235,9 +237,11 @@ class UniEPMoE(MoE):
             # and the GEMMs take every SM (torch's always do).
             copy_blocks, sm_count = pipeline_partition(gemm, _comm_blocks(self.uniep_config) or 0, x.device)
 
+            configs = self._gemm_configs() if gemm == "uniep" else None
+
             def run_chunk(rows, counts, offs, a, b):
                 part = experts[a:b]
-                return run_grouped(part, rows, counts, gemm, offs=offs, sm_count=sm_count,
+                return run_grouped(part, rows, counts, gemm, offs=offs, sm_count=sm_count, configs=configs,
                                    stacked=stack_experts(part, x.dtype, x.device, cache=self._stack_cache))
             output = run_pipelined(dispatcher, x, expert_idx, gates, self.uniep_config.overlap.num_chunks, run_chunk,
                                    copy_blocks)
@@ -313,17 +317,30 @@ class UniEPMoE(MoE):
         experts = self.deepspeed_moe.experts.deepspeed_experts
         if fused:
             return run_grouped(experts, recv, local_counts, "uniep", stacked=stacked,
-                               waits=dispatcher.take_fused_waits())
-        return run_experts(experts, recv, local_counts, grouped=stacked is not None,
-                           gemm=self._expert_gemm(recv.device), stacked=stacked)
+                               waits=dispatcher.take_fused_waits(), configs=self._gemm_configs())
+        gemm = self._expert_gemm(recv.device)
+        return run_experts(experts, recv, local_counts, grouped=stacked is not None, gemm=gemm, stacked=stacked,
+                           configs=self._gemm_configs() if gemm == "uniep" else None)
 
-    @staticmethod
-    def _request_fused(dispatcher, stacked) -> None:
+    def _gemm_configs(self) -> Optional[Dict[str, str]]:
+        """ds_uniep's GEMM configuration for every operation when the ``uniep.overlap`` block sets
+        ``tile_m`` or ``tile_n`` (:func:`ds_uniep.gemm.configs_for_tiles`), else None (its defaults)."""
+        overlap = self.uniep_config.overlap
+        if not {"tile_m", "tile_n"} & overlap.model_fields_set:
+            return None
+        from .gemm import configs_for_tiles
+        try:
+            return configs_for_tiles(overlap.tile_m, overlap.tile_n)
+        except ValueError as e:
+            raise ValueError(f"{self.layer_name}: uniep.overlap tile_m={overlap.tile_m}, tile_n={overlap.tile_n}: "
+                             f"{e}") from None
+
+    def _request_fused(self, dispatcher, stacked) -> None:
         """Ask the next dispatch to queue the first expert GEMM (``w13`` of SwiGLU experts, ``fc1`` of
         GeLU ones) over the rows as they arrive; the weight contiguous, as grouped_linear makes it (a
         copy only for the strided stacks of flattened experts)."""
         first = "w13" if "w13" in stacked.weights else "fc1"
-        dispatcher.request_fused(stacked.weights[first].contiguous())
+        dispatcher.request_fused(stacked.weights[first].contiguous(), self._gemm_configs())
 
     def _finish(self, output: Tensor, hidden_states: Tensor, tp_sizes, tp_rank, tp_group, l_aux, exp_counts):
         """The combined tokens back in the input's shape (gathered over TP ranks), plus PR-MoE's residual."""
@@ -397,7 +414,8 @@ class UniEPMoE(MoE):
             raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
         name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name)
-        _say_overlap_knobs_wait(self.uniep_config.overlap, name, self.layer_name)
+        _say_overlap_knobs_wait(self.uniep_config.overlap, name, self.layer_name,
+                                self.uniep_config.expert_gemm == "uniep" and self._hybrid is None)
         if name == "megakernel" and self._pacing is not None:
             raise ValueError(f"{self.layer_name}: inter-site pacing (set_inter_site_pacing) runs on the reference "
                              'backend; set "uniep": {"backend": "reference"}')
@@ -556,29 +574,32 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
 
 _FUSED_KNOBS = ("roles", "tile_m", "tile_n", "stages", "signal_granularity")
 """``uniep.overlap`` knobs meant for the fused schedule that it does not read yet: it runs
-partitioned roles, one signal per source rank, and the GEMM's own tile configurations."""
+partitioned roles and one signal per source rank; ``tile_m`` and ``tile_n`` are read by ds_uniep's
+GEMM (``expert_gemm: "uniep"``) wherever it runs the experts, on any schedule."""
 _SAID_WAITING = set()
 _SAID_CANNOT = set()
 _NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
                 "expert tensor parallelism)")
 
 
-def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str) -> None:
+def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: bool = False) -> None:
     """Warn when the ``uniep`` block sets overlap knobs that nothing acts on: :data:`_FUSED_KNOBS`,
     ``schedule`` (pipelined or fused) on a backend other than the megakernel, and ``num_chunks``
     outside the megakernel's pipelined schedule; once per process for each setting and backend,
-    naming the first layer that met it."""
+    naming the first layer that met it. ``tiles_read``: ds_uniep's GEMM runs the experts and reads
+    ``tile_m`` and ``tile_n``."""
     pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
     schedule_here = overlap.schedule == "sequential" or backend == "megakernel"
     knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
-    knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set]
+    knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))]
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
     if knobs and (said, backend) not in _SAID_WAITING:
         _SAID_WAITING.add((said, backend))
         logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
-                       + ("the sequential, pipelined or fused schedule, and the fused one reads neither roles, tile "
-                          "sizes, stages nor signal granularity yet" if backend == "megakernel" else
+                       + ("the sequential, pipelined or fused schedule, none of which reads roles, stages or signal "
+                          "granularity yet, and tile sizes only reach ds_uniep's GEMM (expert_gemm 'uniep')"
+                          if backend == "megakernel" else
                           "the sequential schedule") + "; results are the same under every value. Said once for "
                        "every layer.")
 

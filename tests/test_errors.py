@@ -201,3 +201,35 @@ def test_the_hosts_wait_for_the_fused_dispatch_start_compares_epochs_cyclically(
         with pytest.raises(UniEPTimeoutError, match="layer 3: rank 1: the fused dispatch's 8 blocks did not all start"):
             NVLinkDispatcher._await_fused_start(d, epoch, word)
     assert len(checked) == 2  # the layer's error record is checked before the timeout is raised
+
+
+def test_tile_sizes_choose_the_uniep_gemm_tile_and_others_are_refused():
+    """``tile_m``/``tile_n`` set in the block pick ds_uniep's GEMM tile for every operation (a pair it
+    is not built with is refused at construction, naming the layer); unset, its own choice; a
+    tuning plan that keeps them leaves them unset; torch's GEMM takes no configuration."""
+    from ds_uniep.experts import SwiGLUExpert, run_grouped
+    from ds_uniep.gemm import configs_for_tiles
+    from ds_uniep.tuning import Plan
+
+    def make(overlap):
+        return UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "reference", "expert_gemm": "uniep",
+                                                             "overlap": overlap})
+    assert make({"tile_m": 256, "tile_n": 128})._gemm_configs() == {op: "coop256x128" for op in ("fwd", "dgrad",
+                                                                                                   "wgrad")}
+    assert make({"tile_n": 256})._gemm_configs() == configs_for_tiles(128, 256)
+    assert make({"tile_m": 128})._gemm_configs() == {op: "pingpong128x128" for op in ("fwd", "dgrad", "wgrad")}
+    assert make({"num_comm_sms": 8})._gemm_configs() is None
+    with pytest.raises(ValueError, match=r"UniEPMoE\[\d+\]: uniep.overlap tile_m=64, tile_n=128: ds_uniep's grouped "
+                       r"GEMM is built with tiles \(tile_m x tile_n\) 128x256, 256x128, 128x128, not 64x128"):
+        make({"tile_m": 64})
+    # On torch's GEMM the knobs are not read (and said so at the first forward): no error here.
+    UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "reference", "overlap": {"tile_m": 64}})
+    cfg = UniEPConfig.coerce({"expert_gemm": "uniep"})
+    applied = Plan.from_config(cfg).replace(num_comm_sms=16).apply(cfg).overlap
+    assert not {"tile_m", "tile_n"} & applied.model_fields_set and "num_comm_sms" in applied.model_fields_set
+    cfg = UniEPConfig.coerce({"expert_gemm": "uniep", "overlap": {"tile_m": 256, "tile_n": 128}})
+    assert {"tile_m", "tile_n"} <= Plan.from_config(cfg).apply(cfg).overlap.model_fields_set
+    experts = [SwiGLUExpert(8, 8).to(torch.bfloat16)]
+    with pytest.raises(ValueError, match=r"sm_count, waits and configs apply to ds_uniep's grouped GEMM"):
+        run_grouped(experts, torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([2]), "torch",
+                    configs=configs_for_tiles(128, 128))

@@ -188,6 +188,11 @@ def _compare_fused(rank, world_size):
             assert stats == {"fused": len(cases), "sequential": 0}, f"k={k} comm SMs {sms}: {stats}"
             begun = disp.early_dispatches
             assert begun == (len(cases) if early and k > 1 else 0), f"k={k} early {early}: {begun} queued early"
+        # The block's tile sizes pick ds_uniep's GEMM tile for every expert GEMM: the same bits.
+        for overlap in ({"schedule": "sequential", "tile_m": 256, "tile_n": 128},
+                        {"schedule": "fused", "num_comm_sms": 8, "tile_m": 128, "tile_n": 128}):
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512, overlap=overlap)
+            _check_same(layer, rank, cases, want, f"k={k} {overlap}")
         if k == 2:  # experts flattened into one buffer, as DeepSpeed's optimizers leave them: strided stacks
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": 8})

@@ -184,8 +184,14 @@ class Plan:
         return OverlapConfig(**d)
 
     def apply(self, config):
-        """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept."""
+        """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept. Tile
+        sizes the config leaves unset stay unset where the plan keeps their values (set, ds_uniep's
+        GEMM runs them instead of its own choice)."""
         overlap = self.to_overlap_config(config.overlap.timeout_s)
+        kept = [k for k in ("tile_m", "tile_n")
+                if k not in config.overlap.model_fields_set and getattr(overlap, k) == getattr(config.overlap, k)]
+        if kept:
+            overlap = type(overlap)(**{k: v for k, v in overlap.model_dump().items() if k not in kept})
         compression = config.compression.model_copy(update={"dispatch_dtype": self.dispatch_dtype})
         return config.model_copy(update={"overlap": overlap, "compression": compression})
 
