@@ -453,6 +453,52 @@ def _body(rank, G, device_kind, bench_out=None):
         bench_commfuse.main(["--dry-run", "--out", bench_out])
 
 
+class _GemmRows(torch.overrides.TorchFunctionMode):
+    """Records the row count of every ``@`` / ``torch.matmul`` left operand."""
+
+    def __enter__(self):
+        self.rows = []
+        return super().__enter__()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in ("__matmul__", "matmul"):
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_reference_own_chunks_cuts_only_the_owners_partial():
+    """``ref_matmul_reduce_scatter(own_chunks=C)``: block j's own partial (rank j's) is one GEMM per
+    row chunk of the block (``_chunks``), every other partial one GEMM per block, added in rank
+    order in fp32 and cast once; C = 1 and blocks of one row or none keep the whole-block GEMM."""
+    from ds_uniep.commfuse import ref_matmul_reduce_scatter
+    from ds_uniep.commfuse.ops import _chunks, _offsets
+    G, N = 3, 5
+    for sizes in ([4, 3, 3], [1, 0, 9]):
+        T = sum(sizes)
+        xs = [_rand((T, 6 + r), 40 + r, torch.bfloat16, "cpu") for r in range(G)]
+        ws = [_rand((6 + r, N), 50 + r, torch.bfloat16, "cpu") for r in range(G)]
+        offs = _offsets(sizes)
+        for local_first in (False, True):
+            assert all(torch.equal(a, b) for a, b in zip(
+                ref_matmul_reduce_scatter(xs, ws, sizes, local_first, own_chunks=1),
+                ref_matmul_reduce_scatter(xs, ws, sizes, local_first)))
+        with _GemmRows() as seen:
+            got = ref_matmul_reduce_scatter(xs, ws, sizes, own_chunks=2)
+        want_rows = sorted([n for j in range(G) if sizes[j] > 1 for _, n in _chunks(sizes[j], 2)] +
+                           [sizes[j] for j in range(G) for r in range(G) if r != j or sizes[j] <= 1])
+        assert sorted(seen.rows) == want_rows, (sizes, seen.rows)
+        for j in range(G):
+            rows = slice(offs[j], offs[j] + sizes[j])
+            acc = None
+            for r in range(G):
+                if r == j and sizes[j] > 1:
+                    part = torch.cat([xs[r][offs[j] + c0:offs[j] + c0 + n] @ ws[r] for c0, n in _chunks(sizes[j], 2)])
+                else:
+                    part = xs[r][rows] @ ws[r]
+                acc = part.float() if acc is None else acc + part.float()
+            assert torch.equal(got[j], acc.to(torch.bfloat16)), f"block {j} of sizes {sizes}"
+
+
 def test_schedules_cover_every_block_once():
     _plans_consistent()
 
