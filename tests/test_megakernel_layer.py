@@ -155,6 +155,10 @@ def _compare_schedules(rank, world_size):
                 overlap["num_comm_sms"] = sms
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap)
             _check_same(layer, rank, cases, want, f"k={k} chunks={chunks} uniep GEMM, copy SMs {sms}")
+        # The block's tile sizes: every chunk's GEMMs run that tile, the same bits.
+        overlap = {"schedule": "pipelined", "num_chunks": 2, "num_comm_sms": 20, "tile_m": 256, "tile_n": 128}
+        layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap)
+        _check_same(layer, rank, cases, want, f"k={k} {overlap}")
 
 
 @needs_gpus(2)
