@@ -15,7 +15,10 @@ stream-ordered signal tells the peer that the block is there:
   it while the partial of ``me+2``'s rows is computed, and so on; this rank's
   own partial last, so the last copy hides behind it. Partials are then added
   in rank order into fp32 and cast once, the same operations as the ``p2p``
-  transport, so both transports give the same bits.
+  transport, so both transports give the same bits. With ``num_chunks`` > 1 the
+  own partial is one GEMM per row chunk and each chunk is summed on a third
+  stream while the next chunk's GEMM runs (the bits of the reference with
+  ``own_chunks``; see ``ops.py``).
 * ``local_first``: all-gather pushes this rank's block to every peer while
   the local block is multiplied, then multiplies each run of received rows
   (the blocks after this rank's, then those before) as one GEMM once its
