@@ -24,9 +24,11 @@ Two kinds of space:
   :meth:`Space.built_schedules`), ``num_chunks`` (of the pipelined schedule),
   ``num_comm_sms`` (the block count of its dispatch and combine copy kernels;
   under the fused schedule the SMs its dispatch keeps beside the first GEMM) and
-  ``dispatch_dtype``; ``roles``, ``tile_m``, ``tile_n``, ``stages`` and
-  ``signal_granularity`` are read by nothing yet (the fused schedule picks its
-  GEMM tiles itself and waits per run of tiles).
+  ``dispatch_dtype``; ``roles``, ``stages`` and ``signal_granularity`` are read
+  by nothing yet (the fused schedule waits per run of tiles); ``tile_m`` and
+  ``tile_n``, set in the block, pick ds_uniep's GEMM tile (``expert_gemm:
+  "uniep"``), which the tuner keeps as configured rather than walks (left unset,
+  the GEMM picks its tiles itself; :meth:`Plan.apply` keeps them unset).
   The reference backend acts on ``dispatch_dtype`` only.
 """
 
@@ -83,7 +85,8 @@ ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
 fixes the others at the sequential baseline's values: the megakernel runs the sequential, the
 pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
 schedule, launches its dispatch and combine copy kernels with ``num_comm_sms`` blocks and moves rows
-in ``dispatch_dtype``; the tile, stage, role and signal knobs are read by nothing yet."""
+in ``dispatch_dtype``; the stage, role and signal knobs are read by nothing yet, and the tile
+knobs only by ds_uniep's GEMM, as configured (not walked)."""
 
 BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
 """The schedules the megakernel runs. A backend space walks the fused one only for layers it can run
