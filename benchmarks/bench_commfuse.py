@@ -319,7 +319,7 @@ def _checks(op, variants, G, group, gloo, points):
             out[name + "_bitwise_vs_reference"] = bool(torch.equal(y, refs.get(sched, blockwise)))
             if sched in ("local_first", "arrival"):
                 out[name + "_max_diff_vs_blockwise"] = (y.float() - blockwise.float()).abs().max().item()
-    if op == "matmul_reduce_scatter" and not gloo:
+    if op == "matmul_reduce_scatter":
         # Bitwise promise: every rank's partials (its GEMMs: local_first's row groups, the copy
         # engine's own partial in row chunks) added in rank order in fp32 (reference.py).
         from ds_uniep.commfuse import matmul_reduce_scatter_impl, ref_matmul_reduce_scatter

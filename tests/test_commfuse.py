@@ -450,7 +450,10 @@ def _body(rank, G, device_kind, bench_out=None):
     if bench_out is not None:
         sys.path.insert(0, os.path.dirname(BENCH))
         import bench_commfuse
-        bench_commfuse.main(["--dry-run", "--out", bench_out])
+        results = bench_commfuse.main(["--dry-run", "--out", bench_out])
+        bits = {f"{op} {k}": v for op, d in results["ops"].items() for k, v in d["checks"].items()
+                if k.endswith("_bitwise_vs_reference")}
+        assert any(k.startswith("matmul_reduce_scatter") for k in bits) and all(bits.values()), bits
 
 
 class _GemmRows(torch.overrides.TorchFunctionMode):
