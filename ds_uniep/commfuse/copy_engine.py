@@ -272,9 +272,6 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
     return out
 
 
-_sum_streams: Dict[Tuple[int, int], "torch.cuda.Stream"] = {}
-
-
 def _own_partial_and_sum(x_me, w, ws, me, G, mine, tail_chunks, step, compute, timeline):
     """This rank's partial in ``tail_chunks`` row chunks on the compute stream; each chunk's rows
     summed (rank order, fp32, cast once: :func:`ordered_sum`) on a third stream as soon as its GEMM
@@ -282,10 +279,7 @@ def _own_partial_and_sum(x_me, w, ws, me, G, mine, tail_chunks, step, compute, t
     per chunk: its bits are those of ``ref_matmul_reduce_scatter(..., own_chunks=tail_chunks)``."""
     from .ops import _chunks
     t_me, N = x_me.shape[0], w.shape[1]
-    key = (compute.device.index, compute.cuda_stream)
-    if key not in _sum_streams:
-        _sum_streams[key] = torch.cuda.Stream(device=compute.device)
-    red = _sum_streams[key]
+    red = side_stream(x_me.device, compute, "sum")
     out = torch.empty(t_me, N, dtype=mine.dtype, device=x_me.device)  # before red first waits on compute
     red.wait_stream(compute)
     for c, (c0, cn) in enumerate(_chunks(t_me, tail_chunks)):

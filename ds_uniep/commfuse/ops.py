@@ -93,9 +93,10 @@ _CPU_ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
 _comm_streams = {}
 
 
-def side_stream(device: torch.device, compute) -> "torch.cuda.Stream":
-    """The transfer stream paired with the compute stream ``compute`` (one per pair, reused)."""
-    key = (device.index, compute.cuda_stream)
+def side_stream(device: torch.device, compute, role: str = "transfer") -> "torch.cuda.Stream":
+    """The ``role`` stream paired with the compute stream ``compute`` (one per pair and role,
+    reused): ``"transfer"`` for transfers, ``"sum"`` for the copy engine's chunked closing sum."""
+    key = (device.index, compute.cuda_stream, role)
     if key not in _comm_streams:
         _comm_streams[key] = torch.cuda.Stream(device=device)
     return _comm_streams[key]

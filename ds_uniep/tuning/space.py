@@ -178,10 +178,11 @@ class Plan:
                    tile_m=o.tile_m, tile_n=o.tile_n, stages=o.stages, signal_granularity=o.signal_granularity,
                    dispatch_dtype=cfg.compression.dispatch_dtype)
 
-    def to_overlap_config(self, timeout_s: Optional[float] = None):
-        """The ``overlap`` block of this plan (``timeout_s`` from the caller, else the config default)."""
+    def to_overlap_config(self, timeout_s: Optional[float] = None, unset: Sequence[str] = ()):
+        """The ``overlap`` block of this plan (``timeout_s`` from the caller, else the config default;
+        the knobs in ``unset`` left at their defaults and unset)."""
         from ..config import OverlapConfig
-        d = {k: v for k, v in self.to_dict().items() if k != "dispatch_dtype"}
+        d = {k: v for k, v in self.to_dict().items() if k != "dispatch_dtype" and k not in unset}
         if timeout_s is not None:
             d["timeout_s"] = timeout_s
         return OverlapConfig(**d)
@@ -190,11 +191,9 @@ class Plan:
         """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept. Tile
         sizes the config leaves unset stay unset where the plan keeps their values (set, ds_uniep's
         GEMM runs them instead of its own choice)."""
-        overlap = self.to_overlap_config(config.overlap.timeout_s)
-        kept = [k for k in ("tile_m", "tile_n")
-                if k not in config.overlap.model_fields_set and getattr(overlap, k) == getattr(config.overlap, k)]
-        if kept:
-            overlap = type(overlap)(**{k: v for k, v in overlap.model_dump().items() if k not in kept})
+        unset = [k for k in ("tile_m", "tile_n")
+                 if k not in config.overlap.model_fields_set and getattr(self, k) == getattr(config.overlap, k)]
+        overlap = self.to_overlap_config(config.overlap.timeout_s, unset)
         compression = config.compression.model_copy(update={"dispatch_dtype": self.dispatch_dtype})
         return config.model_copy(update={"overlap": overlap, "compression": compression})
 
