@@ -9,7 +9,7 @@ local experts.
 """
 
 import warnings
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -285,7 +285,8 @@ GEMMS = ("torch", "uniep")
 def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
                 params: Optional[Sequence[Dict[str, Tensor]]] = None,
                 stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None,
-                sm_count: int = 0, waits=None, configs: Optional[Dict[str, str]] = None) -> Tensor:
+                sm_count: int = 0, waits=None, configs: Optional[Dict[str, str]] = None,
+                last: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None) -> Tensor:
     """All groups as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [G]`` rows per group; group ``g``
     runs expert ``experts[g]`` with its own parameters, or, given ``params`` (``G`` dicts of
     ``named_parameters`` form, e.g. gathered replicas), the module of ``experts[0]``'s kind with
@@ -296,7 +297,9 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     ``waits`` (:class:`ds_uniep.gemm.ArrivalWaits`, ``gemm="uniep"`` only): the first projection's
     forward starts while ``recv``'s rows still arrive, segment by segment (the fused schedule).
     ``configs`` (``gemm="uniep"`` only): ds_uniep's GEMM configuration per operation, as
-    :func:`ds_uniep.gemm.grouped_linear` takes them (the same bits under every one)."""
+    :func:`ds_uniep.gemm.grouped_linear` takes them (the same bits under every one). ``last``: runs
+    the last projection instead, as ``last(activation, weight [G, N, K], offs)`` (a projection
+    without bias; the fused schedule's epilogue combine), and its result is returned."""
     if (sm_count or waits is not None or configs) and gemm != "uniep":
         raise ValueError(f"sm_count, waits and configs apply to ds_uniep's grouped GEMM (gemm='uniep'), not {gemm!r}")
     if gemm not in GEMMS:
@@ -315,9 +318,14 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     def linear(x, proj, w=None):
         return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count, w,
                                configs)
-    if stacked.kind is SwiGLUExpert:
-        return linear(swiglu(linear(recv, "w13", waits)), "w2")
-    return linear(F.gelu(linear(recv, "fc1", waits)), "fc2")
+    first, second = ("w13", "w2") if stacked.kind is SwiGLUExpert else ("fc1", "fc2")
+    act = swiglu if stacked.kind is SwiGLUExpert else F.gelu
+    h = act(linear(recv, first, waits))
+    if last is None:
+        return linear(h, second)
+    if stacked.biases[second] is not None:
+        raise ValueError(f"run_grouped: last replaces the projection {second!r}, which has a bias")
+    return last(h, stacked.weights[second], offs)
 
 
 def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,

@@ -305,21 +305,31 @@ SEG_ALT_ROWS = 1 << 30
 
 def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: Optional[ArrivalWaits] = None,
                         sm_count: int = 0, out: Optional[Tensor] = None, a_alt: Optional[Tensor] = None,
-                        alt_row0: int = 0) -> Tensor:
+                        alt_row0: int = 0, out_ptrs: Optional[Tensor] = None) -> Optional[Tensor]:
     """Forward over segments (``segs [S, 4]``: first row, rows, weight index, word index): the
     rows of each segment of ``a [R, K]`` times ``w[weight]^T`` (``w [W, N, K]``) into the same rows
     of ``out [R, N]`` (new when None; rows in no segment are left as they are). ``waits``: each
     segment first waits for its word (see :class:`ArrivalWaits`); its ``sm_count`` then applies.
     ``config``: an explicit tile configuration (not ``"auto"``). ``a_alt`` (``[R', K]``, standing
     for rows ``alt_row0 ..`` of ``a``): segments whose weight index carries :data:`SEG_ALT_ROWS`
-    read their rows there instead (the caller keeps such segments inside those rows)."""
+    read their rows there instead (the caller keeps such segments inside those rows).
+    ``out_ptrs`` (``[S]`` int64 on ``a``'s device): segment s's output rows go to address
+    ``out_ptrs[s]`` instead (rows of N back to back; a peer's symmetric memory allowed: the fused
+    schedule's second GEMM stores into its sources' combine buffers); then nothing is returned."""
     if segs.dtype != torch.int32 or segs.dim() != 2 or segs.shape[1] != 4 or segs.device != a.device:
         raise ValueError(f"grouped GEMM segments: segs must be [S, 4] int32 on {a.device}, got {segs.dtype} "
                          f"{tuple(segs.shape)} on {segs.device}")
     sms = waits.sm_count if waits is not None else sm_count
     _check(a, w, None, "fwd", sms)
     tile, raster_n, swizzle = parse_config(config)
-    if out is None:
+    if out_ptrs is not None:
+        if out is not None:
+            raise ValueError("grouped GEMM segments: give out or out_ptrs, not both")
+        if out_ptrs.dtype != torch.int64 or out_ptrs.shape != (segs.shape[0], ) or out_ptrs.device != a.device:
+            raise ValueError(f"grouped GEMM segments: out_ptrs must be [{segs.shape[0]}] int64 on {a.device}, got "
+                             f"{out_ptrs.dtype} {tuple(out_ptrs.shape)} on {out_ptrs.device}")
+        out = a.new_empty(0)
+    elif out is None:
         out = a.new_empty(a.shape[0], w.shape[1])
     wait_args = (None, 0, 1, None, None, 0, 0, 0) if waits is None else (
         waits.ready, int(waits.epoch), int(waits.timeout_ns), waits.error_record, waits.poison, int(waits.layer_id),
@@ -329,8 +339,8 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
         raise ValueError(f"grouped GEMM segments: a_alt must be [R', {a.shape[1]}] {a.dtype} standing for rows "
                          f"{alt_row0}.. of a's {a.shape[0]}, got {a_alt.dtype} {tuple(a_alt.shape)}")
     _ops().grouped_mm_segments(a, w, segs, out, tile, int(sms), raster_n, swizzle, *wait_args,
-                               None if a_alt is None else a_alt.contiguous(), int(alt_row0))
-    return out
+                               None if a_alt is None else a_alt.contiguous(), int(alt_row0), out_ptrs)
+    return None if out_ptrs is not None else out
 
 
 class _GroupedLinear(torch.autograd.Function):

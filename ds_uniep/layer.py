@@ -86,6 +86,9 @@ class UniEPMoE(MoE):
         #: the megakernel's sequential and fused schedules queue their dispatch between the gate's routes
         #: and the rest of the gate (see _forward_dispatch_early); False: after the whole gate
         self.route_early = True
+        #: the fused schedule's second expert GEMM stores its rows straight into their sources' combine
+        #: buffers (ds_uniep.epilogue_combine); False: its outputs stay here and combine moves them
+        self.epilogue_combine = True
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
         self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -253,8 +256,7 @@ class UniEPMoE(MoE):
             # among the run's rows has arrived; then the sequential rest. The same bits as sequential.
             self._request_fused(dispatcher, stacked)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-            output = dispatcher.combine(self._local_experts(dispatcher, recv, local_counts, stacked, True), gates,
-                                        handle)
+            output = self._experts_and_combine(dispatcher, recv, local_counts, stacked, True, gates, handle)
             return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
                                 exp_counts)
         if isinstance(dispatcher, ReferenceDispatcher):
@@ -308,8 +310,23 @@ class UniEPMoE(MoE):
         if schedule != "fused":
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
         recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-        output = dispatcher.combine(self._local_experts(dispatcher, recv, local_counts, stacked, fused), gates, handle)
+        output = self._experts_and_combine(dispatcher, recv, local_counts, stacked, fused, gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
+
+    def _experts_and_combine(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool, gates: Tensor,
+                             handle) -> Tensor:
+        """This rank's experts, then the combine. Under the fused schedule, with ``epilogue_combine``
+        on and a last projection without bias, the second expert GEMM stores its rows straight into
+        their sources' combine buffers (``ds_uniep.epilogue_combine``); the same bits as the
+        sequential schedule."""
+        second = "w2" if fused and "w2" in stacked.weights else "fc2"
+        if not (fused and self.epilogue_combine and stacked.biases[second] is None):
+            return dispatcher.combine(self._local_experts(dispatcher, recv, local_counts, stacked, fused), gates, handle)
+        from .epilogue_combine import gemm_combine
+        configs = self._gemm_configs()
+        return run_grouped(self.deepspeed_moe.experts.deepspeed_experts, recv, local_counts, "uniep", stacked=stacked,
+                           waits=dispatcher.take_fused_waits(), configs=configs,
+                           last=lambda h, w, offs: gemm_combine(dispatcher, h, w, offs, gates, handle, configs))
 
     def _local_experts(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool) -> Tensor:
         """This rank's experts over the received rows: the fused schedule's grouped GEMMs (the first

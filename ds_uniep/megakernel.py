@@ -340,6 +340,9 @@ class NVLinkDispatcher:
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
         self.fused_dedup = fused_dedup and self.dedup
+        # The rows the last epilogue combine left in this rank's combine buffer, while a backward
+        # may still read them (a weak reference to ds_uniep.epilogue_combine's record of them).
+        self._landed = None
         self.acc = None
         if ordering == "arrival":  # each token's fp32 accumulator row, zero between combines
             self.acc = _DirectRegion(self.max_tokens, hidden_size, torch.float32, self.bufs.group, self.device)
@@ -362,8 +365,9 @@ class NVLinkDispatcher:
         self.direct_stats = {"in_place": 0, "copied": 0}
         #: forward dispatches whose kernels dispatch_begin queued
         self.early_dispatches = 0
-        #: forward combines that pulled from the source regions / pushed rows back / ran pipelined
-        self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0}
+        #: forward combines that pulled from the source regions / pushed rows back / ran pipelined /
+        #: summed the rows the fused schedule's second GEMM stored (epilogue combine)
+        self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self._num_recv_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # R of the exact-R form
         # every rank's counts per expert, read with R (the pipelined schedule plans its copies by them)
@@ -460,6 +464,7 @@ class NVLinkDispatcher:
     def _dispatch_launch(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor], host_counts: bool) -> dict:
         """The dispatch's kernels, up to where the host needs the row count (see _dispatch_collect)."""
         self.check()
+        self._keep_landed()  # peers may store into this rank's combine buffer once the counts are out
         e_counts = self._next_epoch(0)
         self._peers_may_read_source = False  # every rank's earlier kernels end before the counts exchange
         in_place = self.direct is not None and self.direct.free()
@@ -684,8 +689,22 @@ class NVLinkDispatcher:
     def _barrier(self) -> None:
         # Backward ops store into peers' buffers without a counts exchange first: the barrier
         # makes sure every peer has finished reading what the previous op left there.
+        self._keep_landed()
         self.ext.barrier(self.bufs.descriptor, self._next_epoch(3), *self._wait_args(), self.device.index)
         self._peers_may_read_source = False
+
+    def _keep_landed(self) -> None:
+        """Before peers may store into this rank's combine buffer again (a counts exchange or a
+        barrier follows): if an epilogue combine's rows there may still be read by a backward
+        (two forwards before a backward, a graph kept), copy them out for it first."""
+        landed, self._landed = self._landed() if self._landed is not None else None, None
+        if landed is not None:
+            landed.keep(self)
+
+    def comb_rows(self, rows: int) -> Tensor:
+        """The first ``rows`` rows of this rank's combine buffer, ``[rows, M]``, a view."""
+        o = self.bufs.offsets["comb"]
+        return self.bufs.buffer[o:o + rows * self.bufs.comb_row_bytes].view(self.dtype).view(rows, self.hidden_size)
 
     def _pulls_from(self, y: Tensor) -> bool:
         # Storage pointers: an empty view (a rank that received no rows) has no data_ptr.

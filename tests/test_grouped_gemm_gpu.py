@@ -252,6 +252,36 @@ def test_segments_and_arrival_waits_give_the_plain_bits():
         assert torch.equal(out, plain), f"rows were read before their word was raised ({config})"
 
 
+def test_segments_store_at_their_own_addresses():
+    """With ``out_ptrs`` each run's rows go to its own address (here: runs placed in reverse order
+    in another buffer, with a gap row between them): the plain forward's rows, bit for bit, in
+    every tile configuration, and no byte outside the runs is written."""
+    gemm = _gemm()
+    counts = _counts("random-4096")
+    counts[2] = 0
+    a, w = _operands("fwd", counts, 384, 256)
+    offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
+    plain = gemm.grouped_mm(a, w, offs, "fwd", "coop128x256")
+    segs = _segments(counts, words=1)
+    runs = segs.tolist()
+    place, pos = {}, 1
+    for i in reversed(range(len(runs))):
+        place[i] = pos
+        pos += runs[i][1] + 1
+    for config in ("coop128x256", "coop256x128", "pingpong128x128"):
+        dest = torch.full((pos, w.shape[1]), 7.0, dtype=torch.bfloat16, device="cuda")
+        ptrs = torch.tensor([dest[place[i]].data_ptr() for i in range(len(runs))], dtype=torch.int64, device="cuda")
+        assert gemm.grouped_mm_segments(a, w, segs, config, out_ptrs=ptrs) is None
+        written = torch.zeros(pos, dtype=torch.bool, device="cuda")
+        for i, (first, n, _, _) in enumerate(runs):
+            got = dest[place[i]:place[i] + n]
+            assert torch.equal(got, plain[first:first + n]), f"{config}: run {i} differs from the plain forward"
+            written[place[i]:place[i] + n] = True
+        assert bool((dest[~written] == 7.0).all()), f"{config}: rows outside the runs were written"
+    with pytest.raises(ValueError, match="out_ptrs"):
+        gemm.grouped_mm_segments(a, w, segs, "coop128x256", out_ptrs=ptrs[:-1])
+
+
 def test_arrival_wait_times_out_with_a_record():
     """A word never raised: the wait gives up after its timeout, records which word it waited
     for and sets the poison word, and the GEMM returns instead of hanging; once poisoned, later

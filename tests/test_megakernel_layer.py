@@ -57,6 +57,22 @@ def _step(layer, rank, T, one_expert):
     return res
 
 
+def _two_steps(layer, rank):
+    """Two forwards (19 and 300 tokens), then the second one's backward, then the first one's:
+    [outputs, input gradients, every parameter's gradient (summed over both)]."""
+    device = torch.device("cuda", rank)
+    for p in layer.parameters():
+        p.grad = None
+    g = torch.Generator(device=device).manual_seed(50 + rank)
+    xs = [torch.randn(T, layer.hidden_size, device=device, generator=g).abs().to(torch.bfloat16).requires_grad_(True)
+          for T in (19, 300)]
+    gys = [torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16) for x in xs]
+    outs = [layer(x)[0] for x in xs]
+    outs[1].backward(gys[1])
+    outs[0].backward(gys[0])
+    return outs + [x.grad for x in xs] + [p.grad for p in layer.parameters()]
+
+
 def _check_same(layer, rank, cases, want, where):
     """One step of ``layer`` per (T, one_expert) case, each bitwise the expected tensors."""
     for (T, one_expert), expected in zip(cases, want):
@@ -182,16 +198,39 @@ def _compare_fused(rank, world_size):
         want = [_step(seq, rank, T, one) for T, one in cases]
         del seq
         # 20 twice: run to run, the second time with the dispatch queued after the whole gate
-        for sms, early in ((20, True), (8, True), (20, False)):
+        # (the last one also with the second GEMM's outputs pushed back by the combine kernel instead of
+        # stored into the sources' combine buffers by the GEMM's epilogue)
+        for sms, early, epilogue in ((20, True, True), (8, True, True), (20, False, False)):
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": sms})
             layer.route_early = early
-            _check_same(layer, rank, cases, want, f"k={k} fused, comm SMs {sms}, early dispatch {early}")
+            layer.epilogue_combine = epilogue
+            where = f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}"
+            _check_same(layer, rank, cases, want, where)
             disp = next(iter(layer._dispatchers.values()))
             stats = disp.fused_stats
-            assert stats == {"fused": len(cases), "sequential": 0}, f"k={k} comm SMs {sms}: {stats}"
+            assert stats == {"fused": len(cases), "sequential": 0}, f"{where}: {stats}"
             begun = disp.early_dispatches
-            assert begun == (len(cases) if early and k > 1 else 0), f"k={k} early {early}: {begun} queued early"
+            assert begun == (len(cases) if early and k > 1 else 0), f"{where}: {begun} queued early"
+            landed = disp.combine_stats["landed"]
+            assert landed == (len(cases) if epilogue else 0), f"{where}: {landed} epilogue combines"
+        if k == 2:  # two forwards before their backwards: the first one's rows are kept for its backward
+            seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
+                        M=1024, F=512)
+            want2 = _two_steps(seq, rank)
+            del seq
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
+                          overlap={"schedule": "fused", "num_comm_sms": 8})
+            got = _two_steps(layer, rank)
+            for i, (a, b) in enumerate(zip(want2, got)):
+                assert torch.equal(a, b), f"rank {rank} two forwards, then backwards: tensor {i} differs"
+            assert next(iter(layer._dispatchers.values())).combine_stats["landed"] == 2
+            # a second backward through the same graph finds the rows gone and says so
+            x = torch.randn(64, 1024, device=torch.device("cuda", rank)).to(torch.bfloat16).requires_grad_(True)
+            out = layer(x)[0]
+            out.float().sum().backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match="second backward"):
+                out.float().sum().backward()
         # The block's tile sizes pick ds_uniep's GEMM tile for every expert GEMM: the same bits.
         for overlap in ({"schedule": "sequential", "tile_m": 256, "tile_n": 128},
                         {"schedule": "fused", "num_comm_sms": 8, "tile_m": 128, "tile_n": 128}):

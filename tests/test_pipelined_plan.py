@@ -120,3 +120,63 @@ def test_partition_gives_the_gemm_the_sms_the_copies_leave():
     assert partition("uniep", 21, 132) == (21, 110)  # an even count for 2-CTA clusters
     assert partition("uniep", 131, 132) == (0, 0)  # under 2 SMs left: copy engines, every SM
     assert partition("torch", 20, 132) == (0, 0)  # torch's GEMM takes every SM: copy engines
+
+
+class _FakeDispatcher:
+    """What ``ds_uniep.epilogue_combine.landing_tables`` reads of an NVLinkDispatcher, on the CPU:
+    the device's run table is ``ds_uniep.layout.fused_runs`` (the same table, built in Python)."""
+
+    def __init__(self, rank, G, base):
+        from types import SimpleNamespace
+
+        from ds_uniep.layout import fused_runs
+        self.rank, self.ep_size, self.device = rank, G, torch.device("cpu")
+        comb = 4096
+        self.bufs = SimpleNamespace(offsets={"comb": comb}, comb_row_bytes=ROW,
+                                    descriptor=[(r + 1) * base - comb for r in range(G)])
+        self.ext = SimpleNamespace(fused_segments=lambda counts, r, align: fused_runs(counts, r, align).int())
+
+
+@pytest.mark.parametrize("G,T,k,E", [(2, 19, 2, 4), (4, 33, 6, 16), (4, 1, 8, 32), (2, 0, 1, 2), (4, 40, 1, 8)])
+@pytest.mark.parametrize("skew", [False, True])
+def test_epilogue_combine_runs_land_where_the_source_reads_them(G, T, k, E, skew):
+    """The fused schedule's second GEMM stores each (expert, source) run at ``out_ptrs`` in the
+    source's combine buffer; the source reads pair (t, j) at ``dest_row + mirror_off[e]``."""
+    from ds_uniep.epilogue_combine import landing_tables
+    routing = _routing(G, T, k, E, seed=G * 10 + T + k, skew=skew)
+    counts = torch.stack([expert_counts(r, E) for r in routing])
+    layouts = [build_layout(routing[r], counts, r) for r in range(G)]
+    L, cap, base = E // G, T * k, 1 << 20
+    mirrors = np.full((G, max(cap, 1)), -1, dtype=np.int64)
+    offs = []
+    for d in range(G):
+        R = int(layouts[d].local_expert_counts.sum())
+        rows = np.full(R, -1, dtype=np.int64)  # rank d's expert outputs: the pair id of each row
+        for s in range(G):
+            for t in range(routing[s].shape[0]):
+                for j in range(k):
+                    e = int(routing[s][t, j])
+                    if e >= 0 and e // L == d:
+                        rows[int(layouts[s].dest_row[t, j])] = s * cap + t * k + j
+        segs, out_ptrs, mirror_off = landing_tables(_FakeDispatcher(d, G, base), counts)
+        assert segs.shape == (G * L, 4) and out_ptrs.dtype == torch.int64 and mirror_off.dtype == torch.int32
+        covered = 0
+        for (first, n, l, src), ptr in zip(segs.tolist(), out_ptrs.tolist()):
+            if n == 0:
+                continue
+            owner, off = divmod(ptr, base)
+            assert owner - 1 == src and off % ROW == 0
+            # a run is one expert's rows from one source, in layout order
+            assert all(r // cap == src for r in rows[first:first + n])
+            pos = off // ROW
+            assert (mirrors[src, pos:pos + n] == -1).all(), "two runs overlap"
+            mirrors[src, pos:pos + n] = rows[first:first + n]
+            covered += n
+        assert covered == R
+        offs.append(mirror_off)
+    for s in range(G):
+        for t in range(routing[s].shape[0]):
+            for j in range(k):
+                e = int(routing[s][t, j])
+                if e >= 0:
+                    assert mirrors[s, int(layouts[s].dest_row[t, j]) + int(offs[s][e])] == s * cap + t * k + j

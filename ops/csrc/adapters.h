@@ -70,10 +70,17 @@ void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
+// grad_gates [T, k] = <grad_out[t], row of (t, j)> with the rows in expert order, as the fused
+// schedule's second GEMM left them (see combine_mirror): row dest_row[t, j] + mirror_off[e] of
+// `rows` ([*, M], a copy of them) or, without it, of this rank's combine buffer. No wait.
+void gate_grad_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_row, const torch::Tensor& mirror_off,
+                      const torch::Tensor& grad_out, const c10::optional<torch::Tensor>& rows, int64_t num_experts,
+                      torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t num_blocks);
 // Backward of combine on the expert side (see launch_combine_bwd_rows): y [R, M] the expert
 // outputs, grad_y [R, M] out; after a dispatch of grad_out (dispatch_epoch) with the gates in
-// every source's gates region; dedup: that dispatch was deduplicated.
-void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
+// every source's gates region; dedup: that dispatch was deduplicated. y None: grad_y only (the
+// gate gradients are formed at the sources, gate_grad_mirror), nothing stored into the gates words.
+void combine_bwd_rows(const c10::optional<torch::Tensor>& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
                       const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
                       const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup,
                       int64_t row_begin, bool raise);
@@ -133,13 +140,15 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
 // ready[segs[g, 3]] reaches `epoch` (segs[g, 3] < 0: no wait); a wait past timeout_ns fills
 // error_record (pinned) and sets the poison word. out: [R, N] bf16, rows outside every segment
 // left untouched. With `a_alt` ([R', K] bf16): segments whose weight index has bit 30 set read
-// their rows from a_alt at (first row - alt_row0) instead of from a.
+// their rows from a_alt at (first row - alt_row0) instead of from a. With `seg_out` ([G] int64,
+// on a's device): group g's rows go to address seg_out[g] (rows of N back to back, a peer's
+// symmetric memory allowed) and out is neither checked nor written.
 void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& segs, torch::Tensor& out,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
                          int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
-                         int64_t alt_row0);
+                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out);
 std::string grouped_mm_config_name(int64_t config);
 
 }  // namespace uniep

@@ -22,6 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("copy_segments", &uniep::copy_segments, "copy-engine copies of (source, destination, bytes) segments");
   m.def("copy_segments_sm", &uniep::copy_segments_sm, "SM-store copies of (source, destination, bytes) segments");
   m.def("gate_grad", &uniep::gate_grad, "wait, then grad_gates[t, j] = <grad_out[t], row of (t, j)>");
+  m.def("gate_grad_mirror", &uniep::gate_grad_mirror,
+        "grad_gates[t, j] = <grad_out[t], row of (t, j)>, rows in expert order (the fused schedule's)");
   m.def("combine_bwd_rows", &uniep::combine_bwd_rows,
         "backward of combine on the expert side: grad_y rows and each pair's gate gradient, sent to its source");
   m.def("gate_collect", &uniep::gate_collect, "wait, then grad_gates from the gates region (0 for dropped pairs)");

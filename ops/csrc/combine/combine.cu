@@ -406,19 +406,20 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint32_t epoch, WaitPolicy w,
-                                                                 const int* __restrict__ expert_idx,
+// grad_gates[t, j] = <grad_out[t], row of (t, j)>; Rows: CombRows (after every rank's push,
+// kPhaseCombine, when `wait`) or MirrorRows (the fused schedule's rows in expert order, no wait).
+template <typename T, typename Rows>
+__global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint32_t epoch, WaitPolicy w, bool wait,
+                                                                 Rows rows, const int* __restrict__ expert_idx,
                                                                  const T* __restrict__ grad_out, int num_tokens,
                                                                  int k, int hidden, int num_experts,
                                                                  float* __restrict__ grad_gates) {
   constexpr int kElems = Vec<T>::kElems;
-  if (!block_wait_all(s, w, kPhaseCombine, epoch)) return;
+  if (wait && !block_wait_all(s, w, kPhaseCombine, epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
   const int num_vecs = hidden / kElems;
-  const char* comb = s.ptrs[s.rank] + s.comb_off;
   for (int t = warp; t < num_tokens; t += num_warps) {
     const int4* go = reinterpret_cast<const int4*>(grad_out + static_cast<int64_t>(t) * hidden);
     for (int j = 0; j < k; ++j) {
@@ -426,11 +427,11 @@ __global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint
       const int e = __ldg(expert_idx + pair);
       float partial = 0.0f;
       if (e >= 0 && e < num_experts) {
-        const int4* yr = reinterpret_cast<const int4*>(comb + pair * s.comb_row_bytes);
+        const int code = rows.slot(static_cast<int>(pair), e);
         for (int c = lane; c < num_vecs; c += 32) {
           float a[kElems], b[kElems];
           unpack<T>(__ldg(go + c), a);
-          unpack<T>(__ldcg(yr + c), b);
+          unpack<T>(rows.load(code, c), b);
 #pragma unroll
           for (int i = 0; i < kElems; ++i) partial = __fadd_rn(partial, __fmul_rn(a[i], b[i]));
         }
@@ -472,8 +473,26 @@ __global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
     }
     const int4* g =
         reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.recv_off + static_cast<int64_t>(from) * s.recv_row_bytes);
-    const int4* yr = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r - row_begin) * hidden);
     int4* out = reinterpret_cast<int4*>(grad_y + static_cast<int64_t>(r - row_begin) * hidden);
+    if (y == nullptr) {  // grad_y only: the source forms the gate gradients from its own copy of y
+      for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
+        int4 gv[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u)
+          if (c0 + 32 * u < num_vecs) gv[u] = __ldcg(g + c0 + 32 * u);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + 32 * u >= num_vecs) continue;
+          float a[kElems], o[kElems];
+          unpack<T>(gv[u], a);
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) o[i] = __fmul_rn(gate, a[i]);
+          out[c0 + 32 * u] = pack<T>(o);
+        }
+      }
+      continue;
+    }
+    const int4* yr = reinterpret_cast<const int4*>(y + static_cast<int64_t>(r - row_begin) * hidden);
     float partial = 0.0f;
     for (int c0 = lane; c0 < num_vecs; c0 += 32 * kUnroll) {
       int4 gv[kUnroll], yv[kUnroll];
@@ -693,7 +712,23 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
   if (num_blocks <= 0 || k <= 0) return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
-    gate_grad_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, expert_idx,
+    gate_grad_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, true, comb_rows(sym), expert_idx,
+                                                                 static_cast<const T*>(grad_out), num_tokens, k,
+                                                                 hidden, num_experts, grad_gates);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t launch_gate_grad_mirror(DType dtype, const void* rows_base, const int* dest_row, const int* mirror_off,
+                                    const int* expert_idx, const void* grad_out, int num_tokens, int k, int hidden,
+                                    int num_experts, float* grad_gates, int num_blocks, cudaStream_t stream) {
+  if (num_blocks <= 0 || k <= 0) return cudaErrorInvalidValue;
+  SymView unused{};
+  UNIEP_SWITCH_DTYPE(dtype, T, {
+    if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
+    const MirrorRows rows{static_cast<const int4*>(rows_base), dest_row, mirror_off,
+                          static_cast<int64_t>(hidden) * static_cast<int64_t>(sizeof(T)) / 16};
+    gate_grad_kernel<T><<<num_blocks, kCopyThreads, 0, stream>>>(unused, 0, WaitPolicy{}, false, rows, expert_idx,
                                                                  static_cast<const T*>(grad_out), num_tokens, k,
                                                                  hidden, num_experts, grad_gates);
   });

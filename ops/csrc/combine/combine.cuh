@@ -63,6 +63,14 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
                              const int* expert_idx, const void* grad_out, int num_tokens, int k, int hidden,
                              int num_experts, float* grad_gates, int num_blocks, cudaStream_t stream);
 
+// grad_gates as launch_gate_grad (the same sum), with the row of (t, j) at
+// rows_base + (dest_row[t, j] + mirror_off[expert_idx[t, j]]) rows of `hidden` elements: the rows in
+// expert order that the fused schedule's second GEMM stored into this rank's combine buffer (or
+// a copy of them). No wait: the forward's combine already waited for them.
+cudaError_t launch_gate_grad_mirror(DType dtype, const void* rows_base, const int* dest_row, const int* mirror_off,
+                                    const int* expert_idx, const void* grad_out, int num_tokens, int k, int hidden,
+                                    int num_experts, float* grad_gates, int num_blocks, cudaStream_t stream);
+
 // Backward of combine on the expert side, after a dispatch of grad_out (unweighted, epoch
 // dispatch_epoch) and with each source's gates [T, k] fp32 in its gates region: waits for
 // kPhaseDispatch of every rank, then for each of the first R = min(*num_recv, y_rows) received
@@ -71,7 +79,7 @@ cudaError_t launch_gate_grad(DType dtype, const SymView& sym, uint32_t epoch, co
 // raises kPhaseCombine (epoch) on every rank when `raise`. dedup: the dispatch was deduplicated
 // (a row whose dup word names another row reads that one). y and grad_y may hold only the rows
 // [row_begin, row_begin + y_rows) (chunks of the pipelined schedule: one launch per chunk, the
-// last one raising).
+// last one raising). y null: grad_y only, no gates word written.
 cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t dispatch_epoch, uint32_t epoch,
                                     const WaitPolicy& wait, const int* num_recv, int row_begin, int y_rows,
                                     int hidden, const void* y, void* grad_y, int num_blocks, cudaStream_t stream,

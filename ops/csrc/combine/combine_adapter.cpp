@@ -217,28 +217,68 @@ void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, i
                                       c10::cuda::getCurrentCUDAStream()));
 }
 
-void combine_bwd_rows(const torch::Tensor& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
+void gate_grad_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_row, const torch::Tensor& mirror_off,
+                      const torch::Tensor& grad_out, const c10::optional<torch::Tensor>& rows, int64_t num_experts,
+                      torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t num_blocks) {
+  UNIEP_CHECK_INPUT(expert_idx);
+  UNIEP_CHECK_INPUT(dest_row);
+  UNIEP_CHECK_INPUT(mirror_off);
+  UNIEP_CHECK_INPUT(grad_out);
+  UNIEP_CHECK_INPUT(grad_gates);
+  UNIEP_CHECK_DTYPE(expert_idx, torch::kInt32);
+  UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
+  UNIEP_CHECK_DTYPE(mirror_off, torch::kInt32);
+  UNIEP_CHECK_DTYPE(grad_gates, torch::kFloat32);
+  TORCH_CHECK(expert_idx.dim() == 2 && grad_out.dim() == 2 && grad_out.size(0) == expert_idx.size(0),
+              "expert_idx must be [T, k] and grad_out [T, M]");
+  TORCH_CHECK(dest_row.sizes() == expert_idx.sizes(), "dest_row must have expert_idx's shape");
+  UNIEP_CHECK_SHAPE(mirror_off, num_experts);
+  UNIEP_CHECK_SHAPE(grad_gates, expert_idx.size(0), expert_idx.size(1));
+  const SymView s = sym_from_descriptor(sym);
+  TORCH_CHECK(grad_out.size(1) * static_cast<int64_t>(grad_out.element_size()) == s.comb_row_bytes,
+              "grad_out rows do not match the combine buffer's ", s.comb_row_bytes, " bytes");
+  const void* base = s.ptrs[s.rank] + s.comb_off;
+  if (rows.has_value()) {
+    UNIEP_CHECK_INPUT((*rows));
+    TORCH_CHECK(rows->dim() == 2 && rows->size(1) == grad_out.size(1) &&
+                    rows->scalar_type() == grad_out.scalar_type() && rows->device() == grad_out.device(),
+                "rows must be [*, M] of grad_out's dtype on its device, got ", rows->sizes());
+    base = rows->data_ptr();
+  }
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  UNIEP_CHECK_LAUNCH(launch_gate_grad_mirror(dtype_of(grad_out), base, dest_row.data_ptr<int>(),
+                                             mirror_off.data_ptr<int>(), expert_idx.data_ptr<int>(),
+                                             grad_out.data_ptr(), static_cast<int>(grad_out.size(0)),
+                                             static_cast<int>(expert_idx.size(1)), static_cast<int>(grad_out.size(1)),
+                                             static_cast<int>(num_experts), grad_gates.data_ptr<float>(),
+                                             static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
+}
+
+void combine_bwd_rows(const c10::optional<torch::Tensor>& y, const torch::Tensor& num_recv, torch::Tensor& grad_y,
                       const std::vector<int64_t>& sym, int64_t dispatch_epoch, int64_t epoch, int64_t timeout_ns,
                       const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool dedup,
                       int64_t row_begin, bool raise) {
-  UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(num_recv);
   UNIEP_CHECK_INPUT(grad_y);
   UNIEP_CHECK_DTYPE(num_recv, torch::kInt32);
   const SymView s = sym_from_descriptor(sym);
   const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
-  TORCH_CHECK(y.dim() == 2 && row_begin >= 0 && row_begin + y.size(0) <= s.recv_rows,
-              "y must be rows [row_begin, row_begin + rows) of at most R_max = ", s.recv_rows, ", got ", y.sizes(),
-              " from row ", row_begin);
-  TORCH_CHECK(grad_y.sizes() == y.sizes() && grad_y.scalar_type() == y.scalar_type(),
-              "grad_y must have y's shape and dtype");
-  TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.recv_row_bytes, "y rows are ",
-              y.size(1) * y.element_size(), " bytes, the receive buffer's ", s.recv_row_bytes);
-  const c10::cuda::CUDAGuard guard(y.device());
-  UNIEP_CHECK_LAUNCH(launch_combine_bwd_rows(dtype_of(y), s, static_cast<uint32_t>(dispatch_epoch),
+  if (y.has_value()) {
+    UNIEP_CHECK_INPUT((*y));
+    TORCH_CHECK(grad_y.sizes() == y->sizes() && grad_y.scalar_type() == y->scalar_type(),
+                "grad_y must have y's shape and dtype");
+  }
+  TORCH_CHECK(grad_y.dim() == 2 && row_begin >= 0 && row_begin + grad_y.size(0) <= s.recv_rows,
+              "grad_y must be rows [row_begin, row_begin + rows) of at most R_max = ", s.recv_rows, ", got ",
+              grad_y.sizes(), " from row ", row_begin);
+  TORCH_CHECK(grad_y.size(1) * static_cast<int64_t>(grad_y.element_size()) == s.recv_row_bytes, "grad_y rows are ",
+              grad_y.size(1) * grad_y.element_size(), " bytes, the receive buffer's ", s.recv_row_bytes);
+  const c10::cuda::CUDAGuard guard(grad_y.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_bwd_rows(dtype_of(grad_y), s, static_cast<uint32_t>(dispatch_epoch),
                                              static_cast<uint32_t>(epoch), w, num_recv.data_ptr<int>(),
-                                             static_cast<int>(row_begin), static_cast<int>(y.size(0)),
-                                             static_cast<int>(y.size(1)), y.data_ptr(), grad_y.data_ptr(),
+                                             static_cast<int>(row_begin), static_cast<int>(grad_y.size(0)),
+                                             static_cast<int>(grad_y.size(1)),
+                                             y.has_value() ? y->data_ptr() : nullptr, grad_y.data_ptr(),
                                              static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream(), dedup,
                                              raise));
 }

@@ -86,16 +86,24 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
                          int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
-                         int64_t alt_row0) {
+                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out) {
   check_call("grouped_mm_segments", a, w, segs, config, raster_n, swizzle);
-  UNIEP_CHECK_INPUT(out);
-  UNIEP_CHECK_DTYPE(out, torch::kBFloat16);
-  TORCH_CHECK(out.device() == a.device(), "grouped_mm_segments: out must be on a's device");
   TORCH_CHECK(a.dim() == 2 && w.dim() == 3 && w.size(2) == a.size(1), "a must be [R, K] and w [W, N, K], got ",
               a.sizes(), " and ", w.sizes());
-  UNIEP_CHECK_SHAPE(out, a.size(0), w.size(1));
   TORCH_CHECK(segs.dim() == 2 && segs.size(1) == 4 && segs.size(0) >= 1,
               "segs must be [G, 4] int32 (first row, rows, weight, ready word), got ", segs.sizes());
+  if (seg_out.has_value()) {  // every segment's rows go to its own address; out is not written
+    UNIEP_CHECK_INPUT((*seg_out));
+    UNIEP_CHECK_DTYPE((*seg_out), torch::kInt64);
+    TORCH_CHECK(seg_out->device() == a.device(), "grouped_mm_segments: seg_out must be on a's device");
+    TORCH_CHECK(seg_out->dim() == 1 && seg_out->size(0) == segs.size(0),
+                "grouped_mm_segments: seg_out must be [G] int64 addresses, one per segment, got ", seg_out->sizes());
+  } else {
+    UNIEP_CHECK_INPUT(out);
+    UNIEP_CHECK_DTYPE(out, torch::kBFloat16);
+    TORCH_CHECK(out.device() == a.device(), "grouped_mm_segments: out must be on a's device");
+    UNIEP_CHECK_SHAPE(out, a.size(0), w.size(1));
+  }
   TORCH_CHECK(w.size(1) % 8 == 0 && w.size(2) % 8 == 0, "grouped_mm_segments needs N and K multiples of 8");
   TORCH_CHECK(a.size(0) <= INT32_MAX && segs.size(0) <= INT32_MAX && w.size(0) <= INT32_MAX,
               "grouped_mm_segments: sizes must fit int32");
@@ -133,7 +141,8 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
   const c10::cuda::CUDAGuard guard(a.device());
   args.a = a.data_ptr();
   args.b = w.data_ptr();
-  args.d = out.data_ptr();
+  args.d = seg_out.has_value() ? nullptr : out.data_ptr();
+  args.seg_out = seg_out.has_value() ? seg_out->data_ptr<int64_t>() : nullptr;
   args.segs = segs.data_ptr<int32_t>();
   args.weights = static_cast<int>(w.size(0));
   args.groups = static_cast<int>(segs.size(0));

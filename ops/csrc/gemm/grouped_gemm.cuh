@@ -18,6 +18,10 @@
 // set reads its x rows from `a_alt` instead, at row (first row - alt_row0); its y rows stay
 // where its first row says. (CommFuse's all-gather: this rank's block is read where the caller
 // holds it, the peers' blocks where they arrive.)
+// Output addresses (segments only, `seg_out` set): segment g's y rows go to seg_out[g] (the
+// address of its first output row, rows of N elements back to back) instead of into `d`; an
+// address may be a peer's symmetric memory (the MoE layer's second expert GEMM stores each
+// (expert, source) run of rows straight into that source's combine buffer).
 // No split-K or stream-K: each output tile is computed by one CTA with a fixed k order
 // (k16 wgmma steps in increasing k), so a row's result never depends on the tile shape, the
 // raster order or how many SMs run the kernel. Tests check this bit for bit.
@@ -61,6 +65,7 @@ struct GroupedGemmArgs {
   int weights = 0;                    // w's leading extent with segments
   const void* a_alt = nullptr;        // x rows of the segments flagged kSegAltRows
   int64_t alt_row0 = 0;               // the row of x that a_alt's first row stands for
+  const int64_t* seg_out = nullptr;   // [groups] output address of each segment's first row
   const uint32_t* ready = nullptr;    // signal words, release-stored by the producers of the rows
   uint32_t ready_epoch = 0;
   uint64_t timeout_ns = 0;

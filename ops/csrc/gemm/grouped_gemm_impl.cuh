@@ -213,7 +213,7 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
     out.shapes[g] = Shape3{rows, args.n, args.k};
     out.a[g] = a + (alt ? start - args.alt_row0 : start) * k;
     out.b[g] = b + wi * n * k;
-    out.d[g] = d + start * n;
+    out.d[g] = seg && args.seg_out != nullptr ? reinterpret_cast<Bf16*>(args.seg_out[g]) : d + start * n;
   } else if (Op == kDgrad) {
     out.shapes[g] = Shape3{rows, args.k, args.n};
     out.a[g] = a + start * n;
