@@ -22,6 +22,9 @@ Baselines and bounds are measured in the same run:
 - megakernel-fused-push: megakernel-fused with the second expert GEMM writing its outputs on the expert's
   rank and the combine kernel pushing them back (``UniEPMoE.epilogue_combine = False``), instead of that
   GEMM's epilogue storing each row straight into its source's combine buffer (the default); the same bits;
+- megakernel-fused-epilogue: megakernel-fused with the sequential schedule's dispatch (``UniEPMoE.fused_dispatch
+  = False``): of the fused schedule only the combine in the second GEMM's epilogue; timed again alternately
+  with megakernel (``--schedule-rounds``): what that combine gains over the sequential schedule;
 - megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
@@ -67,7 +70,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
-            "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-arrival",
+            "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
+            "megakernel-arrival",
             "megakernel-late-route", "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
@@ -83,6 +87,10 @@ MEGAKERNEL_CONFIGS = {
     # kernel (UniEPMoE.epilogue_combine = False), as before the combine moved into that GEMM's epilogue
     "megakernel-fused-push": {"backend": "megakernel", "expert_gemm": "uniep",
                               "overlap": {"schedule": "fused", "num_comm_sms": 20}},
+    # megakernel-fused with the sequential schedule's dispatch (UniEPMoE.fused_dispatch = False): only the
+    # combine in the second GEMM's epilogue
+    "megakernel-fused-epilogue": {"backend": "megakernel", "expert_gemm": "uniep",
+                                  "overlap": {"schedule": "fused", "num_comm_sms": 20}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
     # megakernel-torch-gemm with its dispatch queued after the whole gate and the experts' stacking
     # (UniEPMoE.route_early = False), as before the dispatch was queued between them
@@ -301,6 +309,8 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
             layer.route_early = False
         if name == "megakernel-fused-push":
             layer.epilogue_combine = False
+        if name == "megakernel-fused-epilogue":
+            layer.fused_dispatch = False
         layer = layer.cuda().to(torch.bfloat16)
         layer.deepspeed_moe.gate.wg.float()  # DeepSpeed computes the gate in fp32 either way
         layer.set_deepspeed_parallelism()
@@ -546,6 +556,7 @@ def main(argv=None):
                     ("megakernel", "megakernel-pipelined-sm", "schedule_sm", args.schedule_rounds),
                     ("megakernel", "megakernel-fused", "schedule_fused", args.schedule_rounds),
                     ("megakernel-fused-push", "megakernel-fused", "epilogue_combine", args.schedule_rounds),
+                    ("megakernel", "megakernel-fused-epilogue", "epilogue_only", args.schedule_rounds),
                     ("megakernel-late-route", "megakernel-torch-gemm", "route_early", args.schedule_rounds)):
                 pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
@@ -559,7 +570,7 @@ def main(argv=None):
                                     "cost": med[pair[0]] / med[pair[1]] - 1}
                     else:
                         row[key] = {"sequential_ms": times[pair[0]], "speedup": med[pair[0]] / med[pair[1]]}
-                        if key in ("schedule_fused", "epilogue_combine"):
+                        if key in ("schedule_fused", "epilogue_combine", "epilogue_only"):
                             row[key]["fused_ms"] = times[pair[1]]
                         elif key == "route_early":
                             row[key]["early_ms"] = times[pair[1]]
@@ -602,20 +613,22 @@ def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
     head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
-            "mk fused", "mk fused push", "autoep", "gemm alone",
+            "mk fused", "mk fused push", "mk fused epilogue", "autoep", "gemm alone",
             "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
         for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
-                  "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms", "autoep_ms",
+                  "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms",
+                  "megakernel-fused-epilogue_ms", "autoep_ms",
                   "gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
             cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
         if "autoep_why_not" in r:
             notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
         ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
-                               "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms")
+                               "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms",
+                               "megakernel-fused-epilogue_ms")
                 if k in r]
         best = min(ours) if ours else None
         cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
@@ -625,7 +638,8 @@ def print_table(results):
     def times(v):
         return "/".join(f"{x:.2f}" for x in v)
     # the alternating timings of two megakernel layers
-    for key in ("determinism", "schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "route_early"):
+    for key in ("determinism", "schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
+                "route_early"):
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
@@ -641,6 +655,10 @@ def print_table(results):
                 what = (f"fused: combine in the second GEMM's epilogue vs pushed by the combine kernel, {r['shape']} "
                         f"{r['mode']}: {d['speedup']:.3f}x (pushed {times(d['sequential_ms'])} ms, epilogue "
                         f"{times(d['fused_ms'])} ms")
+            elif key == "epilogue_only":
+                what = (f"sequential dispatch + combine in the second GEMM's epilogue vs sequential (ds_uniep's "
+                        f"GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x (sequential "
+                        f"{times(d['sequential_ms'])} ms, epilogue {times(d['fused_ms'])} ms")
             elif key == "schedule_fused":
                 what = (f"fused vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x "
                         f"(sequential {times(d['sequential_ms'])} ms, fused {times(d['fused_ms'])} ms")

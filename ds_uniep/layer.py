@@ -89,6 +89,9 @@ class UniEPMoE(MoE):
         #: the fused schedule's second expert GEMM stores its rows straight into their sources' combine
         #: buffers (ds_uniep.epilogue_combine); False: its outputs stay here and combine moves them
         self.epilogue_combine = True
+        #: the fused schedule's dispatch stores the rows from num_comm_sms SMs while the first expert GEMM
+        #: starts on the arrived ones; False: the sequential schedule's dispatch, then that GEMM
+        self.fused_dispatch = True
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
         self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -254,7 +257,8 @@ class UniEPMoE(MoE):
             # The fused schedule: the rows travel one destination at a time from a few SMs while the
             # first expert GEMM runs on the others, each run of its tiles as soon as the latest source
             # among the run's rows has arrived; then the sequential rest. The same bits as sequential.
-            self._request_fused(dispatcher, stacked)
+            if self.fused_dispatch:
+                self._request_fused(dispatcher, stacked)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
             output = self._experts_and_combine(dispatcher, recv, local_counts, stacked, True, gates, handle)
             return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
@@ -302,7 +306,7 @@ class UniEPMoE(MoE):
         if schedule == "fused":
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             fused = self._fuses(dispatcher, stacked is not None)
-            if fused:
+            if fused and self.fused_dispatch:
                 self._request_fused(dispatcher, stacked)
         dispatcher.dispatch_begin(x, expert_idx)
         l_aux, gates, exp_counts = finish()

@@ -198,18 +198,22 @@ def _compare_fused(rank, world_size):
         want = [_step(seq, rank, T, one) for T, one in cases]
         del seq
         # 20 twice: run to run, the second time with the dispatch queued after the whole gate
-        # (the last one also with the second GEMM's outputs pushed back by the combine kernel instead of
-        # stored into the sources' combine buffers by the GEMM's epilogue)
-        for sms, early, epilogue in ((20, True, True), (8, True, True), (20, False, False)):
+        # (the third one with the second GEMM's outputs pushed back by the combine kernel instead of
+        # stored into the sources' combine buffers by the GEMM's epilogue; the last one with the
+        # sequential dispatch and only the epilogue combine)
+        for sms, early, epilogue, fused_dispatch in ((20, True, True, True), (8, True, True, True),
+                                                     (20, False, False, True), (8, True, True, False)):
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": sms})
             layer.route_early = early
             layer.epilogue_combine = epilogue
-            where = f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}"
+            layer.fused_dispatch = fused_dispatch
+            where = (f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}, fused "
+                     f"dispatch {fused_dispatch}")
             _check_same(layer, rank, cases, want, where)
             disp = next(iter(layer._dispatchers.values()))
             stats = disp.fused_stats
-            assert stats == {"fused": len(cases), "sequential": 0}, f"{where}: {stats}"
+            assert stats == {"fused": len(cases) if fused_dispatch else 0, "sequential": 0}, f"{where}: {stats}"
             begun = disp.early_dispatches
             assert begun == (len(cases) if early and k > 1 else 0), f"{where}: {begun} queued early"
             landed = disp.combine_stats["landed"]
