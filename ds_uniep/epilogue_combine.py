@@ -124,11 +124,19 @@ class _GemmCombineFn(torch.autograd.Function):
         d.check()
         grad_out = grad_out.to(a.dtype).contiguous()
         T, k = idx.shape
-        # Gate gradients here, from the rows in this rank's buffer (or their copy), before the
-        # barrier lets peers store into the buffer again.
+        # Gate gradients here, from the rows in this rank's buffer (or their copy), on a side stream
+        # beside the rest of this backward (which stores into peers' receive buffers, never into a
+        # combine buffer); joined before returning, so before the next op's barrier lets peers
+        # store into this rank's combine buffer again.
         grad_gates = torch.empty(T, k, dtype=torch.float32, device=a.device)
-        d.ext.gate_grad_mirror(idx, dest_row, mirror_off, grad_out, landed.rows, d.num_experts, grad_gates,
-                               d.bufs.descriptor, min(d.num_blocks, max(1, -(-T // 16))))
+        compute, side = torch.cuda.current_stream(a.device), d._fused_side_stream()
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            d.ext.gate_grad_mirror(idx, dest_row, mirror_off, grad_out, landed.rows, d.num_experts, grad_gates,
+                                   d.bufs.descriptor, min(d.num_blocks, max(1, -(-T // 16))))
+        for t in (idx, dest_row, mirror_off, grad_out, grad_gates) + ((landed.rows, ) if landed.rows is not None
+                                                                       else ()):
+            t.record_stream(side)
         landed.read = True
         if d._landed is not None and d._landed() is landed:
             d._landed = None
@@ -144,6 +152,7 @@ class _GemmCombineFn(torch.autograd.Function):
         configs = ctx.configs
         da = grouped_mm(grad_y, w, offs, "dgrad", configs["dgrad"]) if ctx.needs_input_grad[0] else None
         dw = grouped_mm(grad_y, a, offs, "wgrad", configs["wgrad"]) if ctx.needs_input_grad[1] else None
+        compute.wait_stream(side)
         return da, dw, grad_gates, None, None, None, None
 
 
