@@ -20,10 +20,10 @@ Baselines and bounds are measured in the same run:
   destination at a time while the first expert GEMM runs on the others, each source's rows as they land);
   timed again alternately with megakernel (``--schedule-rounds``, medians) for the schedule's gain;
 - megakernel-fused-push: megakernel-fused with the second expert GEMM writing its outputs on the expert's
-  rank and the combine kernel pushing them back (``UniEPMoE.epilogue_combine = False``), instead of that
+  rank and the combine kernel pushing them back (``"epilogue_combine": false``), instead of that
   GEMM's epilogue storing each row straight into its source's combine buffer (the default); the same bits;
-- megakernel-fused-epilogue: megakernel-fused with the sequential schedule's dispatch (``UniEPMoE.fused_dispatch
-  = False``): of the fused schedule only the combine in the second GEMM's epilogue; timed again alternately
+- megakernel-fused-epilogue: megakernel-fused with the sequential schedule's dispatch (``"fused_dispatch":
+  false``): of the fused schedule only the combine in the second GEMM's epilogue; timed again alternately
   with megakernel (``--schedule-rounds``): what that combine gains over the sequential schedule;
 - megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
@@ -84,13 +84,13 @@ MEGAKERNEL_CONFIGS = {
     "megakernel-fused": {"backend": "megakernel", "expert_gemm": "uniep",
                          "overlap": {"schedule": "fused", "num_comm_sms": 20}},
     # megakernel-fused with the second GEMM's outputs kept on the expert rank and pushed back by the combine
-    # kernel (UniEPMoE.epilogue_combine = False), as before the combine moved into that GEMM's epilogue
+    # kernel (overlap.epilogue_combine false), as before the combine moved into that GEMM's epilogue
     "megakernel-fused-push": {"backend": "megakernel", "expert_gemm": "uniep",
-                              "overlap": {"schedule": "fused", "num_comm_sms": 20}},
-    # megakernel-fused with the sequential schedule's dispatch (UniEPMoE.fused_dispatch = False): only the
+                              "overlap": {"schedule": "fused", "num_comm_sms": 20, "epilogue_combine": False}},
+    # megakernel-fused with the sequential schedule's dispatch (overlap.fused_dispatch false): only the
     # combine in the second GEMM's epilogue
     "megakernel-fused-epilogue": {"backend": "megakernel", "expert_gemm": "uniep",
-                                  "overlap": {"schedule": "fused", "num_comm_sms": 20}},
+                                  "overlap": {"schedule": "fused", "num_comm_sms": 20, "fused_dispatch": False}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
     # megakernel-torch-gemm with its dispatch queued after the whole gate and the experts' stacking
     # (UniEPMoE.route_early = False), as before the dispatch was queued between them
@@ -307,10 +307,6 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
             layer.load_state_dict(proto.state_dict())
         if name == "megakernel-late-route":
             layer.route_early = False
-        if name == "megakernel-fused-push":
-            layer.epilogue_combine = False
-        if name == "megakernel-fused-epilogue":
-            layer.fused_dispatch = False
         layer = layer.cuda().to(torch.bfloat16)
         layer.deepspeed_moe.gate.wg.float()  # DeepSpeed computes the gate in fp32 either way
         layer.set_deepspeed_parallelism()

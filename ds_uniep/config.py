@@ -51,8 +51,10 @@ class OverlapConfig(_Block):
         "others' backward runs); fused (megakernel backend, expert_gemm 'uniep', bf16): the dispatch stores the "
         "rows one destination rank at a time from num_comm_sms SMs and signals each rank as soon as its rows are "
         "there, while the first expert GEMM runs on the other SMs and starts each run of its tiles once the latest "
-        "source rank among the tile's rows has arrived, this rank's own rows first; the rest of the layer and the "
-        "backward run as in sequential.")
+        "source rank among the tile's rows has arrived, this rank's own rows first (fused_dispatch), and the "
+        "second expert GEMM's epilogue stores each (expert, source) run of output rows straight into that "
+        "source's combine buffer, where the source sums its tokens' rows in slot order (epilogue_combine); the "
+        "backward runs as in sequential, but for the gate gradients, formed at the sources.")
     num_chunks: int = Field(2, ge=1, le=64, description="Chunks of local experts for the pipelined schedule (at "
                             "most one per local expert).")
     num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
@@ -62,6 +64,12 @@ class OverlapConfig(_Block):
                               "them one block per SM. Set, with the pipelined schedule and expert_gemm 'uniep', the "
                               "chunks' rows are copied back by SM stores from this many blocks while the GEMMs run "
                               "on the other SMs (unset, or with torch's GEMM: by the copy engines).")
+    fused_dispatch: bool = Field(True, description="The fused schedule's dispatch from num_comm_sms SMs beside the "
+                                 "first expert GEMM, whose tiles wait for their rows; false: the sequential "
+                                 "schedule's dispatch (every SM), then that GEMM. Read by the fused schedule only.")
+    epilogue_combine: bool = Field(True, description="The fused schedule's second expert GEMM stores its output rows "
+                                   "straight into their sources' combine buffers; false: they stay on the expert's "
+                                   "rank and the combine kernel moves them. Read by the fused schedule only.")
     roles: Literal["partitioned", "interleaved"] = Field(
         "partitioned",
         description="partitioned: whole SMs communicate while others compute; interleaved: communication "

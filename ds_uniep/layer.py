@@ -86,12 +86,6 @@ class UniEPMoE(MoE):
         #: the megakernel's sequential and fused schedules queue their dispatch between the gate's routes
         #: and the rest of the gate (see _forward_dispatch_early); False: after the whole gate
         self.route_early = True
-        #: the fused schedule's second expert GEMM stores its rows straight into their sources' combine
-        #: buffers (ds_uniep.epilogue_combine); False: its outputs stay here and combine moves them
-        self.epilogue_combine = True
-        #: the fused schedule's dispatch stores the rows from num_comm_sms SMs while the first expert GEMM
-        #: starts on the arrived ones; False: the sequential schedule's dispatch, then that GEMM
-        self.fused_dispatch = True
         # Autotune: the plan chosen per (T, dtype, device), and what tuning found (TuneResult).
         self._tuned_plans: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
         self.autotune_results: Dict[Tuple[int, torch.dtype, torch.device], Any] = {}
@@ -257,7 +251,7 @@ class UniEPMoE(MoE):
             # The fused schedule: the rows travel one destination at a time from a few SMs while the
             # first expert GEMM runs on the others, each run of its tiles as soon as the latest source
             # among the run's rows has arrived; then the sequential rest. The same bits as sequential.
-            if self.fused_dispatch:
+            if self.uniep_config.overlap.fused_dispatch:
                 self._request_fused(dispatcher, stacked)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
             output = self._experts_and_combine(dispatcher, recv, local_counts, stacked, True, gates, handle)
@@ -306,7 +300,7 @@ class UniEPMoE(MoE):
         if schedule == "fused":
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             fused = self._fuses(dispatcher, stacked is not None)
-            if fused and self.fused_dispatch:
+            if fused and self.uniep_config.overlap.fused_dispatch:
                 self._request_fused(dispatcher, stacked)
         dispatcher.dispatch_begin(x, expert_idx)
         l_aux, gates, exp_counts = finish()
@@ -319,12 +313,12 @@ class UniEPMoE(MoE):
 
     def _experts_and_combine(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool, gates: Tensor,
                              handle) -> Tensor:
-        """This rank's experts, then the combine. Under the fused schedule, with ``epilogue_combine``
-        on and a last projection without bias, the second expert GEMM stores its rows straight into
-        their sources' combine buffers (``ds_uniep.epilogue_combine``); the same bits as the
-        sequential schedule."""
+        """This rank's experts, then the combine. Under the fused schedule, with
+        ``overlap.epilogue_combine`` on and a last projection without bias, the second expert GEMM
+        stores its rows straight into their sources' combine buffers (``ds_uniep.epilogue_combine``);
+        the same bits as the sequential schedule."""
         second = "w2" if fused and "w2" in stacked.weights else "fc2"
-        if not (fused and self.epilogue_combine and stacked.biases[second] is None):
+        if not (fused and self.uniep_config.overlap.epilogue_combine and stacked.biases[second] is None):
             return dispatcher.combine(self._local_experts(dispatcher, recv, local_counts, stacked, fused), gates, handle)
         from .epilogue_combine import gemm_combine
         configs = self._gemm_configs()
@@ -605,14 +599,17 @@ _NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or G
 
 def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: bool = False) -> None:
     """Warn when the ``uniep`` block sets overlap knobs that nothing acts on: :data:`_FUSED_KNOBS`,
-    ``schedule`` (pipelined or fused) on a backend other than the megakernel, and ``num_chunks``
-    outside the megakernel's pipelined schedule; once per process for each setting and backend,
+    ``schedule`` (pipelined or fused) on a backend other than the megakernel, ``num_chunks``
+    outside the megakernel's pipelined schedule, and ``fused_dispatch`` and ``epilogue_combine``
+    outside its fused one; once per process for each setting and backend,
     naming the first layer that met it. ``tiles_read``: ds_uniep's GEMM runs the experts and reads
     ``tile_m`` and ``tile_n``."""
     pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
+    fused_here = overlap.schedule == "fused" and backend == "megakernel"
     schedule_here = overlap.schedule == "sequential" or backend == "megakernel"
     knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
+    knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
     knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))]
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
     if knobs and (said, backend) not in _SAID_WAITING:

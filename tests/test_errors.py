@@ -174,11 +174,14 @@ def test_fused_schedule_and_its_unread_knobs_are_named_off_the_megakernel():
     layer_module._SAID_WAITING.clear()
     with _logged() as records:
         outs = _reference_layer_outputs([{"overlap": {"schedule": "sequential"}},
-                                         {"overlap": {"schedule": "fused", "tile_m": 64}}], backward=False)
+                                         {"overlap": {"schedule": "fused", "tile_m": 64}},
+                                         {"overlap": {"schedule": "sequential", "epilogue_combine": False}}],
+                                        backward=False)
     said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
-    assert len(said) == 1, said
+    assert len(said) == 2, said
     assert "schedule='fused', tile_m=64" in said[0] and "reference backend" in said[0], said
-    assert torch.equal(outs[0][0], outs[1][0])
+    assert "epilogue_combine=False" in said[1], said  # a knob of the fused schedule, which does not run
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
 
 
 def test_the_hosts_wait_for_the_fused_dispatch_start_compares_epochs_cyclically():

@@ -204,10 +204,9 @@ def _compare_fused(rank, world_size):
         for sms, early, epilogue, fused_dispatch in ((20, True, True, True), (8, True, True, True),
                                                      (20, False, False, True), (8, True, True, False)):
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
-                          overlap={"schedule": "fused", "num_comm_sms": sms})
+                          overlap={"schedule": "fused", "num_comm_sms": sms, "epilogue_combine": epilogue,
+                                   "fused_dispatch": fused_dispatch})
             layer.route_early = early
-            layer.epilogue_combine = epilogue
-            layer.fused_dispatch = fused_dispatch
             where = (f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}, fused "
                      f"dispatch {fused_dispatch}")
             _check_same(layer, rank, cases, want, where)

@@ -25,7 +25,7 @@ def small_space(**kw):
     """Four valid plans: sequential (the baseline), pipelined x2, fused (tiles of the baseline)."""
     values = dict(schedule=("sequential", "pipelined", "fused"), num_chunks=(2, 4), num_comm_sms=(16,),
                   roles=("partitioned",), tile_m=(64,), tile_n=(64,), stages=(2,), signal_granularity=("tile",),
-                  dispatch_dtype=("activation",))
+                  dispatch_dtype=("activation",), fused_dispatch=(True,), epilogue_combine=(True,))
     values.update(kw.pop("values", {}))
     return Space(SHAPE, GPU, 2, 8192, False, values=values, **kw)
 
@@ -106,7 +106,7 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     design = Space(shape, h200, 4)
     mk = design.for_backend("megakernel")
     assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("schedule", "num_chunks", "num_comm_sms",
-                                                               "dispatch_dtype")
+                                                               "dispatch_dtype", "fused_dispatch", "epilogue_combine")
     assert mk.fixed_knobs() == dict(roles="partitioned", tile_m=64, tile_n=64, stages=2, signal_granularity="tile")
     plans = mk.enumerate()
     seq = [p for p in plans if p.schedule == "sequential"]
@@ -142,9 +142,21 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     # On ds_uniep's grouped GEMM in bf16 the fused schedule is a point too: its dispatch keeps
     # num_comm_sms SMs beside the first GEMM, which keeps at least half of them; activation rows only.
     own = Space(shape, h200, 4, backend="megakernel", expert_gemm="uniep", allow_numerics_change=True)
+    # Its two overlaps are knobs too: with the fused dispatch, every SM count with and without the
+    # epilogue combine; without it (num_comm_sms then unread, normalised to 20) the epilogue combine
+    # alone; never neither (that is the sequential schedule).
     fused = [p for p in own.enumerate() if p.schedule == "fused"]
-    assert sorted(p.num_comm_sms for p in fused) == [8, 16, 24, 32, 48, 64]
+    assert sorted((p.fused_dispatch, p.epilogue_combine, p.num_comm_sms) for p in fused) == [
+        (False, True, 20)] + [(True, e, n) for e in (False, True) for n in (8, 16, 24, 32, 48, 64)]
     assert all(p.dispatch_dtype == "activation" for p in fused)
+    assert "neither its dispatch nor its combine" in own.check(Plan(schedule="fused", fused_dispatch=False,
+                                                                    epilogue_combine=False))
+    assert Plan(schedule="fused", fused_dispatch=False, num_comm_sms=8, roles="interleaved") == Plan(
+        schedule="fused", fused_dispatch=False)
+    assert Plan(schedule="pipelined", num_chunks=2, fused_dispatch=False) == Plan(schedule="pipelined", num_chunks=2)
+    with pytest.raises(ValueError, match="epilogue_combine"):
+        Plan(epilogue_combine=1)
+    assert not own.comm_shares_sms(Plan(schedule="fused", fused_dispatch=False))
     assert "the fused schedule moves activation rows" in own.check(fused[0].replace(dispatch_dtype="fp8_e4m3"))
     assert own.project(Plan(schedule="fused", num_comm_sms=20, tile_m=256)) == own.baseline().replace(
         schedule="fused", num_comm_sms=20)
@@ -395,12 +407,12 @@ def test_cli_space_only_writes_the_plot(tmp_path):
              "--top", "3")
     assert p.returncode == 0, p.stderr
     assert "only enumerating and validating the space; no plan is timed" in p.stdout
-    assert "1200 valid" in p.stdout and "shared memory over the limit" in p.stdout
+    assert "1950 valid" in p.stdout and "shared memory over the limit" in p.stdout
     assert "NOT measured" in p.stdout
     png = tmp_path / "o" / "tune-dsv2lite-like-ep4-space.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "o" / "tune-dsv2lite-like-ep4-space.json").read_text())
-    assert data["measured"] is False and len(data["plans"]) == 4032
+    assert data["measured"] is False and len(data["plans"]) == 5904
 
 
 def test_cli_reference_backend_says_the_knobs_do_not_matter(tmp_path):

@@ -23,7 +23,9 @@ Two kinds of space:
   ``pipelined``, and ``fused`` for layers on ds_uniep's grouped GEMM in bf16:
   :meth:`Space.built_schedules`), ``num_chunks`` (of the pipelined schedule),
   ``num_comm_sms`` (the block count of its dispatch and combine copy kernels;
-  under the fused schedule the SMs its dispatch keeps beside the first GEMM) and
+  under the fused schedule the SMs its dispatch keeps beside the first GEMM),
+  ``fused_dispatch`` and ``epilogue_combine`` (the fused schedule's two overlaps:
+  its dispatch beside the first GEMM, the combine in the second GEMM's epilogue) and
   ``dispatch_dtype``; ``roles``, ``stages`` and ``signal_granularity`` are read
   by nothing yet (the fused schedule waits per run of tiles); ``tile_m`` and
   ``tile_n``, set in the block, pick ds_uniep's GEMM tile (``expert_gemm:
@@ -71,6 +73,8 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "stages": (2, 3, 4, 6),
     "signal_granularity": GRANULARITIES,
     "dispatch_dtype": DISPATCH_DTYPES,
+    "fused_dispatch": (True, False),
+    "epilogue_combine": (True, False),
 }
 """The values the design space (``backend=None``) walks, per knob."""
 
@@ -78,14 +82,14 @@ COMM_SMS_VALUES = (8, 16, 24, 32, 48, 64, 80, 96, 132)
 """``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
 
 ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
-    "megakernel": ("schedule", "num_chunks", "num_comm_sms", "dispatch_dtype"),
+    "megakernel": ("schedule", "num_chunks", "num_comm_sms", "dispatch_dtype", "fused_dispatch", "epilogue_combine"),
     "reference": ("dispatch_dtype",),
 }
 """The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
 fixes the others at the sequential baseline's values: the megakernel runs the sequential, the
 pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
-schedule, launches its dispatch and combine copy kernels with ``num_comm_sms`` blocks and moves rows
-in ``dispatch_dtype``; the stage, role and signal knobs are read by nothing yet, and the tile
+schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
+with ``num_comm_sms`` blocks and moves rows in ``dispatch_dtype``; the stage, role and signal knobs are read by nothing yet, and the tile
 knobs only by ds_uniep's GEMM, as configured (not walked)."""
 
 BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
@@ -108,9 +112,12 @@ class Plan:
 
     Knobs that mean nothing under the chosen schedule are normalised so that
     two plans that run the same way compare and hash equal: ``num_chunks`` is 1
-    unless ``schedule == "pipelined"``, and ``signal_granularity`` is ``"tile"``
-    unless ``schedule == "fused"`` (only the fused kernel waits on arrival
-    signals). ``overlap.timeout_s`` is not a knob: it is kept from the user's
+    unless ``schedule == "pipelined"``; ``signal_granularity`` is ``"tile"``
+    unless the fused schedule's dispatch runs (only its GEMM waits on arrival
+    signals); ``fused_dispatch`` and ``epilogue_combine`` are True unless
+    ``schedule == "fused"``; and without the fused dispatch, which alone keeps
+    ``num_comm_sms`` SMs, the fused schedule's ``num_comm_sms`` is 20 and its
+    roles are partitioned. ``overlap.timeout_s`` is not a knob: it is kept from the user's
     config by :meth:`to_overlap_config`.
     """
 
@@ -123,8 +130,13 @@ class Plan:
     stages: int = 4
     signal_granularity: str = "tile"
     dispatch_dtype: str = "activation"
+    fused_dispatch: bool = True
+    epilogue_combine: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("fused_dispatch", "epilogue_combine"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Plan.{name}: must be True or False, got {getattr(self, name)!r}")
         _one_of("schedule", self.schedule, SCHEDULES)
         _one_of("roles", self.roles, ROLES)
         _one_of("tile_m", self.tile_m, TILES)
@@ -138,7 +150,13 @@ class Plan:
         if self.schedule != "pipelined":
             object.__setattr__(self, "num_chunks", 1)
         if self.schedule != "fused":
+            object.__setattr__(self, "fused_dispatch", True)
+            object.__setattr__(self, "epilogue_combine", True)
+        if self.schedule != "fused" or not self.fused_dispatch:
             object.__setattr__(self, "signal_granularity", "tile")
+        if self.schedule == "fused" and not self.fused_dispatch:
+            object.__setattr__(self, "num_comm_sms", 20)
+            object.__setattr__(self, "roles", "partitioned")
 
     # ------------------------------------------------------------------ forms
     def to_dict(self) -> Dict[str, Any]:
@@ -161,7 +179,8 @@ class Plan:
         """Short human form for tables and plots."""
         s = {"sequential": "seq", "pipelined": f"pipe{self.num_chunks}", "fused": "fused"}[self.schedule]
         if self.schedule == "fused":
-            s += f"/{self.roles[:5]}/{self.signal_granularity}"
+            parts = ("d" if self.fused_dispatch else "") + ("e" if self.epilogue_combine else "")
+            s += f"[{parts}]/{self.roles[:5]}/{self.signal_granularity}"
         s += f" sm{self.num_comm_sms} {self.tile_m}x{self.tile_n}s{self.stages}"
         if self.dispatch_dtype != "activation":
             s += " fp8"
@@ -176,7 +195,8 @@ class Plan:
         o = cfg.overlap
         return cls(schedule=o.schedule, num_chunks=o.num_chunks, num_comm_sms=o.num_comm_sms, roles=o.roles,
                    tile_m=o.tile_m, tile_n=o.tile_n, stages=o.stages, signal_granularity=o.signal_granularity,
-                   dispatch_dtype=cfg.compression.dispatch_dtype)
+                   dispatch_dtype=cfg.compression.dispatch_dtype, fused_dispatch=o.fused_dispatch,
+                   epilogue_combine=o.epilogue_combine)
 
     def to_overlap_config(self, timeout_s: Optional[float] = None, unset: Sequence[str] = ()):
         """The ``overlap`` block of this plan (``timeout_s`` from the caller, else the config default;
@@ -371,7 +391,8 @@ class Space:
 
     def _backend_values(self) -> Dict[str, Tuple[Any, ...]]:
         walked = {"schedule": self.built_schedules(), "num_chunks": BACKEND_CHUNKS,
-                  "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES}
+                  "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES,
+                  "fused_dispatch": (True, False), "epilogue_combine": (True, False)}
         out = {k: (v,) for k, v in self.fixed_knobs().items()}
         out.update({k: walked[k] for k in ACTING_KNOBS[self.backend]})
         return {k: out[k] for k in DEFAULT_VALUES}
@@ -420,6 +441,9 @@ class Space:
             reasons.append("pipelined with 1 chunk: the sequential schedule with extra launches (num_chunks >= 2)")
         if plan.schedule == "pipelined" and plan.num_chunks > s.T:
             reasons.append(f"more chunks than tokens: num_chunks={plan.num_chunks} > T={s.T}")
+        if plan.schedule == "fused" and not (plan.fused_dispatch or plan.epilogue_combine):
+            reasons.append("the fused schedule with neither its dispatch nor its combine fused runs the sequential "
+                           "one (fused_dispatch or epilogue_combine)")
         if plan.schedule == "fused" and self.backend == "megakernel":
             if plan.dispatch_dtype != "activation":
                 reasons.append("the fused schedule moves activation rows: FP8 rows are dequantized on arrival "
@@ -440,12 +464,12 @@ class Space:
 
     def comm_shares_sms(self, plan: Plan) -> bool:
         """Whether communication holds whole SMs while the GEMM runs (so the GEMM gets the rest only):
-        the fused schedule's partitioned roles, and the pipelined schedule on ds_uniep's GEMM (SM-store
+        the fused schedule's dispatch in partitioned roles, and the pipelined schedule on ds_uniep's GEMM (SM-store
         copies beside it). On torch's GEMM the pipelined schedule moves rows with the copy engines;
         its dispatch kernels run alone."""
         if plan.schedule == "pipelined":
             return self.expert_gemm == "uniep"
-        return plan.schedule == "fused" and plan.roles == "partitioned"
+        return plan.schedule == "fused" and plan.fused_dispatch and plan.roles == "partitioned"
 
     def is_valid(self, plan: Plan) -> bool:
         return self.check(plan) is None
