@@ -72,6 +72,9 @@ def _every_timed_plan_body(rank, world_size, gemm):
     assert len({p.num_comm_sms for p in timed}) >= 3, [p.label() for p in timed]
     assert all(p.dispatch_dtype == "activation" for p in timed)
     assert any(p.schedule == "fused" for p in timed) == (gemm == "uniep"), [p.label() for p in timed]
+    if gemm == "uniep":  # the fused schedule's two overlaps, each alone and both
+        assert {(p.fused_dispatch, p.epilogue_combine) for p in timed if p.schedule == "fused"} == {
+            (True, True), (True, False), (False, True)}, [p.label() for p in timed]
 
     baseline = space.baseline()
     layer.set_plan(baseline)
@@ -83,11 +86,13 @@ def _every_timed_plan_body(rank, world_size, gemm):
         odd.append(baseline.replace(schedule="fused", num_comm_sms=6))
     for plan in timed + odd + [result.winner]:
         layer.set_plan(plan)
-        fused_before = d.fused_stats["fused"]
+        fused_before, landed_before = d.fused_stats["fused"], d.combine_stats["landed"]
         got = _run(layer, x, gy)
         if plan.schedule == "fused":
-            assert d.fused_comm_blocks == plan.num_comm_sms, "the plan did not reach the fused dispatch"
-            assert d.fused_stats["fused"] == fused_before + 1, f"{plan.label()} did not run fused"
+            if plan.fused_dispatch:
+                assert d.fused_comm_blocks == plan.num_comm_sms, "the plan did not reach the fused dispatch"
+            ran = (d.fused_stats["fused"] - fused_before, d.combine_stats["landed"] - landed_before)
+            assert ran == (int(plan.fused_dispatch), int(plan.epilogue_combine)), f"{plan.label()} ran {ran}"
         else:
             assert d.num_blocks == plan.num_comm_sms, "the plan did not reach the kernels"
         _assert_same(base, got, f"rank {rank}, plan {plan.label()}")
