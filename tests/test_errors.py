@@ -212,7 +212,7 @@ def test_tile_sizes_choose_the_uniep_gemm_tile_and_others_are_refused():
     tuning plan that keeps them leaves them unset; torch's GEMM takes no configuration."""
     from ds_uniep.experts import SwiGLUExpert, run_grouped
     from ds_uniep.gemm import configs_for_tiles
-    from ds_uniep.tuning import Plan
+    from ds_uniep.tuning import GPUInfo, Plan, Shape, Space
 
     def make(overlap):
         return UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "reference", "expert_gemm": "uniep",
@@ -230,8 +230,15 @@ def test_tile_sizes_choose_the_uniep_gemm_tile_and_others_are_refused():
     cfg = UniEPConfig.coerce({"expert_gemm": "uniep"})
     applied = Plan.from_config(cfg).replace(num_comm_sms=16).apply(cfg).overlap
     assert not {"tile_m", "tile_n"} & applied.model_fields_set and "num_comm_sms" in applied.model_fields_set
+    # A backend space's plans carry the baseline's 64x64 tiles, which no backend walks: applied, they
+    # leave the config's tiles (unset: the GEMM's own choice; set: those) as they were.
+    baseline = Space(Shape(T=64, M=64, F=64, E=4, k=2), GPUInfo.cpu(), backend="megakernel",
+                     expert_gemm="uniep").baseline()
+    assert (baseline.tile_m, baseline.tile_n) == (64, 64)
+    assert not {"tile_m", "tile_n"} & baseline.apply(cfg).overlap.model_fields_set
     cfg = UniEPConfig.coerce({"expert_gemm": "uniep", "overlap": {"tile_m": 256, "tile_n": 128}})
     assert {"tile_m", "tile_n"} <= Plan.from_config(cfg).apply(cfg).overlap.model_fields_set
+    assert (baseline.apply(cfg).overlap.tile_m, baseline.apply(cfg).overlap.tile_n) == (256, 128)
     experts = [SwiGLUExpert(8, 8).to(torch.bfloat16)]
     with pytest.raises(ValueError, match=r"sm_count, waits and configs apply to ds_uniep's grouped GEMM"):
         run_grouped(experts, torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([2]), "torch",

@@ -200,7 +200,9 @@ def test_plan_forms_normalisation_and_config_round_trip():
     assert (plan.schedule, plan.num_chunks, plan.tile_m, plan.dispatch_dtype) == ("pipelined", 4, 64, "fp8_e4m3")
     applied = Plan(schedule="fused", stages=3).apply(cfg)
     assert applied.overlap.timeout_s == 7.0 and applied.overlap.stages == 3
-    assert applied.compression.dispatch_dtype == "activation" and Plan.from_config(applied) == Plan(stages=3)
+    # the config's tile sizes stay: tile_m set (64), tile_n unset
+    assert applied.compression.dispatch_dtype == "activation" and Plan.from_config(applied) == Plan(stages=3, tile_m=64)
+    assert "tile_n" not in applied.overlap.model_fields_set
     assert plan.to_overlap_config().num_chunks == 4
     with pytest.raises(ValueError, match="tile_m"):
         Plan(tile_m=96)

@@ -208,12 +208,13 @@ class Plan:
         return OverlapConfig(**d)
 
     def apply(self, config):
-        """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept. Tile
-        sizes the config leaves unset stay unset where the plan keeps their values (set, ds_uniep's
-        GEMM runs them instead of its own choice)."""
-        unset = [k for k in ("tile_m", "tile_n")
-                 if k not in config.overlap.model_fields_set and getattr(self, k) == getattr(config.overlap, k)]
-        overlap = self.to_overlap_config(config.overlap.timeout_s, unset)
+        """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept, and so
+        are the config's tile sizes: no backend's space walks them (a backend plan carries the
+        baseline's), and set, ds_uniep's GEMM runs them instead of its own choice, so a plan must
+        neither set nor change them. Tile sizes the config leaves unset stay unset."""
+        unset = [k for k in ("tile_m", "tile_n") if k not in config.overlap.model_fields_set]
+        tiles = {k: getattr(config.overlap, k) for k in ("tile_m", "tile_n") if k not in unset}
+        overlap = self.replace(**tiles).to_overlap_config(config.overlap.timeout_s, unset)
         compression = config.compression.model_copy(update={"dispatch_dtype": self.dispatch_dtype})
         return config.model_copy(update={"overlap": overlap, "compression": compression})
 
