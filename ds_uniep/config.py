@@ -206,7 +206,8 @@ class UniEPConfig(_Block):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
                                    "backend runs the sequential, pipelined or fused schedule and reads schedule, "
-                                   "num_chunks, num_comm_sms and timeout_s; no schedule reads roles, stages or "
+                                   "num_chunks, num_comm_sms, fused_dispatch, epilogue_combine and timeout_s; no "
+                                   "schedule reads roles, stages or "
                                    "signal_granularity yet; tile_m and tile_n reach ds_uniep's GEMM only).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")

@@ -32,6 +32,8 @@ the same fp32 slot-order sums, so the two are interchangeable. One forward:
 4. combine: a push kernel stores every expert output row back into its source's
    combine buffer at pair ``t * k + j`` and raises the combine signal; the source
    waits and sums each token's k rows in slot order in fp32, weighted, cast once.
+   (The fused schedule's epilogue combine has the second expert GEMM store the rows into the
+   sources' combine buffers itself, in expert order: ``ds_uniep.epilogue_combine``.)
 
 Backward: the gradient of combine is a dispatch of ``grad_out`` in the same layout. The rows
 travel unweighted and each source leaves its gates in its gates region; the expert rank forms
