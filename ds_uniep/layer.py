@@ -319,7 +319,8 @@ class UniEPMoE(MoE):
         the same bits as the sequential schedule."""
         second = "w2" if fused and "w2" in stacked.weights else "fc2"
         if not (fused and self.uniep_config.overlap.epilogue_combine and stacked.biases[second] is None):
-            return dispatcher.combine(self._local_experts(dispatcher, recv, local_counts, stacked, fused), gates, handle)
+            y = self._local_experts(dispatcher, recv, local_counts, stacked, fused)
+            return dispatcher.combine(y, gates, handle)
         from .epilogue_combine import gemm_combine
         configs = self._gemm_configs()
         return run_grouped(self.deepspeed_moe.experts.deepspeed_experts, recv, local_counts, "uniep", stacked=stacked,

@@ -71,10 +71,10 @@ def estimate_ms(plan: Plan, space: Space) -> float:
             segments = L * s.ep  # per push: one copy per (local expert, source), spread over ep - 1 streams
             push_ms = max(push_bytes / (LINK_GBPS * 1e9) * 1e3, 2 * segments * COPY_SEGMENT_MS / max(1, s.ep - 1))
         return (max(gemm_ms, push_ms) + push_ms / c + (nbytes - push_bytes) / bw * 1e3 + 4 * c * LAUNCH_MS)
-    # fused: with both overlaps every transfer hides behind the GEMMs, the first GEMM starting when the
-    # first signal's rows have arrived; without the fused dispatch, the forward dispatch (its rows
-    # and, in the backward, the gradient of combine's, about half the bytes) runs alone first;
-    # without the epilogue combine, the forward combine's rows (a quarter) move after the GEMMs.
+    # fused: with both overlaps every transfer counts as hidden behind the GEMMs, the first GEMM
+    # starting when the first signal's rows have arrived; without the fused dispatch half the bytes
+    # (the forward dispatch, and the backward's gradient of combine in the same layout) run alone,
+    # without the epilogue combine a quarter (the forward combine's rows, after the second GEMM).
     per_signal = {"tile": L * math.ceil(rows / plan.tile_m), "expert": L, "rank": max(1, s.ep)}
     num_signals = s.ep * per_signal[plan.signal_granularity] if plan.fused_dispatch else 0
     first_wait = comm_ms / max(1, num_signals) if plan.fused_dispatch else 0.0

@@ -89,8 +89,8 @@ ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
 fixes the others at the sequential baseline's values: the megakernel runs the sequential, the
 pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
 schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
-with ``num_comm_sms`` blocks and moves rows in ``dispatch_dtype``; the stage, role and signal knobs are read by nothing yet, and the tile
-knobs only by ds_uniep's GEMM, as configured (not walked)."""
+with ``num_comm_sms`` blocks and moves rows in ``dispatch_dtype``; the stage, role and signal knobs
+are read by nothing yet, and the tile knobs only by ds_uniep's GEMM, as configured (not walked)."""
 
 BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
 """The schedules the megakernel runs. A backend space walks the fused one only for layers it can run
@@ -117,8 +117,8 @@ class Plan:
     signals); ``fused_dispatch`` and ``epilogue_combine`` are True unless
     ``schedule == "fused"``; and without the fused dispatch, which alone keeps
     ``num_comm_sms`` SMs, the fused schedule's ``num_comm_sms`` is 20 and its
-    roles are partitioned. ``overlap.timeout_s`` is not a knob: it is kept from the user's
-    config by :meth:`to_overlap_config`.
+    roles are partitioned. ``overlap.timeout_s`` is not a knob: it is kept from
+    the user's config by :meth:`to_overlap_config`.
     """
 
     schedule: str = "fused"
