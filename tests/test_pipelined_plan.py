@@ -180,3 +180,38 @@ def test_epilogue_combine_runs_land_where_the_source_reads_them(G, T, k, E, skew
                 e = int(routing[s][t, j])
                 if e >= 0:
                     assert mirrors[s, int(layouts[s].dest_row[t, j]) + int(offs[s][e])] == s * cap + t * k + j
+
+
+def test_epilogue_rows_are_kept_for_a_pending_backward_only():
+    """Before peers may store into the combine buffer again (``NVLinkDispatcher._keep_landed``), the
+    rows of an epilogue combine whose backward may still come are copied out; rows a backward
+    already read, or whose forward record is gone (no graph kept), are not."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from ds_uniep.epilogue_combine import _Landed
+    from ds_uniep.megakernel import NVLinkDispatcher
+    comb = torch.arange(24, dtype=torch.float32).view(6, 4)
+    fake = SimpleNamespace(_landed=None, comb_rows=lambda n: comb[:n])
+    keep = NVLinkDispatcher._keep_landed
+
+    pending = _Landed(4)
+    fake._landed = weakref.ref(pending)
+    keep(fake)
+    assert fake._landed is None and torch.equal(pending.rows, comb[:4])
+    comb.add_(100)  # peers overwrite the buffer: the copy stays as it was
+    assert torch.equal(pending.rows, torch.arange(16, dtype=torch.float32).view(4, 4))
+
+    read = _Landed(4)
+    read.read = True
+    fake._landed = weakref.ref(read)
+    keep(fake)
+    assert read.rows is None and fake._landed is None
+
+    gone = _Landed(4)
+    fake._landed = weakref.ref(gone)
+    del gone
+    gc.collect()
+    keep(fake)  # nothing to keep, nothing raised
+    assert fake._landed is None
