@@ -71,8 +71,7 @@ from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
             "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
-            "megakernel-arrival",
-            "megakernel-late-route", "autoep"]
+            "megakernel-arrival", "megakernel-late-route", "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -133,8 +132,9 @@ def parse_args(argv=None):
                         "(default 20)")
     p.add_argument("--schedule-rounds", type=int, default=3,
                    help="alternating timings of each schedule comparison: megakernel-torch-gemm (sequential) "
-                   "against megakernel-pipelined and megakernel-late-route, megakernel against megakernel-fused "
-                   "and megakernel-pipelined-sm (medians; default 3)")
+                   "against megakernel-pipelined and megakernel-late-route, megakernel against megakernel-fused, "
+                   "megakernel-fused-epilogue and megakernel-pipelined-sm, megakernel-fused-push against "
+                   "megakernel-fused (medians; default 3)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (config default, each num_comm_sms value) per shape")
