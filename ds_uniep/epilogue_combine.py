@@ -51,28 +51,15 @@ def landing_tables(dispatcher, counts_all: Tensor) -> Tuple[Tensor, Tensor, Tens
     every rank's counts per expert (``[G, E]``): the second GEMM's runs of rows (first row, rows,
     local expert, source), the address in the source's combine buffer where each run goes, and
     where this rank, as a source, finds its pairs (row ``dest_row[t, j] + mirror_off[e]``)."""
+    from .pipelined import source_layout
     d = dispatcher
     G, E = counts_all.shape
     L, rank = E // G, d.rank
     segs = d.ext.fused_segments(counts_all, rank, 1)
-    counts = counts_all.long()
-    prefix = counts.cumsum(1) - counts  # [G, E]: where source s keeps its pairs of expert e
+    prefix, mirror_off = source_layout(counts_all, rank)
     src, local = segs[:, 3].long(), segs[:, 2].long()
-    out_ptrs = _comb_bases(d)[src] + prefix[src, rank * L + local] * d.bufs.comb_row_bytes
-    totals = counts.sum(0).view(G, L)
-    first_of_expert = (totals.cumsum(1) - totals).reshape(E)  # expert e's first row on its rank
-    first_of_mine = first_of_expert + (counts.cumsum(0) - counts)[rank]
-    return segs, out_ptrs, (prefix[rank] - first_of_mine).to(torch.int32)
-
-
-def _comb_bases(d) -> Tensor:
-    """Every rank's combine buffer address, ``[G]`` int64 on the device (made once)."""
-    bases = getattr(d, "_comb_bases_dev", None)
-    if bases is None:
-        comb = d.bufs.offsets["comb"]
-        bases = torch.tensor([p + comb for p in d.bufs.descriptor[:d.ep_size]], dtype=torch.int64, device=d.device)
-        d._comb_bases_dev = bases
-    return bases
+    out_ptrs = d.comb_bases_device()[src] + prefix[src, rank * L + local] * d.bufs.comb_row_bytes
+    return segs, out_ptrs, mirror_off
 
 
 def segment_config(configs: Optional[Mapping[str, str]]) -> str:

@@ -322,18 +322,18 @@ class UniEPMoE(MoE):
             y = self._local_experts(dispatcher, recv, local_counts, stacked, fused)
             return dispatcher.combine(y, gates, handle)
         from .epilogue_combine import gemm_combine
-        configs = self._gemm_configs()
-        return run_grouped(self.deepspeed_moe.experts.deepspeed_experts, recv, local_counts, "uniep", stacked=stacked,
-                           waits=dispatcher.take_fused_waits(), configs=configs,
-                           last=lambda h, w, offs: gemm_combine(dispatcher, h, w, offs, gates, handle, configs))
+        return self._local_experts(dispatcher, recv, local_counts, stacked, True, last=lambda h, w, offs: gemm_combine(
+            dispatcher, h, w, offs, gates, handle, self._gemm_configs()))
 
-    def _local_experts(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool) -> Tensor:
+    def _local_experts(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool,
+                       last=None) -> Tensor:
         """This rank's experts over the received rows: the fused schedule's grouped GEMMs (the first
-        one's tiles waiting for their rows, ``take_fused_waits``), else ``run_experts``."""
+        one's tiles waiting for their rows, ``take_fused_waits``; ``last``: runs the last projection,
+        see ``run_grouped``), else ``run_experts``."""
         experts = self.deepspeed_moe.experts.deepspeed_experts
         if fused:
             return run_grouped(experts, recv, local_counts, "uniep", stacked=stacked,
-                               waits=dispatcher.take_fused_waits(), configs=self._gemm_configs())
+                               waits=dispatcher.take_fused_waits(), configs=self._gemm_configs(), last=last)
         gemm = self._expert_gemm(recv.device)
         return run_experts(experts, recv, local_counts, grouped=stacked is not None, gemm=gemm, stacked=stacked,
                            configs=self._gemm_configs() if gemm == "uniep" else None)

@@ -345,6 +345,7 @@ class NVLinkDispatcher:
         # The rows the last epilogue combine left in this rank's combine buffer, while a backward
         # may still read them (a weak reference to ds_uniep.epilogue_combine's record of them).
         self._landed = None
+        self._comb_bases_dev = None  # comb_bases_device(), made on first use
         self.acc = None
         if ordering == "arrival":  # each token's fp32 accumulator row, zero between combines
             self.acc = _DirectRegion(self.max_tokens, hidden_size, torch.float32, self.bufs.group, self.device)
@@ -702,6 +703,16 @@ class NVLinkDispatcher:
         landed, self._landed = self._landed() if self._landed is not None else None, None
         if landed is not None:
             landed.keep(self)
+
+    def comb_bases(self):
+        """Every rank's combine buffer address (a list of G ints)."""
+        return [p + self.bufs.offsets["comb"] for p in self.bufs.descriptor[:self.ep_size]]
+
+    def comb_bases_device(self) -> Tensor:
+        """:meth:`comb_bases` as ``[G]`` int64 on this rank's device (made once)."""
+        if self._comb_bases_dev is None:
+            self._comb_bases_dev = torch.tensor(self.comb_bases(), dtype=torch.int64, device=self.device)
+        return self._comb_bases_dev
 
     def comb_rows(self, rows: int) -> Tensor:
         """The first ``rows`` rows of this rank's combine buffer, ``[rows, M]``, a view."""

@@ -38,6 +38,22 @@ from torch import Tensor
 _PHASE_COMBINE = 2
 
 
+def source_layout(counts: Tensor, rank: int) -> Tuple[Tensor, Tensor]:
+    """``(prefix [G, E] int64, mirror_off [E] int32)`` from every rank's kept pairs per expert
+    (``[G, E]``, on any device, no host sync): source s keeps its pairs of expert e in its combine
+    buffer from row ``prefix[s, e]`` on (its pairs of every lower expert before), in the layout's
+    token order, so ``rank``, as a source, finds pair (t, j) of expert e at row
+    ``dest_row[t, j] + mirror_off[e]``: its pairs of e start on e's rank at the expert's first row
+    plus the pairs of lower ranks."""
+    counts = counts.long()
+    G, E = counts.shape
+    prefix = counts.cumsum(1) - counts
+    totals = counts.sum(0).view(G, E // G)
+    first_of_expert = (totals.cumsum(1) - totals).reshape(E)
+    first_of_mine = first_of_expert + counts[:rank].sum(0)
+    return prefix, (prefix[rank] - first_of_mine).to(torch.int32)
+
+
 class MirrorPlan:
     """Where every (local expert, source) segment of one dispatch goes, from every rank's counts.
 
@@ -57,13 +73,9 @@ class MirrorPlan:
         per_expert = mine.sum(0)
         expert_start = np.cumsum(per_expert) - per_expert
         seg_start = expert_start[None, :] + np.cumsum(mine, 0) - mine  # [G, L] first row of (s, l)
-        prefix = np.cumsum(counts, 1) - counts  # [G, E] where source s keeps expert e's rows
-        # This rank as a source: its pairs of expert e start on e's rank at the expert's first row
-        # plus the pairs of lower ranks.
-        totals = counts.sum(0).reshape(G, L)
-        first_of_expert = (np.cumsum(totals, 1) - totals).reshape(E)
-        first_of_mine = first_of_expert + counts[:rank].sum(0)
-        self.mirror_off = (prefix[rank] - first_of_mine).astype(np.int32)
+        prefix, mirror_off = source_layout(torch.from_numpy(counts), rank)
+        prefix = prefix.numpy()  # [G, E] where source s keeps expert e's rows
+        self.mirror_off = mirror_off.numpy()
         self.rows = int(per_expert.sum())
         self.row_bytes = row_bytes
         self.chunks = _chunks(per_expert, num_chunks)
@@ -131,8 +143,7 @@ class PipelinedCall:
 
     def setup(self, counts: np.ndarray) -> None:
         d = self.d
-        self.plan = MirrorPlan(counts, d.rank, self.num_chunks, d.bufs.comb_row_bytes,
-                               [p + d.bufs.offsets["comb"] for p in d.bufs.descriptor[:d.ep_size]])
+        self.plan = MirrorPlan(counts, d.rank, self.num_chunks, d.bufs.comb_row_bytes, d.comb_bases())
         host = torch.from_numpy(np.concatenate([self.plan.mirror_off, self.plan.offs])).pin_memory()
         both = host.to(d.device, non_blocking=True)
         self.mirror_off = both[:len(self.plan.mirror_off)]

@@ -130,11 +130,15 @@ class _FakeDispatcher:
         from types import SimpleNamespace
 
         from ds_uniep.layout import fused_runs
+        from ds_uniep.megakernel import NVLinkDispatcher
         self.rank, self.ep_size, self.device = rank, G, torch.device("cpu")
         comb = 4096
         self.bufs = SimpleNamespace(offsets={"comb": comb}, comb_row_bytes=ROW,
                                     descriptor=[(r + 1) * base - comb for r in range(G)])
         self.ext = SimpleNamespace(fused_segments=lambda counts, r, align: fused_runs(counts, r, align).int())
+        self._comb_bases_dev = None
+        self.comb_bases = NVLinkDispatcher.comb_bases.__get__(self)
+        self.comb_bases_device = NVLinkDispatcher.comb_bases_device.__get__(self)
 
 
 @pytest.mark.parametrize("G,T,k,E", [(2, 19, 2, 4), (4, 33, 6, 16), (4, 1, 8, 32), (2, 0, 1, 2), (4, 40, 1, 8)])

@@ -259,9 +259,7 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
                                    compute, timeline)
     else:
         own = partial(step, me)
-        for src in range(G):
-            if src != me:
-                ws.handle.wait_signal(src, _DATA_CHANNEL)
+        _wait_for_peers(ws, me, G)
         parts = [own if src == me else mine[src, :t_me] for src in range(G)]
         t0 = timeline.mark(compute) if timeline else None
         out = ordered_sum(parts)
@@ -270,6 +268,13 @@ def matmul_reduce_scatter_ce(x: torch.Tensor, w: torch.Tensor, group, me: int, o
     compute.wait_stream(comm)
     del sent
     return out
+
+
+def _wait_for_peers(ws, me: int, G: int) -> None:
+    """On the current stream, wait for every peer's data signal (each peer's partial is in)."""
+    for src in range(G):
+        if src != me:
+            ws.handle.wait_signal(src, _DATA_CHANNEL)
 
 
 def _own_partial_and_sum(x_me, w, ws, me, G, mine, tail_chunks, step, compute, timeline):
@@ -292,9 +297,7 @@ def _own_partial_and_sum(x_me, w, ws, me, G, mine, tail_chunks, step, compute, t
         red.wait_event(ready)
         with torch.cuda.stream(red):
             if c == 0:  # the peers' partials are in (queued behind the first chunk, off the GEMM's SMs)
-                for src in range(G):
-                    if src != me:
-                        ws.handle.wait_signal(src, _DATA_CHANNEL)
+                _wait_for_peers(ws, me, G)
             t0 = timeline.mark(red) if timeline else None
             out[c0:c0 + cn] = ordered_sum([p if src == me else mine[src, c0:c0 + cn] for src in range(G)])
             if timeline:
