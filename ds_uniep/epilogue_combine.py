@@ -24,7 +24,7 @@ graph (``retain_graph``) after the rows were overwritten raises.
 """
 
 import weakref
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -62,12 +62,14 @@ def landing_tables(dispatcher, counts_all: Tensor) -> Tuple[Tensor, Tensor, Tens
     return segs, out_ptrs, mirror_off
 
 
-def segment_config(configs: Optional[Mapping[str, str]]) -> str:
-    """The tile configuration of the second GEMM over runs: the tile of ``configs["fwd"]`` when
-    explicit, else of the plain forward's default (``ds_uniep.gemm.DEFAULT_CONFIGS``), else
-    ``coop128x256``; the scheduler's default tile order (band 1: a run's tiles are its own)."""
+def segment_config(configs: Optional[Mapping[str, str]], op: str = "fwd",
+                   auto: Optional[Callable[[], str]] = None) -> str:
+    """The tile configuration of a GEMM over runs (``op``: "fwd" or "dgrad"): the tile of
+    ``configs[op]`` when explicit, else of the plain op's default (``ds_uniep.gemm.DEFAULT_CONFIGS``),
+    else of ``auto()`` (the plain op's automatic choice for these operands), else ``coop128x256``;
+    the scheduler's default tile order (band 1: a run's tiles are its own)."""
     from .gemm import DEFAULT_CONFIGS
-    for config in ((configs or {}).get("fwd"), DEFAULT_CONFIGS["fwd"]):
+    for config in ((configs or {}).get(op), DEFAULT_CONFIGS[op], auto() if auto is not None else None):
         if config and config != "auto":
             return config.partition(":")[0]
     return "coop128x256"
@@ -162,3 +164,43 @@ def gemm_combine(dispatcher, a: Tensor, w: Tensor, offs: Tensor, gates: Tensor, 
     merged.update(configs or {})
     return _GemmCombineFn.apply(a.contiguous(), w.contiguous(), gates.float().contiguous(), offs.to(torch.int32),
                                 dispatcher, handle, merged)
+
+
+class DgradCombine:
+    """The backward of the fused schedule's dispatch and first expert GEMM in one step: the first
+    GEMM's dgrad runs over the (local expert, source) runs of rows and its epilogue stores each run
+    of input-gradient rows straight into its source's combine buffer (the layout of the forward's
+    epilogue combine); each source then sums its tokens' k rows in slot order in fp32, unweighted,
+    cast once: the sequential dispatch backward's bits (a row's dgrad does not depend on its run).
+    Given to ``ds_uniep.gemm.grouped_linear`` as ``into`` (the dispatched rows go in detached, so
+    the dispatch's own backward never runs; the gradient goes to ``source``, the tokens the
+    dispatch read). :meth:`start` launches the stores and raises the combine signal; the wgrad GEMM
+    runs before :meth:`finish` waits for every rank's rows, so a late peer hides behind it."""
+
+    def __init__(self, dispatcher, handle, source: Tensor):
+        self.dispatcher, self.handle, self.source = dispatcher, handle, source
+        self._pending = None
+
+    def start(self, grad: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str]) -> None:
+        from .gemm import _choose, grouped_mm_segments
+        d = self.dispatcher
+        d.check()
+        segs, out_ptrs, mirror_off = landing_tables(d, self.handle.counts_all)
+        config = segment_config(configs, "dgrad", lambda: _choose(grad, w, offs, "dgrad", 0))
+        # Every peer has read what the previous op left in its combine buffer (and a forward's
+        # landed rows a backward still needs are copied out) before anyone stores there.
+        d._barrier()
+        e = d._next_epoch(_PHASE_COMBINE)
+        grouped_mm_segments(grad, w, segs, config, out_ptrs=out_ptrs, op="dgrad")
+        d.ext.signal_raise(d.bufs.descriptor, _PHASE_COMBINE, e, d.device.index)
+        self._pending = (e, mirror_off)
+
+    def finish(self) -> Tensor:
+        d, h = self.dispatcher, self.handle
+        e, mirror_off = self._pending
+        self._pending = None
+        out = self.source.new_empty(h.expert_idx.shape[0], d.hidden_size)
+        d.ext.combine_mirror(h.expert_idx, h.dest_row, mirror_off, None, d.num_experts, out, d.bufs.descriptor, e,
+                             *d._wait_args(), d.num_blocks)
+        d.combine_stats["landed_dgrad"] += 1
+        return out

@@ -59,15 +59,16 @@ class _AddGroupBias(torch.autograd.Function):
 
 
 def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, counts: Tensor,
-                    gemm: str = "torch", sm_count: int = 0, waits=None, configs=None) -> Tensor:
+                    gemm: str = "torch", sm_count: int = 0, waits=None, configs=None, into=None) -> Tensor:
     """Rows of group ``l`` of ``x [R, K]`` times ``w[l].T`` (``w [L, N, K]``, nn.Linear's layout), plus
     ``bias[l]`` (``[L, N]``); ``offs``: ``[L]`` int32 ends. ``gemm``: ``torch._grouped_mm`` or ds_uniep's
     grouped GEMM (see :data:`GEMMS`; ``sm_count``: the SMs it uses, 0 for all; ``waits``: its forward
     runs while the rows arrive, :class:`ds_uniep.gemm.ArrivalWaits`; ``configs``: its tile
-    configuration per operation, default its own)."""
+    configuration per operation, default its own; ``into``: its dgrad runs with the dispatch's
+    backward, see :func:`ds_uniep.gemm.grouped_linear`)."""
     if gemm == "uniep":
         from .gemm import grouped_linear
-        y = grouped_linear(x, w, offs, configs=configs, sm_count=sm_count, waits=waits)
+        y = grouped_linear(x, w, offs, configs=configs, sm_count=sm_count, waits=waits, into=into)
     else:  # viewed as [L, K, N]: the column-major B operand grouped_mm takes
         y = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     if bias is not None:
@@ -286,7 +287,7 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
                 params: Optional[Sequence[Dict[str, Tensor]]] = None,
                 stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None,
                 sm_count: int = 0, waits=None, configs: Optional[Dict[str, str]] = None,
-                last: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None) -> Tensor:
+                last: Optional[Callable[[Tensor, Tensor, Tensor], Tensor]] = None, into=None) -> Tensor:
     """All groups as grouped GEMMs. ``recv [R, M]`` bf16, ``counts [G]`` rows per group; group ``g``
     runs expert ``experts[g]`` with its own parameters, or, given ``params`` (``G`` dicts of
     ``named_parameters`` form, e.g. gathered replicas), the module of ``experts[0]``'s kind with
@@ -299,9 +300,12 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     ``configs`` (``gemm="uniep"`` only): ds_uniep's GEMM configuration per operation, as
     :func:`ds_uniep.gemm.grouped_linear` takes them (the same bits under every one). ``last``: runs
     the last projection instead, as ``last(activation, weight [G, N, K], offs)`` (a projection
-    without bias; the fused schedule's epilogue combine), and its result is returned."""
-    if (sm_count or waits is not None or configs) and gemm != "uniep":
-        raise ValueError(f"sm_count, waits and configs apply to ds_uniep's grouped GEMM (gemm='uniep'), not {gemm!r}")
+    without bias; the fused schedule's epilogue combine), and its result is returned. ``into``
+    (``gemm="uniep"`` only): the first projection's dgrad runs with the dispatch's backward and
+    stores into the sources' combine buffers (``ds_uniep.epilogue_combine.DgradCombine``)."""
+    if (sm_count or waits is not None or configs or into is not None) and gemm != "uniep":
+        raise ValueError(f"sm_count, waits, configs and into apply to ds_uniep's grouped GEMM (gemm='uniep'), not "
+                         f"{gemm!r}")
     if gemm not in GEMMS:
         raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}")
     if stacked is None:
@@ -315,12 +319,12 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
     if offs is None:
         offs = torch.cumsum(counts, 0).to(torch.int32)
 
-    def linear(x, proj, w=None):
+    def linear(x, proj, w=None, into=None):
         return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count, w,
-                               configs)
+                               configs, into)
     first, second = ("w13", "w2") if stacked.kind is SwiGLUExpert else ("fc1", "fc2")
     act = swiglu if stacked.kind is SwiGLUExpert else F.gelu
-    h = act(linear(recv, first, waits))
+    h = act(linear(recv, first, waits, into))
     if last is None:
         return linear(h, second)
     if stacked.biases[second] is not None:

@@ -305,10 +305,12 @@ SEG_ALT_ROWS = 1 << 30
 
 def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: Optional[ArrivalWaits] = None,
                         sm_count: int = 0, out: Optional[Tensor] = None, a_alt: Optional[Tensor] = None,
-                        alt_row0: int = 0, out_ptrs: Optional[Tensor] = None) -> Optional[Tensor]:
+                        alt_row0: int = 0, out_ptrs: Optional[Tensor] = None, op: str = "fwd") -> Optional[Tensor]:
     """Forward over segments (``segs [S, 4]``: first row, rows, weight index, word index): the
     rows of each segment of ``a [R, K]`` times ``w[weight]^T`` (``w [W, N, K]``) into the same rows
-    of ``out [R, N]`` (new when None; rows in no segment are left as they are). ``waits``: each
+    of ``out [R, N]`` (new when None; rows in no segment are left as they are). ``op="dgrad"``:
+    ``a`` is ``dy [R, N]`` and each segment's rows times ``w[weight]`` go to ``out [R, K]`` (the
+    plain dgrad's bits, as the forward's are the plain forward's). ``waits``: each
     segment first waits for its word (see :class:`ArrivalWaits`); its ``sm_count`` then applies.
     ``config``: an explicit tile configuration (not ``"auto"``). ``a_alt`` (``[R', K]``, standing
     for rows ``alt_row0 ..`` of ``a``): segments whose weight index carries :data:`SEG_ALT_ROWS`
@@ -319,9 +321,12 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
     if segs.dtype != torch.int32 or segs.dim() != 2 or segs.shape[1] != 4 or segs.device != a.device:
         raise ValueError(f"grouped GEMM segments: segs must be [S, 4] int32 on {a.device}, got {segs.dtype} "
                          f"{tuple(segs.shape)} on {segs.device}")
+    if op not in ("fwd", "dgrad"):
+        raise ValueError(f"grouped GEMM segments: op must be 'fwd' or 'dgrad', got {op!r}")
     sms = waits.sm_count if waits is not None else sm_count
-    _check(a, w, None, "fwd", sms)
+    _check(a, w, None, op, sms)
     tile, raster_n, swizzle = parse_config(config)
+    out_cols = w.shape[1] if op == "fwd" else w.shape[2]
     if out_ptrs is not None:
         if out is not None:
             raise ValueError("grouped GEMM segments: give out or out_ptrs, not both")
@@ -330,7 +335,7 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
                              f"{out_ptrs.dtype} {tuple(out_ptrs.shape)} on {out_ptrs.device}")
         out = a.new_empty(0)
     elif out is None:
-        out = a.new_empty(a.shape[0], w.shape[1])
+        out = a.new_empty(a.shape[0], out_cols)
     wait_args = (None, 0, 1, None, None, 0, 0, 0) if waits is None else (
         waits.ready, int(waits.epoch), int(waits.timeout_ns), waits.error_record, waits.poison, int(waits.layer_id),
         int(waits.rank), int(waits.phase))
@@ -339,19 +344,20 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
         raise ValueError(f"grouped GEMM segments: a_alt must be [R', {a.shape[1]}] {a.dtype} standing for rows "
                          f"{alt_row0}.. of a's {a.shape[0]}, got {a_alt.dtype} {tuple(a_alt.shape)}")
     _ops().grouped_mm_segments(a, w, segs, out, tile, int(sms), raster_n, swizzle, *wait_args,
-                               None if a_alt is None else a_alt.contiguous(), int(alt_row0), out_ptrs)
+                               None if a_alt is None else a_alt.contiguous(), int(alt_row0), out_ptrs, OPS[op])
     return None if out_ptrs is not None else out
 
 
 class _GroupedLinear(torch.autograd.Function):
     """``y = x @ w[g]^T`` per group; backward is a dgrad and a wgrad grouped GEMM. With ``waits``
-    the forward is the one the fused dispatch queued (:class:`ArrivalWaits`), the same bits."""
+    the forward is the one the fused dispatch queued (:class:`ArrivalWaits`), the same bits. With
+    ``into`` the dgrad is ``into``'s (``x`` comes detached; the gradient goes to ``source``)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, offs: Tensor, configs: Mapping[str, str], sm_count: int,
-                waits: Optional[ArrivalWaits] = None) -> Tensor:
+                waits: Optional[ArrivalWaits] = None, into=None, source: Optional[Tensor] = None) -> Tensor:
         ctx.save_for_backward(x, w, offs)
-        ctx.configs, ctx.sm_count = configs, sm_count
+        ctx.configs, ctx.sm_count, ctx.into = configs, sm_count, into
         if waits is None:
             return grouped_mm(x, w, offs, "fwd", configs["fwd"], sm_count)
         # The fused dispatch queued this GEMM (over its segments, on the same rows and weights).
@@ -368,13 +374,19 @@ class _GroupedLinear(torch.autograd.Function):
         x, w, offs = ctx.saved_tensors
         grad = grad.contiguous()
         sm = ctx.sm_count
+        if ctx.into is not None:  # the dgrad's rows go to the sources; the wgrad runs while they travel
+            to_source = ctx.needs_input_grad[7]
+            if to_source:
+                ctx.into.start(grad, w, offs, ctx.configs)
+            dw = grouped_mm(grad, x, offs, "wgrad", ctx.configs["wgrad"], sm) if ctx.needs_input_grad[1] else None
+            return None, dw, None, None, None, None, None, ctx.into.finish() if to_source else None
         dx = grouped_mm(grad, w, offs, "dgrad", ctx.configs["dgrad"], sm) if ctx.needs_input_grad[0] else None
         dw = grouped_mm(grad, x, offs, "wgrad", ctx.configs["wgrad"], sm) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping[str, str]] = None,
-                   sm_count: int = 0, waits: Optional[ArrivalWaits] = None) -> Tensor:
+                   sm_count: int = 0, waits: Optional[ArrivalWaits] = None, into=None) -> Tensor:
     """Rows of group g of ``x [R, K]`` times ``w[g]^T`` (``w: [G, N, K]``), with autograd.
 
     ``offs``: ``[G]`` int32 cumulative row counts on ``x``'s device, ``offs[-1] == R``.
@@ -382,6 +394,10 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
     ``sm_count``: SMs the forward and backward GEMMs use (0: all; else even), the same bits.
     ``waits``: the forward is the GEMM the fused dispatch queued over segments while the rows
     arrive (:class:`ArrivalWaits`, its ``result``); the backward is the usual one.
+    ``into``: ``x`` is the output of a dispatch and ``into`` runs the dgrad together with that
+    dispatch's backward (:class:`ds_uniep.epilogue_combine.DgradCombine`: ``start(grad, w, offs,
+    configs)``, then the wgrad, then ``finish()`` gives the gradient of ``into.source``, the
+    dispatch's input); no gradient flows to ``x`` itself.
     """
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError(f"grouped_linear takes bf16 x and w, got {x.dtype} and {w.dtype}")
@@ -395,4 +411,7 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
             raise ValueError(f"grouped_linear: configs names unknown op {op!r} (ops: {tuple(OPS)})")
         if config != "auto":
             parse_config(config)
+    if into is not None:
+        return _GroupedLinear.apply(x.detach().contiguous(), w.contiguous(), offs.to(torch.int32), merged,
+                                    int(sm_count), waits, into, into.source)
     return _GroupedLinear.apply(x.contiguous(), w.contiguous(), offs.to(torch.int32), merged, int(sm_count), waits)

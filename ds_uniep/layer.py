@@ -254,7 +254,7 @@ class UniEPMoE(MoE):
             if self.uniep_config.overlap.fused_dispatch:
                 self._request_fused(dispatcher, stacked)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-            output = self._experts_and_combine(dispatcher, recv, local_counts, stacked, True, gates, handle)
+            output = self._experts_and_combine(dispatcher, x, recv, local_counts, stacked, True, gates, handle)
             return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux,
                                 exp_counts)
         if isinstance(dispatcher, ReferenceDispatcher):
@@ -308,32 +308,39 @@ class UniEPMoE(MoE):
         if schedule != "fused":
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
         recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-        output = self._experts_and_combine(dispatcher, recv, local_counts, stacked, fused, gates, handle)
+        output = self._experts_and_combine(dispatcher, x, recv, local_counts, stacked, fused, gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
 
-    def _experts_and_combine(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool, gates: Tensor,
-                             handle) -> Tensor:
-        """This rank's experts, then the combine. Under the fused schedule, with
-        ``overlap.epilogue_combine`` on and a last projection without bias, the second expert GEMM
-        stores its rows straight into their sources' combine buffers (``ds_uniep.epilogue_combine``);
-        the same bits as the sequential schedule."""
-        second = "w2" if fused and "w2" in stacked.weights else "fc2"
-        if not (fused and self.uniep_config.overlap.epilogue_combine and stacked.biases[second] is None):
+    def _experts_and_combine(self, dispatcher, x: Tensor, recv: Tensor, local_counts: Tensor, stacked, fused: bool,
+                             gates: Tensor, handle) -> Tensor:
+        """This rank's experts, then the combine (``x``: the tokens the dispatch read). Under the
+        fused schedule with ``overlap.epilogue_combine`` on, the expert GEMMs' epilogues store into
+        the sources' combine buffers (``ds_uniep.epilogue_combine``): the second GEMM's output rows
+        in the forward (a last projection without bias), the first GEMM's input-gradient rows in
+        the backward. The same bits as the sequential schedule."""
+        if not (fused and self.uniep_config.overlap.epilogue_combine):
             y = self._local_experts(dispatcher, recv, local_counts, stacked, fused)
             return dispatcher.combine(y, gates, handle)
-        from .epilogue_combine import gemm_combine
-        return self._local_experts(dispatcher, recv, local_counts, stacked, True, last=lambda h, w, offs: gemm_combine(
-            dispatcher, h, w, offs, gates, handle, self._gemm_configs()))
+        from .epilogue_combine import DgradCombine, gemm_combine
+        into = DgradCombine(dispatcher, handle, x)
+        second = "w2" if "w2" in stacked.weights else "fc2"
+        if stacked.biases[second] is not None:
+            y = self._local_experts(dispatcher, recv, local_counts, stacked, True, into=into)
+            return dispatcher.combine(y, gates, handle)
+        return self._local_experts(dispatcher, recv, local_counts, stacked, True, into=into,
+                                   last=lambda h, w, offs: gemm_combine(dispatcher, h, w, offs, gates, handle,
+                                                                        self._gemm_configs()))
 
     def _local_experts(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool,
-                       last=None) -> Tensor:
+                       last=None, into=None) -> Tensor:
         """This rank's experts over the received rows: the fused schedule's grouped GEMMs (the first
         one's tiles waiting for their rows, ``take_fused_waits``; ``last``: runs the last projection,
-        see ``run_grouped``), else ``run_experts``."""
+        ``into``: the first one's dgrad, see ``run_grouped``), else ``run_experts``."""
         experts = self.deepspeed_moe.experts.deepspeed_experts
         if fused:
             return run_grouped(experts, recv, local_counts, "uniep", stacked=stacked,
-                               waits=dispatcher.take_fused_waits(), configs=self._gemm_configs(), last=last)
+                               waits=dispatcher.take_fused_waits(), configs=self._gemm_configs(), last=last,
+                               into=into)
         gemm = self._expert_gemm(recv.device)
         return run_experts(experts, recv, local_counts, grouped=stacked is not None, gemm=gemm, stacked=stacked,
                            configs=self._gemm_configs() if gemm == "uniep" else None)

@@ -240,6 +240,6 @@ def test_tile_sizes_choose_the_uniep_gemm_tile_and_others_are_refused():
     assert {"tile_m", "tile_n"} <= Plan.from_config(cfg).apply(cfg).overlap.model_fields_set
     assert (baseline.apply(cfg).overlap.tile_m, baseline.apply(cfg).overlap.tile_n) == (256, 128)
     experts = [SwiGLUExpert(8, 8).to(torch.bfloat16)]
-    with pytest.raises(ValueError, match=r"sm_count, waits and configs apply to ds_uniep's grouped GEMM"):
+    with pytest.raises(ValueError, match=r"sm_count, waits, configs and into apply to ds_uniep's grouped GEMM"):
         run_grouped(experts, torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([2]), "torch",
                     configs=configs_for_tiles(128, 128))

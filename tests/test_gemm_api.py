@@ -30,6 +30,9 @@ def test_inputs_are_checked_before_any_kernel():
         gemm.grouped_linear(x, w, offs, {"forward": "coop128x256"})
     with pytest.raises(ValueError, match=r"w \[G, N, K\]"):
         gemm.grouped_linear(x, w[0], offs)
+    segs = torch.tensor([[0, 8, 0, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="op must be 'fwd' or 'dgrad'"):  # no wgrad over runs of rows
+        gemm.grouped_mm_segments(x, w, segs, "coop128x256", op="wgrad")
     ok, why = gemm.available("cpu")
     assert not ok and "not a CUDA device" in why
 

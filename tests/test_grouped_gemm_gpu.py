@@ -224,6 +224,14 @@ def test_segments_and_arrival_waits_give_the_plain_bits():
     for config in gemm.candidates():
         out = gemm.grouped_mm_segments(a, w, segs, config)
         assert torch.equal(out, plain), f"segments differ from the per-group forward ({config})"
+    # dgrad over the same runs: the per-group dgrad's bits, whatever tile the plain one ran
+    dy, _ = _operands("dgrad", counts, 384, 256, seed=1)
+    plain_dgrad = gemm.grouped_mm(dy, w, offs, "dgrad", "pingpong128x128")
+    assert not torch.equal(plain_dgrad, torch.zeros_like(plain_dgrad))
+    for config in gemm.candidates():
+        out = gemm.grouped_mm_segments(dy, w, segs, config, op="dgrad")
+        assert out.shape == (dy.shape[0], 256)
+        assert torch.equal(out, plain_dgrad), f"dgrad segments differ from the per-group dgrad ({config})"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     waited = segs[:, 3] >= 0
     late = torch.zeros(a.shape[0], dtype=torch.bool, device="cuda")
@@ -252,16 +260,17 @@ def test_segments_and_arrival_waits_give_the_plain_bits():
         assert torch.equal(out, plain), f"rows were read before their word was raised ({config})"
 
 
-def test_segments_store_at_their_own_addresses():
+@pytest.mark.parametrize("op", ["fwd", "dgrad"])
+def test_segments_store_at_their_own_addresses(op):
     """With ``out_ptrs`` each run's rows go to its own address (here: runs placed in reverse order
-    in another buffer, with a gap row between them): the plain forward's rows, bit for bit, in
-    every tile configuration, and no byte outside the runs is written."""
+    in another buffer, with a gap row between them): the plain forward's (dgrad's) rows, bit for
+    bit, in every tile configuration, and no byte outside the runs is written."""
     gemm = _gemm()
     counts = _counts("random-4096")
     counts[2] = 0
-    a, w = _operands("fwd", counts, 384, 256)
+    a, w = _operands(op, counts, 384, 256)
     offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
-    plain = gemm.grouped_mm(a, w, offs, "fwd", "coop128x256")
+    plain = gemm.grouped_mm(a, w, offs, op, "coop128x256")
     segs = _segments(counts, words=1)
     runs = segs.tolist()
     place, pos = {}, 1
@@ -269,17 +278,17 @@ def test_segments_store_at_their_own_addresses():
         place[i] = pos
         pos += runs[i][1] + 1
     for config in ("coop128x256", "coop256x128", "pingpong128x128"):
-        dest = torch.full((pos, w.shape[1]), 7.0, dtype=torch.bfloat16, device="cuda")
+        dest = torch.full((pos, plain.shape[1]), 7.0, dtype=torch.bfloat16, device="cuda")
         ptrs = torch.tensor([dest[place[i]].data_ptr() for i in range(len(runs))], dtype=torch.int64, device="cuda")
-        assert gemm.grouped_mm_segments(a, w, segs, config, out_ptrs=ptrs) is None
+        assert gemm.grouped_mm_segments(a, w, segs, config, out_ptrs=ptrs, op=op) is None
         written = torch.zeros(pos, dtype=torch.bool, device="cuda")
         for i, (first, n, _, _) in enumerate(runs):
             got = dest[place[i]:place[i] + n]
-            assert torch.equal(got, plain[first:first + n]), f"{config}: run {i} differs from the plain forward"
+            assert torch.equal(got, plain[first:first + n]), f"{config}: run {i} differs from the plain {op}"
             written[place[i]:place[i] + n] = True
         assert bool((dest[~written] == 7.0).all()), f"{config}: rows outside the runs were written"
     with pytest.raises(ValueError, match="out_ptrs"):
-        gemm.grouped_mm_segments(a, w, segs, "coop128x256", out_ptrs=ptrs[:-1])
+        gemm.grouped_mm_segments(a, w, segs, "coop128x256", out_ptrs=ptrs[:-1], op=op)
 
 
 def test_arrival_wait_times_out_with_a_record():

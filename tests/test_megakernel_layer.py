@@ -16,12 +16,13 @@ from conftest import needs_gpus
 from dist_utils import run_distributed
 
 
-def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512):
-    """A layer with the same weights on every call (bf16 experts, fp32 gate)."""
-    from ds_uniep import SwiGLUExpert, UniEPMoE
+def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False):
+    """A layer with the same weights on every call (bf16 experts, fp32 gate); SwiGLU experts, or
+    GeLU ones with biases (``gelu``)."""
+    from ds_uniep import GeLUExpert, SwiGLUExpert, UniEPMoE
     E = 4 * world_size
     torch.manual_seed(11)
-    layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
+    layer = UniEPMoE(M, GeLUExpert(M, F) if gelu else SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                      config={"backend": backend, "max_tokens_per_rank": 4096, "deterministic": det,
                              "expert_gemm": expert_gemm,
@@ -215,8 +216,9 @@ def _compare_fused(rank, world_size):
             assert stats == {"fused": len(cases) if fused_dispatch else 0, "sequential": 0}, f"{where}: {stats}"
             begun = disp.early_dispatches
             assert begun == (len(cases) if early and k > 1 else 0), f"{where}: {begun} queued early"
-            landed = disp.combine_stats["landed"]
-            assert landed == (len(cases) if epilogue else 0), f"{where}: {landed} epilogue combines"
+            landed = disp.combine_stats["landed"], disp.combine_stats["landed_dgrad"]
+            runs = len(cases) if epilogue else 0  # the backward's dgrad epilogue too
+            assert landed == (runs, runs), f"{where}: {landed} epilogue combines (forward, backward)"
         if k == 2:  # two forwards before their backwards: the first one's rows are kept for its backward
             seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
                         M=1024, F=512)
@@ -227,7 +229,8 @@ def _compare_fused(rank, world_size):
             got = _two_steps(layer, rank)
             for i, (a, b) in enumerate(zip(want2, got)):
                 assert torch.equal(a, b), f"rank {rank} two forwards, then backwards: tensor {i} differs"
-            assert next(iter(layer._dispatchers.values())).combine_stats["landed"] == 2
+            stats = next(iter(layer._dispatchers.values())).combine_stats
+            assert (stats["landed"], stats["landed_dgrad"]) == (2, 2), stats
             # a second backward through the same graph finds the rows gone and says so
             x = torch.randn(64, 1024, device=torch.device("cuda", rank)).to(torch.bfloat16).requires_grad_(True)
             out = layer(x)[0]
@@ -239,6 +242,17 @@ def _compare_fused(rank, world_size):
                         {"schedule": "fused", "num_comm_sms": 8, "tile_m": 128, "tile_n": 128}):
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512, overlap=overlap)
             _check_same(layer, rank, cases, want, f"k={k} {overlap}")
+        if k == 2:  # GeLU experts with biases: the second GEMM's rows go back by the combine kernel, the
+            # first GEMM's dgrad still stores into the sources' combine buffers
+            seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
+                        M=1024, F=512, gelu=True)
+            want_gelu = [_step(seq, rank, T, one) for T, one in cases]
+            del seq
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512, gelu=True,
+                          overlap={"schedule": "fused", "num_comm_sms": 8})
+            _check_same(layer, rank, cases, want_gelu, "k=2 fused, GeLU experts with biases")
+            stats = next(iter(layer._dispatchers.values())).combine_stats
+            assert (stats["landed"], stats["landed_dgrad"]) == (0, len(cases)), stats
         if k == 2:  # experts flattened into one buffer, as DeepSpeed's optimizers leave them: strided stacks
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": 8})

@@ -135,20 +135,21 @@ void wait_words(const torch::Tensor& words, int64_t mask, int64_t epoch, int64_t
 // raster_n / swizzle: the persistent scheduler's tile order (no effect on the values).
 torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs, int64_t op,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle);
-// Forward over segments: group g is rows [segs[g, 0], + segs[g, 1]) of a and out, times
-// w[segs[g, 2]] (w: [W, N, K]). With `ready` (int32 words): group g's tiles wait until
+// Forward (op 0) or dgrad (op 1) over segments: group g is rows [segs[g, 0], + segs[g, 1]) of a
+// and out, with w[segs[g, 2]] (w: [W, N, K]; fwd: a [R, K], out [R, N]; dgrad: a = dy [R, N],
+// out = dx [R, K]). With `ready` (int32 words): group g's tiles wait until
 // ready[segs[g, 3]] reaches `epoch` (segs[g, 3] < 0: no wait); a wait past timeout_ns fills
-// error_record (pinned) and sets the poison word. out: [R, N] bf16, rows outside every segment
-// left untouched. With `a_alt` ([R', K] bf16): segments whose weight index has bit 30 set read
+// error_record (pinned) and sets the poison word. out: bf16, rows outside every segment
+// left untouched. With `a_alt` (bf16, a's columns): segments whose weight index has bit 30 set read
 // their rows from a_alt at (first row - alt_row0) instead of from a. With `seg_out` ([G] int64,
-// on a's device): group g's rows go to address seg_out[g] (rows of N back to back, a peer's
+// on a's device): group g's rows go to address seg_out[g] (rows back to back, a peer's
 // symmetric memory allowed) and out is neither checked nor written.
 void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& segs, torch::Tensor& out,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
                          int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
-                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out);
+                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out, int64_t op);
 std::string grouped_mm_config_name(int64_t config);
 
 }  // namespace uniep

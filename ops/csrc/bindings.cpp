@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // gemm: grouped GEMM of the experts (fwd, dgrad, wgrad), deterministic tiles
   m.def("grouped_mm", &uniep::grouped_mm, "grouped GEMM: op 0 fwd, 1 dgrad, 2 wgrad over groups of rows");
   m.def("grouped_mm_segments", &uniep::grouped_mm_segments,
-        "grouped GEMM forward over row segments, each optionally waiting for its arrival word");
+        "grouped GEMM over row segments (op 0 fwd, 1 dgrad), each optionally waiting for its arrival word");
   m.def("grouped_mm_config_name", &uniep::grouped_mm_config_name, "name of a grouped GEMM tile configuration");
   // signal: entry barrier over the group
   m.def("barrier", &uniep::barrier, "signal every rank and wait for all of them");

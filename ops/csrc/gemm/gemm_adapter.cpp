@@ -86,10 +86,16 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
                          int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
-                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out) {
+                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out, int64_t op) {
   check_call("grouped_mm_segments", a, w, segs, config, raster_n, swizzle);
-  TORCH_CHECK(a.dim() == 2 && w.dim() == 3 && w.size(2) == a.size(1), "a must be [R, K] and w [W, N, K], got ",
-              a.sizes(), " and ", w.sizes());
+  TORCH_CHECK(op == gemm::kFwd || op == gemm::kDgrad, "grouped_mm_segments: op ", op,
+              " is not 0 (fwd) or 1 (dgrad)");
+  const bool fwd = op == gemm::kFwd;
+  // fwd: a = x [R, K], out [R, N]; dgrad: a = dy [R, N], out [R, K]; w [W, N, K] both ways.
+  TORCH_CHECK(a.dim() == 2 && w.dim() == 3 && a.size(1) == w.size(fwd ? 2 : 1), "grouped_mm_segments: ",
+              fwd ? "a must be [R, K] and w [W, N, K]" : "dy must be [R, N] and w [W, N, K]", ", got ", a.sizes(),
+              " and ", w.sizes());
+  const int64_t out_cols = w.size(fwd ? 1 : 2);
   TORCH_CHECK(segs.dim() == 2 && segs.size(1) == 4 && segs.size(0) >= 1,
               "segs must be [G, 4] int32 (first row, rows, weight, ready word), got ", segs.sizes());
   if (seg_out.has_value()) {  // every segment's rows go to its own address; out is not written
@@ -102,7 +108,7 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
     UNIEP_CHECK_INPUT(out);
     UNIEP_CHECK_DTYPE(out, torch::kBFloat16);
     TORCH_CHECK(out.device() == a.device(), "grouped_mm_segments: out must be on a's device");
-    UNIEP_CHECK_SHAPE(out, a.size(0), w.size(1));
+    UNIEP_CHECK_SHAPE(out, a.size(0), out_cols);
   }
   TORCH_CHECK(w.size(1) % 8 == 0 && w.size(2) % 8 == 0, "grouped_mm_segments needs N and K multiples of 8");
   TORCH_CHECK(a.size(0) <= INT32_MAX && segs.size(0) <= INT32_MAX && w.size(0) <= INT32_MAX,
@@ -153,9 +159,9 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
   args.raster_n = static_cast<int>(raster_n);
   args.swizzle = static_cast<int>(swizzle);
   int status = 0;
-  const cudaError_t err = gemm::grouped_gemm(gemm::kFwd, static_cast<int>(config), args,
+  const cudaError_t err = gemm::grouped_gemm(static_cast<int>(op), static_cast<int>(config), args,
                                              c10::cuda::getCurrentCUDAStream(), &status);
-  TORCH_CHECK(err == cudaSuccess, "grouped_mm_segments (config ", gemm::config_name(static_cast<int>(config)),
+  TORCH_CHECK(err == cudaSuccess, "grouped_mm_segments (", fwd ? "fwd" : "dgrad", ", config ", gemm::config_name(static_cast<int>(config)),
               ", G=", segs.size(0), " N=", w.size(1), " K=", w.size(2), ") failed: ", cudaGetErrorString(err),
               " (CUTLASS status ", status, ")");
 }

@@ -8,20 +8,21 @@
 //   kDgrad: dx[R, K]    = dy[R, N] @ w[g]        (same w)
 //   kWgrad: dw[g][N, K] = dy_g^T   @ x_g         (dy: [R, N], x: [R, K]); a group without rows
 //                                                 gets dw[g] = 0
-// Segments (kFwd only, `segs` set): group g is the run of rows [segs[4g], segs[4g] + segs[4g+1])
-// of x and y, multiplied by w[segs[4g+2]] (w: [weights, N, K]); runs may come in any order and
-// `offs` is unused. Arrival waits (segments only, `ready` set): no operand tile of group g is
+// Segments (kFwd and kDgrad, `segs` set): group g is the run of rows [segs[4g], segs[4g] +
+// segs[4g+1]) of the row operand and the output (x and y; dy and dx), with w[segs[4g+2]] (w:
+// [weights, N, K]); runs may come in any order and `offs` is unused. Arrival waits (segments only, `ready` set): no operand tile of group g is
 // loaded before ready[segs[4g+3]] reaches `ready_epoch` (segs[4g+3] < 0: no wait), so the rows of
 // a run may still be arriving when the kernel starts; a wait that outlasts `timeout_ns` writes
 // the error record as the NVLink kernels' waits do (common.cuh) and the tile is computed anyway.
 // Second row operand (segments only, `a_alt` set): a segment whose weight index has kSegAltRows
-// set reads its x rows from `a_alt` instead, at row (first row - alt_row0); its y rows stay
+// set reads its x (dy) rows from `a_alt` instead, at row (first row - alt_row0); its rows stay
 // where its first row says. (CommFuse's all-gather: this rank's block is read where the caller
 // holds it, the peers' blocks where they arrive.)
-// Output addresses (segments only, `seg_out` set): segment g's y rows go to seg_out[g] (the
-// address of its first output row, rows of N elements back to back) instead of into `d`; an
-// address may be a peer's symmetric memory (the MoE layer's second expert GEMM stores each
-// (expert, source) run of rows straight into that source's combine buffer).
+// Output addresses (segments only, `seg_out` set): segment g's output rows go to seg_out[g] (the
+// address of its first output row, rows of N (kDgrad: K) elements back to back) instead of into
+// `d`; an address may be a peer's symmetric memory (the MoE layer's second expert GEMM stores
+// each (expert, source) run of rows straight into that source's combine buffer, and in the
+// backward the first GEMM's dgrad stores the input gradient's rows there).
 // No split-K or stream-K: each output tile is computed by one CTA with a fixed k order
 // (k16 wgmma steps in increasing k), so a row's result never depends on the tile shape, the
 // raster order or how many SMs run the kernel. Tests check this bit for bit.

@@ -198,7 +198,7 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
     *out.control = WaitControl{args.ready,    args.ready_epoch, args.timeout_ns, args.error_record,
                                args.poison,   args.layer_id,    args.rank,       args.phase};
   if (g >= args.groups) return;
-  const bool seg = Op == kFwd && args.segs != nullptr;
+  const bool seg = Op != kWgrad && args.segs != nullptr;
   const int32_t* sg = seg ? args.segs + 4 * g : nullptr;
   const int64_t start = seg ? sg[0] : g == 0 ? 0 : args.offs[g - 1];
   const int rows = seg ? sg[1] : static_cast<int>(args.offs[g] - start);
@@ -216,9 +216,9 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
     out.d[g] = seg && args.seg_out != nullptr ? reinterpret_cast<Bf16*>(args.seg_out[g]) : d + start * n;
   } else if (Op == kDgrad) {
     out.shapes[g] = Shape3{rows, args.k, args.n};
-    out.a[g] = a + start * n;
-    out.b[g] = b + g * n * k;
-    out.d[g] = d + start * k;
+    out.a[g] = a + (alt ? start - args.alt_row0 : start) * n;
+    out.b[g] = b + wi * n * k;
+    out.d[g] = seg && args.seg_out != nullptr ? reinterpret_cast<Bf16*>(args.seg_out[g]) : d + start * k;
   } else {
     // K = rows: a group without rows has no tiles here (M = 0); zero_empty_groups clears it.
     out.shapes[g] = Shape3{rows > 0 ? args.n : 0, args.k, rows};
@@ -327,7 +327,7 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, cudaStream_t 
   if (args.groups <= 0 || args.n <= 0 || args.k <= 0 || args.n % detail::kAlign || args.k % detail::kAlign)
     return cudaErrorInvalidValue;
   if (args.sm_count < 0 || args.sm_count % 2) return cudaErrorInvalidValue;  // 2-CTA clusters
-  if (args.segs != nullptr && (Op != kFwd || args.weights <= 0)) return cudaErrorInvalidValue;
+  if (args.segs != nullptr && (Op == kWgrad || args.weights <= 0)) return cudaErrorInvalidValue;
   if (args.ready != nullptr && (args.segs == nullptr || args.error_record == nullptr || args.poison == nullptr))
     return cudaErrorInvalidValue;
   if (args.raster_n < 0 || args.raster_n > 1 || !(args.swizzle == 1 || args.swizzle == 2 || args.swizzle == 4 ||
