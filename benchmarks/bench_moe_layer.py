@@ -20,11 +20,13 @@ Baselines and bounds are measured in the same run:
   destination at a time while the first expert GEMM runs on the others, each source's rows as they land);
   timed again alternately with megakernel (``--schedule-rounds``, medians) for the schedule's gain;
 - megakernel-fused-push: megakernel-fused with the second expert GEMM writing its outputs on the expert's
-  rank and the combine kernel pushing them back (``"epilogue_combine": false``), instead of that
-  GEMM's epilogue storing each row straight into its source's combine buffer (the default); the same bits;
+  rank and the combine kernel pushing them back, and the first GEMM's dgrad rows pushed back by the
+  dispatch's backward (``"epilogue_combine": false``), instead of those GEMMs' epilogues storing each
+  row straight into its source's combine buffer (the default); the same bits;
 - megakernel-fused-epilogue: megakernel-fused with the sequential schedule's dispatch (``"fused_dispatch":
-  false``): of the fused schedule only the combine in the second GEMM's epilogue; timed again alternately
-  with megakernel (``--schedule-rounds``): what that combine gains over the sequential schedule;
+  false``): of the fused schedule only the epilogue combines (the second GEMM's forward, the first
+  GEMM's dgrad); timed again alternately with megakernel (``--schedule-rounds``): what they gain over
+  the sequential schedule;
 - megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
@@ -83,11 +85,11 @@ MEGAKERNEL_CONFIGS = {
     "megakernel-fused": {"backend": "megakernel", "expert_gemm": "uniep",
                          "overlap": {"schedule": "fused", "num_comm_sms": 20}},
     # megakernel-fused with the second GEMM's outputs kept on the expert rank and pushed back by the combine
-    # kernel (overlap.epilogue_combine false), as before the combine moved into that GEMM's epilogue
+    # kernel, and the first GEMM's dgrad rows by the dispatch's backward (overlap.epilogue_combine false)
     "megakernel-fused-push": {"backend": "megakernel", "expert_gemm": "uniep",
                               "overlap": {"schedule": "fused", "num_comm_sms": 20, "epilogue_combine": False}},
     # megakernel-fused with the sequential schedule's dispatch (overlap.fused_dispatch false): only the
-    # combine in the second GEMM's epilogue
+    # epilogue combines (the second GEMM's forward, the first GEMM's dgrad)
     "megakernel-fused-epilogue": {"backend": "megakernel", "expert_gemm": "uniep",
                                   "overlap": {"schedule": "fused", "num_comm_sms": 20, "fused_dispatch": False}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
@@ -648,11 +650,11 @@ def print_table(results):
                         f"{r['mode']}: {d['speedup']:.3f}x (late {times(d['sequential_ms'])} ms, early "
                         f"{times(d['early_ms'])} ms")
             elif key == "epilogue_combine":
-                what = (f"fused: combine in the second GEMM's epilogue vs pushed by the combine kernel, {r['shape']} "
+                what = (f"fused: epilogue combines vs rows pushed by the combine kernels, {r['shape']} "
                         f"{r['mode']}: {d['speedup']:.3f}x (pushed {times(d['sequential_ms'])} ms, epilogue "
                         f"{times(d['fused_ms'])} ms")
             elif key == "epilogue_only":
-                what = (f"sequential dispatch + combine in the second GEMM's epilogue vs sequential (ds_uniep's "
+                what = (f"sequential dispatch + epilogue combines vs sequential (ds_uniep's "
                         f"GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x (sequential "
                         f"{times(d['sequential_ms'])} ms, epilogue {times(d['fused_ms'])} ms")
             elif key == "schedule_fused":

@@ -53,8 +53,10 @@ class OverlapConfig(_Block):
         "there, while the first expert GEMM runs on the other SMs and starts each run of its tiles once the latest "
         "source rank among the tile's rows has arrived, this rank's own rows first (fused_dispatch), and the "
         "second expert GEMM's epilogue stores each (expert, source) run of output rows straight into that "
-        "source's combine buffer, where the source sums its tokens' rows in slot order (epilogue_combine); the "
-        "backward runs as in sequential, but for the gate gradients, formed at the sources.")
+        "source's combine buffer, where the source sums its tokens' rows in slot order (epilogue_combine); in "
+        "the backward the first expert GEMM's dgrad stores the input-gradient rows into the sources' combine "
+        "buffers the same way, while its wgrad runs (epilogue_combine), and the gate gradients are formed at the "
+        "sources; the rest of the backward runs as in sequential.")
     num_chunks: int = Field(2, ge=1, le=64, description="Chunks of local experts for the pipelined schedule (at "
                             "most one per local expert).")
     num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
@@ -68,8 +70,10 @@ class OverlapConfig(_Block):
                                  "first expert GEMM, whose tiles wait for their rows; false: the sequential "
                                  "schedule's dispatch (every SM), then that GEMM. Read by the fused schedule only.")
     epilogue_combine: bool = Field(True, description="The fused schedule's second expert GEMM stores its output rows "
-                                   "straight into their sources' combine buffers; false: they stay on the expert's "
-                                   "rank and the combine kernel moves them. Read by the fused schedule only.")
+                                   "straight into their sources' combine buffers (a last projection without bias), "
+                                   "and in the backward the first expert GEMM's dgrad stores the input-gradient "
+                                   "rows there; false: the rows stay on the expert's rank and the combine kernels "
+                                   "move them. Read by the fused schedule only.")
     roles: Literal["partitioned", "interleaved"] = Field(
         "partitioned",
         description="partitioned: whole SMs communicate while others compute; interleaved: communication "

@@ -1,4 +1,5 @@
-"""The fused schedule's second expert GEMM with the combine in its epilogue (megakernel backend).
+"""The fused schedule's epilogue combines (megakernel backend): the second expert GEMM's forward
+and the first expert GEMM's dgrad store their rows straight into the sources' combine buffers.
 
 Under the sequential schedule the second expert GEMM writes the expert outputs on the expert's
 rank and combine then moves every row back to its source. Here that GEMM runs over the (local
@@ -21,6 +22,10 @@ later op of the layer lets peers store there (a counts exchange or a barrier), t
 copies them out for a backward still to come (``NVLinkDispatcher._keep_landed``: two forwards
 before a backward, or a graph kept). One backward per forward: a second one through the same
 graph (``retain_graph``) after the rows were overwritten raises.
+
+The dispatch's backward is a combine without weights of the first expert GEMM's dgrad rows, so
+:class:`DgradCombine` runs that dgrad over the same runs with the same output addresses and each
+source sums its tokens' k rows unweighted, in slot order: the sequential dispatch backward's bits.
 """
 
 import weakref

@@ -39,7 +39,9 @@ Backward: the gradient of combine is a dispatch of ``grad_out`` in the same layo
 travel unweighted and each source leaves its gates in its gates region; the expert rank forms
 ``grad_y = gate * row`` and the gate gradient ``<grad_out[t], y[r]>`` of each row it holds and
 stores the scalar back into the source's gates region, so the expert outputs never travel back.
-The gradient of dispatch is a combine without weights.
+The gradient of dispatch is a combine without weights (under the fused schedule's epilogue
+combine, the first expert GEMM's dgrad stores its rows into the sources' combine buffers itself:
+``ds_uniep.epilogue_combine.DgradCombine``).
 
 No step takes a row slot with an atomic; signals carry growing epochs, so no reset
 is ever needed. Every wait gives up after ``overlap.timeout_s``: the kernel records

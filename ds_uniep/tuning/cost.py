@@ -74,10 +74,11 @@ def estimate_ms(plan: Plan, space: Space) -> float:
     # fused: with both overlaps every transfer counts as hidden behind the GEMMs, the first GEMM
     # starting when the first signal's rows have arrived; without the fused dispatch half the bytes
     # (the forward dispatch, and the backward's gradient of combine in the same layout) run alone,
-    # without the epilogue combine a quarter (the forward combine's rows, after the second GEMM).
+    # without the epilogue combines the other half (the forward combine's rows after the second
+    # GEMM, the backward's input-gradient rows after the first GEMM's dgrad).
     per_signal = {"tile": L * math.ceil(rows / plan.tile_m), "expert": L, "rank": max(1, s.ep)}
     num_signals = s.ep * per_signal[plan.signal_granularity] if plan.fused_dispatch else 0
     first_wait = comm_ms / max(1, num_signals) if plan.fused_dispatch else 0.0
-    alone = (0.0 if plan.fused_dispatch else comm_ms / 2) + (0.0 if plan.epilogue_combine else comm_ms / 4)
+    alone = (0.0 if plan.fused_dispatch else comm_ms / 2) + (0.0 if plan.epilogue_combine else comm_ms / 2)
     return (max(gemm_ms, comm_ms - alone) + alone + first_wait + num_signals * SIGNAL_MS / max(1, gemm_sms)
             + 2 * LAUNCH_MS)

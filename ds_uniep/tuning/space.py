@@ -25,7 +25,8 @@ Two kinds of space:
   ``num_comm_sms`` (the block count of its dispatch and combine copy kernels;
   under the fused schedule the SMs its dispatch keeps beside the first GEMM),
   ``fused_dispatch`` and ``epilogue_combine`` (the fused schedule's two overlaps:
-  its dispatch beside the first GEMM, the combine in the second GEMM's epilogue) and
+  its dispatch beside the first GEMM, the combines in the second GEMM's epilogue and
+  the first GEMM's dgrad epilogue) and
   ``dispatch_dtype``; ``roles``, ``stages`` and ``signal_granularity`` are read
   by nothing yet (the fused schedule waits per run of tiles); ``tile_m`` and
   ``tile_n``, set in the block, pick ds_uniep's GEMM tile (``expert_gemm:
