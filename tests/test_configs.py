@@ -9,7 +9,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.json")))
 NAMES = [os.path.basename(p) for p in CONFIG_FILES]
 EXPECTED = ["ds_config_uniep_default.json", "ds_config_uniep_deterministic.json", "ds_config_uniep_fp8.json",
-            "ds_config_uniep_autotune.json", "ds_config_cpu_zero0.json", "ds_config_cpu_zero2.json"]
+            "ds_config_uniep_autotune.json", "ds_config_uniep_fused.json", "ds_config_cpu_zero0.json",
+            "ds_config_cpu_zero2.json"]
 
 
 def test_the_documented_configs_exist():
@@ -40,6 +41,9 @@ def test_each_config_means_what_its_name_says():
     assert cfg["ds_config_uniep_deterministic.json"].compression.dispatch_dtype == "activation"
     assert cfg["ds_config_uniep_fp8.json"].compression.dispatch_dtype == "fp8_e4m3"
     assert cfg["ds_config_uniep_autotune.json"].autotune.enabled
+    fused = cfg["ds_config_uniep_fused.json"]
+    assert fused.overlap.schedule == "fused" and fused.expert_gemm == "uniep"
+    assert fused.overlap.epilogue_combine and not fused.overlap.fused_dispatch
     for n in ("ds_config_cpu_zero0.json", "ds_config_cpu_zero2.json"):
         assert cfg[n].backend == "reference", n
     for n in NAMES:

@@ -79,3 +79,32 @@ def test_resume_continues_the_same_loss_curve_bitwise(runs):
         assert loss == full[step], (step, loss.hex(), full[step].hex())
     for step, loss in resumed.items():
         assert loss == full[step], (step, loss.hex(), full[step].hex())
+
+
+def test_swiglu_experts_train(tmp_path):
+    """``--expert-type swiglu``: the MoE blocks' experts are ds_uniep's SwiGLUExpert (the grouped-GEMM
+    kind), and the example trains with them: every step logged, the loss falling."""
+    log = tmp_path / "swiglu.json"
+    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+           str(_free_port()), TRAIN, *TINY, "--train-iters", "30", "--loss-log", str(log), "--expert-type", "swiglu"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    with open(log) as f:
+        losses = {int(k): float.fromhex(v) for k, v in json.load(f).items()}
+    assert sorted(losses) == list(range(1, 31))
+    assert losses[30] < losses[1] - 0.5, (losses[1], losses[30])
+
+
+def test_expert_type_picks_the_expert_module():
+    sys.path.insert(0, os.path.join(REPO, "examples", "gpt_moe"))
+    try:
+        from model import MLP, expert_module
+    finally:
+        sys.path.pop(0)
+    from types import SimpleNamespace
+
+    from ds_uniep import SwiGLUExpert
+    args = SimpleNamespace(hidden_size=16, ffn_hidden_size=32, expert_type="swiglu")
+    assert type(expert_module(args)) is SwiGLUExpert
+    args.expert_type = "mlp"
+    assert type(expert_module(args)) is MLP

@@ -47,6 +47,16 @@ class SelfAttention(nn.Module):
         return self.dense(y.transpose(1, 2).reshape(B, S, M))
 
 
+def expert_module(args) -> nn.Module:
+    """The expert of an MoE block: Megatron's GeLU MLP with biases (``--expert-type mlp``), or
+    ``ds_uniep.SwiGLUExpert`` (``swiglu``: gate and up projections, no biases), which ds_uniep's
+    megakernel runs as grouped GEMMs (its pipelined and fused schedules need grouped experts)."""
+    if getattr(args, "expert_type", "mlp") == "swiglu":
+        from ds_uniep import SwiGLUExpert
+        return SwiGLUExpert(args.hidden_size, args.ffn_hidden_size)
+    return MLP(args.hidden_size, args.ffn_hidden_size)
+
+
 class TransformerLayer(nn.Module):
     """Pre-LN block; ``num_experts > 1`` makes its MLP an MoE layer (returns ``(x, l_aux)``)."""
 
@@ -61,7 +71,7 @@ class TransformerLayer(nn.Module):
             self.mlp = MLP(M, args.ffn_hidden_size)
         else:
             self.mlp = moe_class(M,
-                                 MLP(M, args.ffn_hidden_size),
+                                 expert_module(args),
                                  num_experts=num_experts,
                                  ep_size=args.moe_expert_parallel_size,
                                  k=args.topk,

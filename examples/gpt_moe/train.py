@@ -61,6 +61,9 @@ def get_args(argv=None):
     g.add_argument("--moe-min-capacity", type=int, default=4)
     g.add_argument("--disable-moe-token-dropping", action="store_false", dest="moe_token_dropping",
                    help="dropless MoE: every token reaches its experts")
+    g.add_argument("--expert-type", choices=["mlp", "swiglu"], default="mlp",
+                   help="mlp: Megatron's GeLU MLP with biases; swiglu: ds_uniep.SwiGLUExpert (grouped GEMM experts, "
+                   "which the megakernel's pipelined and fused schedules need)")
     g.add_argument("--mlp-type", choices=["standard", "residual"], default="standard",
                    help="residual: PR-MoE's shared MLP beside the experts")
     g.add_argument("--create-moe-param-group", action="store_true",
