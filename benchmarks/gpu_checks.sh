@@ -39,6 +39,15 @@ want gpt && for backend in deepspeed reference megakernel megakernel_again; do
     --seq-length 256 --eval-interval 1000 --log-interval 5 --backend "${backend%_again}" \
     --loss-log "$OUT/loss_$backend.json" "${gemm_flag[@]}"
 done
+# SwiGLU experts (grouped GEMMs), ZeRO 2: the sequential schedule against the fused one (twice)
+want gpt && for run in sequential fused fused_again; do
+  cfg=configs/ds_config_uniep_fused.json; [[ $run == sequential ]] && cfg=configs/ds_config_uniep_default.json
+  step "gpt_swiglu_$run" python3 -m deepspeed.launcher.runner --num_gpus "$NGPU" examples/gpt_moe/train.py \
+    --deepspeed_config "$cfg" --expert-type swiglu --expert-gemm uniep --num-experts $((2 * NGPU)) \
+    --moe-expert-parallel-size "$NGPU" --topk 2 --disable-moe-token-dropping --create-moe-param-group \
+    --train-iters 20 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --eval-interval 1000 \
+    --log-interval 5 --backend megakernel --loss-log "$OUT/loss_swiglu_$run.json"
+done
 
 echo "=== summary (ngpu=$NGPU)"
 for k in "${!STATUS[@]}"; do echo "$k ${STATUS[$k]}"; done | sort
@@ -47,12 +56,16 @@ python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 logs = {}
-for b in ("deepspeed", "reference", "megakernel", "megakernel_again"):
+for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_sequential", "swiglu_fused",
+          "swiglu_fused_again"):
     p = os.path.join(out, f"loss_{b}.json")
     if os.path.exists(p):
         logs[b] = {int(k): float.fromhex(v) if isinstance(v, str) else v for k, v in json.load(open(p)).items()}
 if "megakernel" in logs and "megakernel_again" in logs:
     print("megakernel losses bitwise equal across two runs:", logs["megakernel"] == logs["megakernel_again"])
+for b in ("swiglu_fused", "swiglu_fused_again"):
+    if b in logs and "swiglu_sequential" in logs:
+        print(f"{b} losses bitwise equal to the sequential schedule's:", logs[b] == logs["swiglu_sequential"])
 if "megakernel" in logs and "reference" in logs:
     d = max(abs(logs["megakernel"][s] - logs["reference"][s]) for s in logs["reference"])
     print(f"max |loss megakernel - reference| over 20 steps: {d:.3e}")

@@ -85,3 +85,51 @@ def test_default_configs_are_built_ones_and_the_fused_gemm_keeps_its_own_choice(
     monkeypatch.setitem(gemm.DEFAULT_CONFIGS, "fwd", "coop128x256")
     assert gemm.fused_config(64, w, None, 64) == "coop256x128"
     assert asked == [gemm.FUSED_CONFIGS]
+
+
+def test_grouped_linear_hands_its_dgrad_to_into(monkeypatch):
+    """``grouped_linear(..., into=)``: the rows go in detached (no gradient reaches them, so the
+    dispatch's own backward never runs), the backward calls ``into.start`` before the wgrad and
+    ``into.finish`` after it, and what ``finish`` returns is the gradient of ``into.source``; the
+    wgrad is the usual one. Without a gradient wanted for the source, ``into`` is not called.
+    (The GEMMs are the CPU reference here; the kernels' part is tested on GPUs.)"""
+    calls = []
+
+    def fake_mm(a, b, offs, op, config=None, sm_count=0):
+        calls.append(op)
+        return gemm.reference(op, a, b, offs).to(a.dtype)
+    monkeypatch.setattr(gemm, "grouped_mm", fake_mm)
+
+    class Into:
+        def __init__(self, source):
+            self.source = source
+
+        def start(self, grad, w, offs, configs):
+            calls.append("start")
+            self.dx = gemm.reference("dgrad", grad, w, offs)
+
+        def finish(self):
+            calls.append("finish")
+            return self.dx[:self.source.shape[0]].to(self.source.dtype) * 2  # the sources' sums, here a stand-in
+
+    g = torch.Generator().manual_seed(0)
+    source = torch.randn(8, 16, generator=g).to(torch.bfloat16).requires_grad_(True)
+    rows = (source.float() * 1).to(torch.bfloat16)  # stands for the dispatch's output: in source's graph
+    w = torch.randn(2, 24, 16, generator=g).to(torch.bfloat16).requires_grad_(True)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    grad = torch.randn(8, 24, generator=g).to(torch.bfloat16)
+    into = Into(source)
+    y = gemm._GroupedLinear.apply(rows.detach(), w, offs, dict(gemm.DEFAULT_CONFIGS), 0, None, into, source)
+    assert calls == ["fwd"]
+    y.backward(grad)
+    assert calls == ["fwd", "start", "wgrad", "finish"]
+    torch.testing.assert_close(source.grad.float(), (gemm.reference("dgrad", grad, w, offs) * 2).to(
+        torch.bfloat16).float())
+    assert torch.equal(w.grad, gemm.reference("wgrad", grad, rows, offs).to(torch.bfloat16))
+    # no gradient wanted for the source: the wgrad only
+    calls.clear()
+    frozen = source.detach()
+    w.grad = None
+    gemm._GroupedLinear.apply(rows.detach(), w, offs, dict(gemm.DEFAULT_CONFIGS), 0, None, Into(frozen),
+                              frozen).backward(grad)
+    assert calls == ["fwd", "wgrad"] and w.grad is not None
