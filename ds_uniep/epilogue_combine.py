@@ -74,7 +74,9 @@ def segment_config(configs: Optional[Mapping[str, str]], op: str = "fwd",
     else of ``auto()`` (the plain op's automatic choice for these operands), else ``coop128x256``;
     the scheduler's default tile order (band 1: a run's tiles are its own)."""
     from .gemm import DEFAULT_CONFIGS
-    for config in ((configs or {}).get(op), DEFAULT_CONFIGS[op], auto() if auto is not None else None):
+    for config in ((configs or {}).get(op), DEFAULT_CONFIGS[op], auto):
+        if callable(config):  # the automatic choice only when no explicit one is there
+            config = config()
         if config and config != "auto":
             return config.partition(":")[0]
     return "coop128x256"

@@ -318,18 +318,16 @@ class UniEPMoE(MoE):
         the sources' combine buffers (``ds_uniep.epilogue_combine``): the second GEMM's output rows
         in the forward (a last projection without bias), the first GEMM's input-gradient rows in
         the backward. The same bits as the sequential schedule."""
-        if not (fused and self.uniep_config.overlap.epilogue_combine):
-            y = self._local_experts(dispatcher, recv, local_counts, stacked, fused)
-            return dispatcher.combine(y, gates, handle)
-        from .epilogue_combine import DgradCombine, gemm_combine
-        into = DgradCombine(dispatcher, handle, x)
-        second = "w2" if "w2" in stacked.weights else "fc2"
-        if stacked.biases[second] is not None:
-            y = self._local_experts(dispatcher, recv, local_counts, stacked, True, into=into)
-            return dispatcher.combine(y, gates, handle)
-        return self._local_experts(dispatcher, recv, local_counts, stacked, True, into=into,
-                                   last=lambda h, w, offs: gemm_combine(dispatcher, h, w, offs, gates, handle,
-                                                                        self._gemm_configs()))
+        into = None
+        if fused and self.uniep_config.overlap.epilogue_combine:
+            from .epilogue_combine import DgradCombine, gemm_combine
+            into = DgradCombine(dispatcher, handle, x)
+            if stacked.biases["w2" if "w2" in stacked.weights else "fc2"] is None:
+                return self._local_experts(dispatcher, recv, local_counts, stacked, True, into=into,
+                                           last=lambda h, w, offs: gemm_combine(dispatcher, h, w, offs, gates, handle,
+                                                                                self._gemm_configs()))
+        y = self._local_experts(dispatcher, recv, local_counts, stacked, fused, into=into)
+        return dispatcher.combine(y, gates, handle)
 
     def _local_experts(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool,
                        last=None, into=None) -> Tensor:

@@ -96,15 +96,15 @@ def test_swiglu_experts_train(tmp_path):
 
 
 def test_expert_type_picks_the_expert_module():
-    sys.path.insert(0, os.path.join(REPO, "examples", "gpt_moe"))
-    try:
-        from model import MLP, expert_module
-    finally:
-        sys.path.pop(0)
+    import importlib.util
     from types import SimpleNamespace
 
     from ds_uniep import SwiGLUExpert
+    spec = importlib.util.spec_from_file_location("gpt_moe_model", os.path.join(REPO, "examples", "gpt_moe",
+                                                                                 "model.py"))
+    model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(model)
     args = SimpleNamespace(hidden_size=16, ffn_hidden_size=32, expert_type="swiglu")
-    assert type(expert_module(args)) is SwiGLUExpert
+    assert type(model.expert_module(args)) is SwiGLUExpert
     args.expert_type = "mlp"
-    assert type(expert_module(args)) is MLP
+    assert type(model.expert_module(args)) is model.MLP

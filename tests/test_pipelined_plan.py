@@ -219,3 +219,16 @@ def test_epilogue_rows_are_kept_for_a_pending_backward_only():
     gc.collect()
     keep(fake)  # nothing to keep, nothing raised
     assert fake._landed is None
+
+
+def test_segment_config_times_only_when_no_tile_is_set():
+    """The GEMMs over runs take the tile of an explicit configuration (order dropped); the plain
+    op's automatic choice (``auto``, which times kernels the first time) is asked for only when
+    the op is left on "auto"."""
+    from ds_uniep.epilogue_combine import segment_config
+
+    def never():
+        raise AssertionError("timed although a tile was given")
+    assert segment_config({"dgrad": "pingpong128x128:n4"}, "dgrad", never) == "pingpong128x128"
+    assert segment_config({"dgrad": "auto"}, "dgrad", lambda: "coop256x128:m2") == "coop256x128"
+    assert segment_config(None, "fwd", never) == "coop128x256"  # the forward's default is explicit
