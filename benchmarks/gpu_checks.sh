@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of ds_uniep, on one host with N >= 2 GPUs:
-#   bash benchmarks/gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [commfuse] [hybrid] [gpt]   (default: all)
+#   bash benchmarks/gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [commfuse] [hybrid] [gpt] [gpt_swiglu]
+#   (default: all)
 # GPU tests (kernels, megakernel vs reference layer, determinism over NCCL,
 # CommFuse over NCCL), then the benchmarks, then a 20-step GPT-MoE training run
-# per backend. Each step's log goes to OUTDIR; a summary is printed last.
+# per backend (gpt), and the SwiGLU GPT-MoE example sequential vs fused (gpt_swiglu). Each step's
+# log goes to OUTDIR; a summary is printed last.
 set -u
-OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [commfuse] [hybrid] [gpt]}
+OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [commfuse] [hybrid] [gpt] [gpt_swiglu]}
 shift
-WANT=" ${*:-tests gemm dispatch layer commfuse hybrid gpt} "
+WANT=" ${*:-tests gemm dispatch layer commfuse hybrid gpt gpt_swiglu} "
 want() { [[ $WANT == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cuda NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -40,7 +42,7 @@ want gpt && for backend in deepspeed reference megakernel megakernel_again; do
     --loss-log "$OUT/loss_$backend.json" "${gemm_flag[@]}"
 done
 # SwiGLU experts (grouped GEMMs), ZeRO 2: the sequential schedule against the fused one (twice)
-want gpt && for run in sequential fused fused_again; do
+want gpt_swiglu && for run in sequential fused fused_again; do
   cfg=configs/ds_config_uniep_fused.json; [[ $run == sequential ]] && cfg=configs/ds_config_uniep_default.json
   step "gpt_swiglu_$run" python3 -m deepspeed.launcher.runner --num_gpus "$NGPU" examples/gpt_moe/train.py \
     --deepspeed_config "$cfg" --expert-type swiglu --expert-gemm uniep --num-experts $((2 * NGPU)) \

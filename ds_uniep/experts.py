@@ -94,8 +94,9 @@ _GEMMS = {SwiGLUExpert: (("w13", ("w1", "w3")), ("w2", ("w2", ))), GeLUExpert: (
 
 class _StackedView(torch.autograd.Function):
     """Parameters that already lie in one storage at one stride, seen as one ``[L, N, ...]`` tensor
-    without a copy. ``parts[i] = (l, n0, n)``: parameter ``i`` is rows ``n0:n0 + n`` of group ``l``;
-    the backward hands it that slice of the stacked gradient (a view, not a copy)."""
+    without a copy. ``parts = (P, n)``: parameter ``i`` (of ``P = L * per``, group by group) is rows
+    ``(i % per) * n`` to ``+ n`` of group ``i // per``; the backward hands it that slice of the
+    stacked gradient (a view, not a copy), all of them from one ``unbind``."""
 
     @staticmethod
     def forward(ctx, size, stride, offset, parts, *params):
@@ -104,7 +105,8 @@ class _StackedView(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return (None, None, None, None) + tuple(grad[l, n0:n0 + n] for l, n0, n in ctx.parts)
+        count, n = ctx.parts
+        return (None, None, None, None) + grad.reshape((count, n) + tuple(grad.shape[2:])).unbind(0)
 
 
 def _stack_plan(groups: Sequence[Sequence[Tensor]]):
@@ -121,8 +123,7 @@ def _stack_plan(groups: Sequence[Sequence[Tensor]]):
             and t.untyped_storage().data_ptr() == storage
             and t.storage_offset() == t0.storage_offset() + l * step + j * numel
             for l, g in enumerate(groups) for j, t in enumerate(g)):
-        parts = tuple((l, j * t0.shape[0], t0.shape[0]) for l in range(len(groups)) for j in range(per))
-        return size, (step, ) + t0.stride(), t0.storage_offset(), parts
+        return size, (step, ) + t0.stride(), t0.storage_offset(), (len(flat), t0.shape[0])
     return size, None, None, None
 
 
