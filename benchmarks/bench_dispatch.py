@@ -17,8 +17,7 @@ the spin outlasted the launches).
 Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
 order first); the megakernel dispatch receiving in place (its direct region) and
 through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
-default, chunked push+reduce in one kernel, with this rank's own rows read where its experts
-wrote them; the same with them copied into the combine buffer first; then the variants of COMBINE_VARIANTS (or of
+default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS (or of
 --combine-variants) and the
 pulling combine from source regions with one and two blocks per SM, and the copy-engine
 combine of the pipelined schedule in one chunk (each (expert, source) segment copied into its
@@ -226,12 +225,6 @@ def main():
             default = (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
                        disp.combine_push_blocks)
             first = combine_first = disp.combine(y, gates, h)
-            # The chunked combine with this rank's own rows copied into its combine buffer too,
-            # as before the reducers read them where the experts wrote them.
-            disp.combine_own_direct = False
-            put("combine_own_pushed", lambda: disp.combine(y, gates, h))
-            results["combine_own_pushed_bitwise_equal"] = bool(torch.equal(disp.combine(y, gates, h), first))
-            disp.combine_own_direct = True
             results["combine_variants"] = {}
             for chunks, reducers, lead, share in variants:
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
@@ -293,7 +286,6 @@ def main():
             ("dispatch fp8 (layout+stores+copy-out)", "fp8_dispatch", off_rank),
             ("dispatch fp8 stores only", "fp8_dispatch_stores", off_rank),
             ("combine bf16 (chunked push+reduce)", "combine", off_rank),
-            ("combine bf16 (chunked, own rows pushed too)", "combine_own_pushed", off_rank),
             ("combine bf16 (copy engines, then reduce)", "combine_ce", off_rank)]
     rows = [(label, results[f"{key}_ms"], results[f"{key}_queued_ms"], nbytes) for label, key, nbytes in rows]
     print(f"rank {rank}: host ms to launch: dispatch bf16 {results['bf16_dispatch_host_ms']:.3f}, combine "
@@ -323,7 +315,6 @@ def main():
               f"{dedup_off_rank / 2**20:.0f} MiB; peer copy {results['peer_copy_GBps']:.0f} GB/s")
         print("combine variants bitwise equal to the default:",
               all(v["bitwise_equal"] for v in results["combine_variants"].values()),
-              "; own rows pushed too:", results["combine_own_pushed_bitwise_equal"],
               "; pulling combine:", results["combine_pull_bitwise_equal"], results["combine_stats"],
               "; copy-engine combine:", results["combine_ce_bitwise_equal"],
               f"({results['combine_ce_segments']} segment copies)")

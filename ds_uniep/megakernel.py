@@ -255,10 +255,6 @@ class NVLinkDispatcher:
         combine_push_blocks: pushing blocks of the chunked combine; default half of
             ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
             quarter or all of them at ep 2 and 4).
-        combine_own_direct: the chunked combine leaves the rows of this rank's own tokens where
-            its experts wrote them and its reducing blocks read them there, so its pushing blocks
-            move only the rows bound for other ranks (False: those rows are copied into this
-            rank's combine buffer first, as the others are). The same bits either way.
         pull_blocks: blocks of the pulling combine (default twice ``num_blocks``: two fit on an SM).
         pull_combine: allocate a source region (a third ``[R_max, M]`` symmetric buffer). Expert
             outputs written into :meth:`combine_source` are combined by pulling: each rank reads
@@ -293,7 +289,7 @@ class NVLinkDispatcher:
                  combine_push_blocks: Optional[int] = None,
                  pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
-                 dedup: bool = True, fused_dedup: bool = True, combine_own_direct: bool = True):
+                 dedup: bool = True, fused_dedup: bool = True):
         config = UniEPConfig.coerce(config)
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
@@ -344,7 +340,6 @@ class NVLinkDispatcher:
                                 group, self.device)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self.combine_chunks = combine_chunks
-        self.combine_own_direct = combine_own_direct
         self.gate_grad_on_experts = gate_grad_on_experts
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
@@ -675,7 +670,7 @@ class NVLinkDispatcher:
         return self.combine_push_blocks or max(1, self.num_blocks // 2)
 
     def _push_and_reduce(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
-                         num_recv: Tensor, T: int, dest_row: Tensor) -> Tensor:
+                         num_recv: Tensor, T: int) -> Tensor:
         e = self._next_epoch(2)
         out = rows.new_empty(T, self.hidden_size)
         nb = self.num_blocks
@@ -690,8 +685,7 @@ class NVLinkDispatcher:
             num_chunks = -(-self.max_tokens // chunk_tokens)  # the same on every rank
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
                                      self.bufs.descriptor, e, *self._wait_args(), self.combine_pushers(),
-                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead,
-                                     dest_row if self.combine_own_direct else None)
+                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,
@@ -738,7 +732,7 @@ class NVLinkDispatcher:
         self.check()
         if not self._pulls_from(y):
             self.combine_stats["pushed"] += 1
-            return self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0], dest_row)
+            return self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
         out = y.new_empty(expert_idx.shape[0], self.hidden_size)
         self.ext.combine_pull(expert_idx, dest_row, gates, self.num_experts, out, self.source.ptrs,
                               self.bufs.descriptor, self._next_epoch(4), *self._wait_args(), self.pull_blocks)
@@ -761,12 +755,11 @@ class NVLinkDispatcher:
             self._barrier()
         return self.source.fresh_view()[:rows]
 
-    def _dispatch_bwd(self, grad_recv, expert_idx, dest_row, recv_pair, num_recv):
+    def _dispatch_bwd(self, grad_recv, expert_idx, recv_pair, num_recv):
         # Gradient of dispatch: each token's k row gradients summed in slot order (fp32, cast once).
         self.check()
         self._barrier()
-        return self._push_and_reduce(grad_recv, None, expert_idx, recv_pair, num_recv, expert_idx.shape[0],
-                                     dest_row)
+        return self._push_and_reduce(grad_recv, None, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
 
     def pipelines(self) -> str:
         """Why this dispatcher cannot run the pipelined schedule (``ds_uniep.pipelined``), or ""."""
@@ -911,14 +904,14 @@ def _(y, gates, expert_idx, dest_row, recv_pair, num_recv, ctx_id):
 
 
 @torch.library.custom_op("ds_uniep::nvl_dispatch_backward", mutates_args=())
-def nvl_dispatch_backward(grad_recv: Tensor, expert_idx: Tensor, dest_row: Tensor, recv_pair: Tensor,
-                          num_recv: Tensor, ctx_id: int) -> Tensor:
+def nvl_dispatch_backward(grad_recv: Tensor, expert_idx: Tensor, recv_pair: Tensor, num_recv: Tensor,
+                          ctx_id: int) -> Tensor:
     """-> grad_x [T, M] = cast(sum_j float(grad_recv[row of (t, j)])), slot order, fp32."""
-    return _get(ctx_id)._dispatch_bwd(grad_recv, expert_idx, dest_row, recv_pair, num_recv)
+    return _get(ctx_id)._dispatch_bwd(grad_recv, expert_idx, recv_pair, num_recv)
 
 
 @nvl_dispatch_backward.register_fake
-def _(grad_recv, expert_idx, dest_row, recv_pair, num_recv, ctx_id):
+def _(grad_recv, expert_idx, recv_pair, num_recv, ctx_id):
     return grad_recv.new_empty(expert_idx.shape[0], grad_recv.shape[1])
 
 
@@ -942,17 +935,16 @@ class _DispatchFn(torch.autograd.Function):
         outs = nvl_dispatch(x, expert_idx, gates, ctx_id)
         recv, local_counts, dest_row, recv_pair, num_recv, counts_all = outs
         ctx.ctx_id = ctx_id
-        ctx.save_for_backward(expert_idx, dest_row, recv_pair, num_recv)
+        ctx.save_for_backward(expert_idx, recv_pair, num_recv)
         ctx.mark_non_differentiable(local_counts, dest_row, recv_pair, num_recv, counts_all)
         return outs
 
     @staticmethod
     def backward(ctx, grad_recv, *unused):
-        expert_idx, dest_row, recv_pair, num_recv = ctx.saved_tensors
+        expert_idx, recv_pair, num_recv = ctx.saved_tensors
         if grad_recv is None:
             return None, None, None, None
-        grad_x = nvl_dispatch_backward(grad_recv.contiguous(), expert_idx, dest_row, recv_pair, num_recv,
-                                       ctx.ctx_id)
+        grad_x = nvl_dispatch_backward(grad_recv.contiguous(), expert_idx, recv_pair, num_recv, ctx.ctx_id)
         return grad_x, None, None, None
 
 

@@ -66,9 +66,8 @@ def _body(rank, G, dtype_name):
         # five pushing blocks and one reducing block, pushing chunk by chunk (not sorted),
         # pulling from source regions, with the gate gradients formed at
         # the sources (y sent back) instead of on the experts, and sending a token once per slot
-        # rather than once per destination rank, and copying this rank's own rows into its combine
-        # buffer rather than reading them where the experts wrote them: when and where rows move
-        # and are summed changes, never the bits.
+        # rather than once per destination rank: when and where rows move and are summed
+        # changes, never the bits.
         pull = NVLinkDispatcher(f"test.k{k}.pull", E, G, M, k, dtype, cfg, pull_combine=True)
         variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
                     NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
@@ -76,8 +75,7 @@ def _body(rank, G, dtype_name):
                     NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
                                      gate_grad_on_experts=False),
                     NVLinkDispatcher(f"test.k{k}.no_dedup", E, G, M, k, dtype, cfg, dedup=False),
-                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0),
-                    NVLinkDispatcher(f"test.k{k}.own_pushed", E, G, M, k, dtype, cfg, combine_own_direct=False)]
+                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0)]
         # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
         # and sums within bf16 tolerance.
         arrival = NVLinkDispatcher(f"test.k{k}.arrival", E, G, M, k, dtype, cfg, ordering="arrival")
@@ -131,7 +129,7 @@ def _body(rank, G, dtype_name):
             arrival_vals = (out_a.detach(), x.grad.clone(), g.grad.clone())
             labels = ("a second run", "push-then-reduce combine", "7-chunk combine", "pulling combine",
                       "gate gradients at the sources", "one row per slot (no dedup)",
-                      "chunked combine pushing chunk by chunk", "chunked combine pushing this rank's own rows too")
+                      "chunked combine pushing chunk by chunk")
             assert len(labels) == len(outs) - 1
             for other, what in zip(outs[1:], labels):
                 for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):

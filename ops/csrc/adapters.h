@@ -56,14 +56,12 @@ void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::
                     int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 // combine_push then combine_reduce as one kernel pipelined by chunks of source tokens: the
 // same output bits. num_blocks blocks push and reduce_blocks more sum; chunk_tokens * num_chunks covers the
-// largest token count of any rank and num_chunks is the same on every rank. dest_row [T, k]
-// int32 given: this rank's own tokens' rows are read from y there instead of pushed.
+// largest token count of any rank and num_chunks is the same on every rank.
 void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
                      const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
-                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
-                     const c10::optional<torch::Tensor>& dest_row);
+                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead);
 // Pulling combine: out [T, M] from every rank's source region (source: kMaxRanks region bases).
 void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                   const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,

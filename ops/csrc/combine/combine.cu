@@ -124,28 +124,6 @@ __host__ __device__ __forceinline__ CombRows comb_rows(const SymView& s) {
   return CombRows{reinterpret_cast<const int4*>(s.ptrs[s.rank] + s.comb_off), s.comb_row_bytes / 16};
 }
 
-// CombOrOwnRows: as CombRows, except that with own >= 0 the rows of this rank's own experts
-// (expert / experts_per_rank == own) are read where they were computed, the expert-output row
-// dest_row[t, j] of y (rows in this rank's receive order), so nobody copies them into the
-// combine buffer first; code = pairs + that row (pairs: the buffer's rows, pairs_per_rank).
-struct CombOrOwnRows {
-  const int4* comb;
-  const int4* y;
-  const int* dest_row;
-  int64_t row_vecs;
-  int experts_per_rank;
-  int own;
-  int pairs;
-  __device__ __forceinline__ int slot(int pair, int expert) const {
-    if (expert / experts_per_rank != own) return pair;
-    const int row = __ldg(dest_row + pair);
-    return row >= 0 ? pairs + row : -1;  // a pair without a row adds nothing
-  }
-  __device__ __forceinline__ int4 load(int code, int c) const {
-    return code < pairs ? __ldcg(comb + code * row_vecs + c) : __ldcg(y + (code - pairs) * row_vecs + c);
-  }
-};
-
 // MirrorRows: this rank's combine buffer filled by the copy engines in expert order (the
 // pipelined schedule): the rows of this rank's pairs of expert e sit from mirror_base[e] on, in
 // the order of the destination's layout, so the row of (t, j) is dest_row[t, j] + off[e] with
@@ -281,7 +259,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
     int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
-    int list_cap, int push_lead, const int* __restrict__ dest_row, T* __restrict__ out) {
+    int list_cap, int push_lead, T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
   constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
   constexpr int kPushThreads = kPushWarps * 32;
@@ -300,8 +278,6 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   const int num_vecs = hidden / kElems;
   const int segs = (num_vecs + kCombineSegVecs - 1) / kCombineSegVecs;
   const int P = gridDim.x - reduce_blocks;
-  // With dest_row the rows of this rank's own tokens stay in y (the reducers read them there).
-  auto pushed = [&](int64_t r) { return dest_row == nullptr || __ldg(recv_pair + r) / s.pairs_per_rank != s.rank; };
   if (blockIdx.x < P && list_cap > 0) {
     const int R = min(*num_recv, y_rows);
     // This block's share: granules b, b + P, b + 2P, ... of y's R rows (<= list_cap rows).
@@ -319,7 +295,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     __syncthreads();
     for (int i = threadIdx.x; i < mine; i += blockDim.x) {
       const int64_t r = row_at(i);
-      if (r < R && pushed(r)) atomicAdd(&chunk_fill[chunk_of(r)], 1);
+      if (r < R) atomicAdd(&chunk_fill[chunk_of(r)], 1);
     }
     __syncthreads();
     if (warp == 0) {  // exclusive scan of the chunk counts, two per lane
@@ -339,7 +315,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     __syncthreads();
     for (int i = threadIdx.x; i < mine; i += blockDim.x) {
       const int64_t r = row_at(i);
-      if (r < R && pushed(r)) sorted_rows[atomicAdd(&chunk_fill[chunk_of(r)], 1)] = static_cast<int>(r);  // any order
+      if (r < R) sorted_rows[atomicAdd(&chunk_fill[chunk_of(r)], 1)] = static_cast<int>(r);  // any order
     }
     __syncthreads();
     if (warp < kPushWarps) {
@@ -384,7 +360,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
           if (threadIdx.x == 0) list_len = 0;
           named_barrier_sync(1, kPushThreads);
           const int64_t r = base + threadIdx.x;
-          if (r < R && pushed(r)) {
+          if (r < R) {
             const int64_t slot = __ldg(recv_pair + r) % s.pairs_per_rank;
             if (slot / k / chunk_tokens == c) list[atomicAdd(&list_len, 1)] = static_cast<int>(r);  // any order
           }
@@ -408,10 +384,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     return;
   }
   const int q = blockIdx.x - P;
-  const CombRows comb = comb_rows(s);
-  const CombOrOwnRows rows{comb.base,         reinterpret_cast<const int4*>(y), dest_row, comb.row_vecs,
-                           num_experts / s.num_ranks, dest_row != nullptr ? s.rank : -1,
-                           static_cast<int>(s.pairs_per_rank)};
+  const CombRows rows = comb_rows(s);
   const int my_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
   for (int c = 0; c < my_chunks; ++c) {
     if (threadIdx.x == 0) flag_shared = 1;
@@ -690,7 +663,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, int push_lead, const int* dest_row, cudaStream_t stream) {
+                                   int num_chunks, int push_lead, cudaStream_t stream) {
   if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 ||
       num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens || push_lead < 0)
     return cudaErrorInvalidValue;
@@ -705,7 +678,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
       UNIEP_SWITCH_SLOTS(k, kSlots, {
         combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
-            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead, dest_row,
+            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead,
             static_cast<T*>(out));
       });
     });

@@ -32,15 +32,12 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
 // push_lead > 0: each pushing block sorts its share of the rows by chunk once and streams
 // through them with no barrier between chunks, at most push_lead chunks ahead of the last chunk
 // it signalled (chunk by chunk when its share exceeds kMaxSortedListBytes); 0: it gathers and
-// pushes one chunk's rows at a time. dest_row ([T, k] int32, the pairs' rows on their
-// destinations) non-null: the rows of this rank's own tokens are not pushed, the reducers read
-// them from y at dest_row (y holds this rank's received rows in order); null: every row is
-// pushed, this rank's own into its own buffer. The bits are the same.
+// pushes one chunk's rows at a time. The bits are the same.
 cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, int push_lead, const int* dest_row, cudaStream_t stream);
+                                   int num_chunks, int push_lead, cudaStream_t stream);
 
 // As launch_combine_reduce, reading the row of (t, j) from this rank's combine buffer at
 // dest_row[t, j] + mirror_off[expert_idx[t, j]] (mirror_off [E] int32): the buffer the
