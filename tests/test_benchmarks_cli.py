@@ -8,7 +8,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script", ["bench_moe_layer.py"])
+@pytest.mark.parametrize("script", ["bench_moe_layer.py", "bench_host.py"])
 def test_help(script):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"], capture_output=True,
                          text=True, timeout=120)
@@ -34,3 +34,9 @@ def test_interleaved_timing_takes_turns_and_reports_errors():
     assert [v for n, v in calls if n == "a"] == [0, 1, 2, 3]
     assert len(res["a"]["all_ms"]) == 3 and res["a"]["median_ms"] >= 0
     assert res["bad"] == {"error": "ValueError: no such kernel"}
+
+
+def test_bench_host_refuses_no_steps():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_host.py"), "--steps", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--steps and --rounds must be at least 1" in out.stderr, out.stderr
