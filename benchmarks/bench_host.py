@@ -1,17 +1,18 @@
-"""Is the layer host-bound? Host time to issue a training step's layer work against the GPU's time.
+"""How far ahead of the GPU the host runs: the host's time to issue a layer's steps against the GPU's.
 
     torchrun --nproc_per_node 2 benchmarks/bench_host.py --shapes dsv2lite-like dsv3-like --backends megakernel
 
 The layers are those of ``bench_moe_layer.py`` (same shapes, weights and backends). Each round
 runs ``--steps`` forward(+backward) steps back to back, with no synchronisation between them, as
 a training loop does: gradients set to None, the forward, the backward. "host" is the time the
-host takes to return from the last step's calls (the layer's own host syncs included, so a host
-that waits for the GPU there shows it too); "done" is the time until the GPU has finished them as
-well. Per step, median over rounds, slowest rank. When the GPU finishes just after the host (done
-/ host near 1), the host is the limit: the GPU idles between the layer's kernels while the host
-issues them, and a faster kernel does not make the step faster. A GPU-bound layer finishes well
-after the host has issued everything (unless a host sync inside the layer makes the host wait:
-then "host" also grows to nearly "done", so compare with the GPU busy time a profiler shows).
+host takes to return from the last step's calls (time it waits inside the layer included);
+"done" is the time until the GPU has finished them as well. Per step, median over rounds,
+slowest rank. done - host is the queued work the host keeps ahead of the GPU. A layer without a
+host sync lets the host run far ahead when the GPU limits (done well above host). The megakernel
+backend reads the received row count on the host in each forward, so the host waits there every
+step and done stays near host whichever side limits: the number then says how little work is
+queued when the next layer starts, and only the GPU's busy time (from a profiler) tells whether
+the host or the GPU sets the pace.
 """
 import argparse
 import json
