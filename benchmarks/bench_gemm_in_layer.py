@@ -64,20 +64,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    import deepspeed
-    import deepspeed.comm as dist
-
     from ds_uniep import gemm
-    from ds_uniep.backend import megakernel_status
     from ds_uniep.experts import stack_experts
     from ds_uniep.hybrid.presets import PRESETS
 
-    deepspeed.init_distributed(dist_backend="nccl")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    ep, rank = dist.get_world_size(), dist.get_rank()
-    status = megakernel_status(torch.device("cuda", local_rank))
+    dist, ep, rank, status = layer_bench.init_ranks()
     if not status[0]:
         raise SystemExit(f"the megakernel cannot run here: {status[1]}")
     defaults = dict(gemm.DEFAULT_CONFIGS)

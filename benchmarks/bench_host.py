@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_moe_layer import BACKENDS, build_layers, experts_for  # noqa: E402
+from bench_moe_layer import BACKENDS, build_layers, experts_for, init_ranks  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -70,18 +70,9 @@ def streamed(layer, xs, g, mode, steps):
 
 def main(argv=None):
     args = parse_args(argv)
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    import deepspeed
-    import deepspeed.comm as dist
-
-    from ds_uniep.backend import megakernel_status
     from ds_uniep.hybrid.presets import PRESETS
 
-    deepspeed.init_distributed(dist_backend="nccl")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    ep, rank = dist.get_world_size(), dist.get_rank()
-    status = megakernel_status(torch.device("cuda", local_rank))
+    dist, ep, rank, status = init_ranks()
     results = {"ep": ep, "megakernel": list(status), "steps": args.steps, "rounds": args.rounds, "rows": []}
     for name in args.shapes:
         shape = PRESETS[name]

@@ -488,6 +488,20 @@ def print_autotune(auto):
                               f"{r['tune_wall_s']:.1f}"]))
 
 
+def init_ranks():
+    """Join the job's NCCL process group (DeepSpeed's launcher, torchrun or mpirun) on this rank's
+    GPU: ``(deepspeed.comm, ep = world size, rank, megakernel_status of the GPU)``."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import deepspeed
+    import deepspeed.comm as dist
+
+    from ds_uniep.backend import megakernel_status
+    deepspeed.init_distributed(dist_backend="nccl")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    return dist, dist.get_world_size(), dist.get_rank(), megakernel_status(torch.device("cuda", local_rank))
+
+
 def main(argv=None):
     args = parse_args(argv)
     for name in ("megakernel-pipelined", "megakernel-pipelined-sm"):
@@ -497,19 +511,9 @@ def main(argv=None):
             MEGAKERNEL_CONFIGS[name]["overlap"]["num_comm_sms"] = args.fused_comm_sms
     if args.pipeline_comm_sms:
         MEGAKERNEL_CONFIGS["megakernel-pipelined-sm"]["overlap"]["num_comm_sms"] = args.pipeline_comm_sms
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    import deepspeed
-    import deepspeed.comm as dist
-
-    from ds_uniep.backend import megakernel_status
     from ds_uniep.hybrid.presets import PRESETS
 
-    deepspeed.init_distributed(dist_backend="nccl")
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local_rank)
-    ep = dist.get_world_size()
-    rank = dist.get_rank()
-    status = megakernel_status(torch.device("cuda", local_rank))
+    dist, ep, rank, status = init_ranks()
     peer = peer_copy_gbps() if rank == 0 else None
     tflops = dense_gemm_tflops()
     rates = [None, None]

@@ -22,7 +22,8 @@ def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="tor
     from ds_uniep import GeLUExpert, SwiGLUExpert, UniEPMoE
     E = 4 * world_size
     torch.manual_seed(11)
-    layer = UniEPMoE(M, GeLUExpert(M, F) if gelu else SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
+    expert = GeLUExpert(M, F) if gelu else SwiGLUExpert(M, F)
+    layer = UniEPMoE(M, expert, num_experts=E, ep_size=world_size, k=k, min_capacity=0,
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                      config={"backend": backend, "max_tokens_per_rank": 4096, "deterministic": det,
                              "expert_gemm": expert_gemm,

@@ -10,9 +10,10 @@
 //                                                 gets dw[g] = 0
 // Segments (kFwd and kDgrad, `segs` set): group g is the run of rows [segs[4g], segs[4g] +
 // segs[4g+1]) of the row operand and the output (x and y; dy and dx), with w[segs[4g+2]] (w:
-// [weights, N, K]); runs may come in any order and `offs` is unused. Arrival waits (segments only, `ready` set): no operand tile of group g is
-// loaded before ready[segs[4g+3]] reaches `ready_epoch` (segs[4g+3] < 0: no wait), so the rows of
-// a run may still be arriving when the kernel starts; a wait that outlasts `timeout_ns` writes
+// [weights, N, K]); runs may come in any order and `offs` is unused.
+// Arrival waits (segments only, `ready` set): no operand tile of group g is loaded before
+// ready[segs[4g+3]] reaches `ready_epoch` (segs[4g+3] < 0: no wait), so the rows of a run may
+// still be arriving when the kernel starts; a wait that outlasts `timeout_ns` writes
 // the error record as the NVLink kernels' waits do (common.cuh) and the tile is computed anyway.
 // Second row operand (segments only, `a_alt` set): a segment whose weight index has kSegAltRows
 // set reads its x (dy) rows from `a_alt` instead, at row (first row - alt_row0); its rows stay
