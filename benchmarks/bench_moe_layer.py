@@ -27,6 +27,9 @@ Baselines and bounds are measured in the same run:
   false``): of the fused schedule only the epilogue combines (the second GEMM's forward, the first
   GEMM's dgrad); timed again alternately with megakernel (``--schedule-rounds``): what they gain over
   the sequential schedule;
+- megakernel-fused-interleaved: megakernel-fused in interleaved roles (``"roles": "interleaved"``): its
+  dispatch runs in a spare warp of each of the first expert GEMM's CTAs, so that GEMM has every SM; timed
+  again alternately with megakernel (``--schedule-rounds``): what it gains over the sequential schedule;
 - megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
@@ -73,7 +76,7 @@ from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
             "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
-            "megakernel-arrival", "megakernel-late-route", "autoep"]
+            "megakernel-fused-interleaved", "megakernel-arrival", "megakernel-late-route", "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -92,6 +95,9 @@ MEGAKERNEL_CONFIGS = {
     # epilogue combines (the second GEMM's forward, the first GEMM's dgrad)
     "megakernel-fused-epilogue": {"backend": "megakernel", "expert_gemm": "uniep",
                                   "overlap": {"schedule": "fused", "num_comm_sms": 20, "fused_dispatch": False}},
+    # megakernel-fused with its dispatch inside the first GEMM's CTAs (overlap.roles interleaved)
+    "megakernel-fused-interleaved": {"backend": "megakernel", "expert_gemm": "uniep",
+                                     "overlap": {"schedule": "fused", "roles": "interleaved"}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
     # megakernel-torch-gemm with its dispatch queued after the whole gate and the experts' stacking
     # (UniEPMoE.route_early = False), as before the dispatch was queued between them
@@ -135,7 +141,8 @@ def parse_args(argv=None):
     p.add_argument("--schedule-rounds", type=int, default=3,
                    help="alternating timings of each schedule comparison: megakernel-torch-gemm (sequential) "
                    "against megakernel-pipelined and megakernel-late-route, megakernel against megakernel-fused, "
-                   "megakernel-fused-epilogue and megakernel-pipelined-sm, megakernel-fused-push against "
+                   "megakernel-fused-epilogue, megakernel-fused-interleaved and megakernel-pipelined-sm, "
+                   "megakernel-fused-push against "
                    "megakernel-fused (medians; default 3)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
@@ -559,6 +566,7 @@ def main(argv=None):
                     ("megakernel", "megakernel-fused", "schedule_fused", args.schedule_rounds),
                     ("megakernel-fused-push", "megakernel-fused", "epilogue_combine", args.schedule_rounds),
                     ("megakernel", "megakernel-fused-epilogue", "epilogue_only", args.schedule_rounds),
+                    ("megakernel", "megakernel-fused-interleaved", "schedule_interleaved", args.schedule_rounds),
                     ("megakernel-late-route", "megakernel-torch-gemm", "route_early", args.schedule_rounds)):
                 pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
@@ -572,7 +580,7 @@ def main(argv=None):
                                     "cost": med[pair[0]] / med[pair[1]] - 1}
                     else:
                         row[key] = {"sequential_ms": times[pair[0]], "speedup": med[pair[0]] / med[pair[1]]}
-                        if key in ("schedule_fused", "epilogue_combine", "epilogue_only"):
+                        if key in ("schedule_fused", "epilogue_combine", "epilogue_only", "schedule_interleaved"):
                             row[key]["fused_ms"] = times[pair[1]]
                         elif key == "route_early":
                             row[key]["early_ms"] = times[pair[1]]
@@ -615,7 +623,7 @@ def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
     head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
-            "mk fused", "mk fused push", "mk fused epilogue", "autoep", "gemm alone",
+            "mk fused", "mk fused push", "mk fused epilogue", "mk fused interleaved", "autoep", "gemm alone",
             "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
@@ -623,14 +631,14 @@ def print_table(results):
         cells = [r["shape"], r["mode"]]
         for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
                   "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms",
-                  "megakernel-fused-epilogue_ms", "autoep_ms",
+                  "megakernel-fused-epilogue_ms", "megakernel-fused-interleaved_ms", "autoep_ms",
                   "gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
             cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
         if "autoep_why_not" in r:
             notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
         ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
                                "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms",
-                               "megakernel-fused-epilogue_ms")
+                               "megakernel-fused-epilogue_ms", "megakernel-fused-interleaved_ms")
                 if k in r]
         best = min(ours) if ours else None
         cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
@@ -641,7 +649,7 @@ def print_table(results):
         return "/".join(f"{x:.2f}" for x in v)
     # the alternating timings of two megakernel layers
     for key in ("determinism", "schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
-                "route_early"):
+                "schedule_interleaved", "route_early"):
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
@@ -661,9 +669,11 @@ def print_table(results):
                 what = (f"sequential dispatch + epilogue combines vs sequential (ds_uniep's "
                         f"GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x (sequential "
                         f"{times(d['sequential_ms'])} ms, epilogue {times(d['fused_ms'])} ms")
-            elif key == "schedule_fused":
-                what = (f"fused vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x "
-                        f"(sequential {times(d['sequential_ms'])} ms, fused {times(d['fused_ms'])} ms")
+            elif key in ("schedule_fused", "schedule_interleaved"):
+                roles = " (interleaved roles)" if key == "schedule_interleaved" else ""
+                what = (f"fused{roles} vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: "
+                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, fused "
+                        f"{times(d['fused_ms'])} ms")
             else:
                 gemm = "ds_uniep's GEMM, SM copies" if key == "schedule_sm" else "torch's GEMM, copy engines"
                 what = (f"pipelined ({d['num_chunks']} chunks; {gemm}) vs sequential, {r['shape']} {r['mode']}: "

@@ -49,8 +49,9 @@ class OverlapConfig(_Block):
         "the local experts in num_chunks chunks, each chunk's output rows copied back to their sources by the copy "
         "engines while the next chunk computes (and, in the backward, each chunk's input gradient while the "
         "others' backward runs); fused (megakernel backend, expert_gemm 'uniep', bf16): the dispatch stores the "
-        "rows one destination rank at a time from num_comm_sms SMs and signals each rank as soon as its rows are "
-        "there, while the first expert GEMM runs on the other SMs and starts each run of its tiles once the latest "
+        "rows one destination rank at a time from num_comm_sms SMs (roles 'interleaved': from a spare warp in each of "
+        "the first expert GEMM's CTAs) and signals each rank as soon as its rows are there, while the first expert "
+        "GEMM runs on the other SMs (interleaved: on every SM) and starts each run of its tiles once the latest "
         "source rank among the tile's rows has arrived, this rank's own rows first (fused_dispatch), and the "
         "second expert GEMM's epilogue stores each (expert, source) run of output rows straight into that "
         "source's combine buffer, where the source sums its tokens' rows in slot order (epilogue_combine); in "
@@ -66,8 +67,9 @@ class OverlapConfig(_Block):
                               "them one block per SM. Set, with the pipelined schedule and expert_gemm 'uniep', the "
                               "chunks' rows are copied back by SM stores from this many blocks while the GEMMs run "
                               "on the other SMs (unset, or with torch's GEMM: by the copy engines).")
-    fused_dispatch: bool = Field(True, description="The fused schedule's dispatch from num_comm_sms SMs beside the "
-                                 "first expert GEMM, whose tiles wait for their rows; false: the sequential "
+    fused_dispatch: bool = Field(True, description="The fused schedule's dispatch beside the first expert GEMM, "
+                                 "whose tiles wait for their rows (from num_comm_sms SMs, or with roles "
+                                 "'interleaved' from inside the GEMM's CTAs); false: the sequential "
                                  "schedule's dispatch (every SM), then that GEMM. Read by the fused schedule only.")
     epilogue_combine: bool = Field(True, description="The fused schedule's second expert GEMM stores its output rows "
                                    "straight into their sources' combine buffers (a last projection without bias), "
@@ -76,8 +78,11 @@ class OverlapConfig(_Block):
                                    "move them. Read by the fused schedule only.")
     roles: Literal["partitioned", "interleaved"] = Field(
         "partitioned",
-        description="partitioned: whole SMs communicate while others compute; interleaved: communication "
-        "warps run beside GEMM warpgroups inside one SM.")
+        description="Read by the fused schedule's dispatch (fused_dispatch). partitioned: it runs on num_comm_sms "
+        "whole SMs while the first expert GEMM runs on the others; interleaved: it runs in one spare warp of each "
+        "of that GEMM's CTAs (the producer warpgroup's auxiliary-load warp, beside the GEMM's warpgroups), so the "
+        "GEMM has every SM and num_comm_sms is not read there (this rank's own rows are stored first by every SM, "
+        "as with partitioned roles). The same bits either way.")
     tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256). Read by ds_uniep's GEMM (expert_gemm "
                         "'uniep') when the block sets tile_m or tile_n: every expert GEMM (forward, dgrad, wgrad) "
                         "then runs the tile_m x tile_n configuration it is built with (128x256, 256x128 or 128x128; "
@@ -210,9 +215,9 @@ class UniEPConfig(_Block):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
                                    "backend runs the sequential, pipelined or fused schedule and reads schedule, "
-                                   "num_chunks, num_comm_sms, fused_dispatch, epilogue_combine and timeout_s; no "
-                                   "schedule reads roles, stages or "
-                                   "signal_granularity yet; tile_m and tile_n reach ds_uniep's GEMM only).")
+                                   "num_chunks, num_comm_sms, fused_dispatch, epilogue_combine, roles (the fused "
+                                   "dispatch) and timeout_s; no schedule reads stages or signal_granularity yet; "
+                                   "tile_m and tile_n reach ds_uniep's GEMM only).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")

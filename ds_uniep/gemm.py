@@ -249,7 +249,8 @@ class ArrivalWaits:
     weights as the per-group offsets, so the bits are those of the plain forward (a row's result
     never depends on its tile). ``sm_count``: SMs of the waiting GEMM (the rest move the rows);
     ``done``: recorded when every row has arrived, joined into the current stream once the GEMM is
-    queued. ``result``: the GEMM's output, queued by the fused dispatch itself (see
+    queued. ``comm_job`` (interleaved roles): the dispatch job (``interleaved_job``'s bytes) that
+    a spare warp of each of the GEMM's CTAs runs beside its tiles; ``sm_count`` is then every SM. ``result``: the GEMM's output, queued by the fused dispatch itself (see
     ``NVLinkDispatcher.request_fused``); :func:`grouped_linear` adopts it. A wait past ``timeout_ns`` fills ``error_record`` (as the NVLink kernels' waits
     do) and sets ``poison``; the caller's check raises it."""
     segs: Tensor
@@ -264,6 +265,7 @@ class ArrivalWaits:
     sm_count: int
     done: Optional[torch.cuda.Event] = None
     result: Optional[Tensor] = None
+    comm_job: Optional[Tensor] = None
 
 
 FUSED_CONFIGS = tuple(tile + order for tile in CONFIGS for order in ("", ":n1"))
@@ -344,7 +346,8 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
         raise ValueError(f"grouped GEMM segments: a_alt must be [R', {a.shape[1]}] {a.dtype} standing for rows "
                          f"{alt_row0}.. of a's {a.shape[0]}, got {a_alt.dtype} {tuple(a_alt.shape)}")
     _ops().grouped_mm_segments(a, w, segs, out, tile, int(sms), raster_n, swizzle, *wait_args,
-                               None if a_alt is None else a_alt.contiguous(), int(alt_row0), out_ptrs, OPS[op])
+                               None if a_alt is None else a_alt.contiguous(), int(alt_row0), out_ptrs, OPS[op],
+                               None if waits is None else waits.comm_job)
     return None if out_ptrs is not None else out
 
 

@@ -594,8 +594,9 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
 
 
 _FUSED_KNOBS = ("roles", "tile_m", "tile_n", "stages", "signal_granularity")
-"""``uniep.overlap`` knobs meant for the fused schedule that it does not read yet: it runs
-partitioned roles and one signal per source rank; ``tile_m`` and ``tile_n`` are read by ds_uniep's
+"""``uniep.overlap`` knobs meant for the fused schedule: ``roles`` is read by its dispatch
+(``fused_dispatch``) only; ``stages`` and ``signal_granularity`` are read by nothing yet (it waits
+per run of tiles on one signal per source rank); ``tile_m`` and ``tile_n`` are read by ds_uniep's
 GEMM (``expert_gemm: "uniep"``) wherever it runs the experts, on any schedule."""
 _SAID_WAITING = set()
 _SAID_CANNOT = set()
@@ -616,13 +617,15 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
     knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
-    knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))]
+    knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))
+              and not (k == "roles" and fused_here and overlap.fused_dispatch)]
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
     if knobs and (said, backend) not in _SAID_WAITING:
         _SAID_WAITING.add((said, backend))
         logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
-                       + ("the sequential, pipelined or fused schedule, none of which reads roles, stages or signal "
-                          "granularity yet, and tile sizes only reach ds_uniep's GEMM (expert_gemm 'uniep')"
+                       + ("the sequential, pipelined or fused schedule, none of which reads stages or signal "
+                          "granularity yet, roles only reach the fused schedule's dispatch (fused_dispatch) and "
+                          "tile sizes only ds_uniep's GEMM (expert_gemm 'uniep')"
                           if backend == "megakernel" else
                           "the sequential schedule") + "; results are the same under every value. Said once for "
                        "every layer.")

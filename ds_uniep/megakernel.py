@@ -382,6 +382,11 @@ class NVLinkDispatcher:
         # The fused schedule: blocks of its dispatch (the GEMM takes the other SMs), its stream,
         # the next dispatch's request, and what the waiting GEMM of the last fused dispatch needs.
         self.fused_comm_blocks = config.overlap.num_comm_sms
+        #: interleaved roles (``overlap.roles``): the fused dispatch runs in a spare warp of each of
+        #: the waiting GEMM's CTAs, which then has every SM, instead of on fused_comm_blocks SMs
+        #: beside it; items of that job: tokens per send item, rows per take item
+        self.interleaved = config.overlap.roles == "interleaved"
+        self.interleaved_items = (16, 64)
         self._fused_stream = None
         self._round_sources = None
         self._fuse_next = False
@@ -503,7 +508,7 @@ class NVLinkDispatcher:
                 self._counts_host.copy_(counts_all, non_blocking=True)
             counted = torch.cuda.Event()
             counted.record()
-        seg_base = row_out = None
+        seg_base = row_out = side = None
         if self.ordering == "arrival":
             # Gates staged for combine's atomic weighting; every row of expert e from seg_base[e] on.
             self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
@@ -524,9 +529,26 @@ class NVLinkDispatcher:
             source_blocks = self.ext.fused_segments(counts_all, self.rank, 1)
             segs = self.ext.fused_segments(counts_all, self.rank, run_alignment(st["fused_gemm"]))
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
-            side = self._fused_side_stream()
-            side.wait_stream(torch.cuda.current_stream(self.device))
             G = self.ep_size
+            if self.interleaved:
+                # Interleaved roles: this rank's own rows on every SM, on this stream; the other
+                # rounds by the spare warps of the GEMM that _dispatch_collect queues (the job's
+                # tensors stay referenced in st until then), so nothing waits for SMs.
+                direct = self.direct_descriptor(True, e_counts)
+                self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor, direct,
+                                        e_disp, self.num_blocks, self.fused_dedup, source_blocks, self.direct.rows,
+                                        pairs_all, None, 0, 1, False, *self._wait_args())
+                waits = self._arrival_waits(segs, e_disp)
+                waits.comm_job = self.ext.interleaved_job(x, expert_idx, dest_row, self.num_experts,
+                                                          self.bufs.descriptor, direct, e_disp, self.fused_dedup,
+                                                          source_blocks, self.direct.rows, pairs_all,
+                                                          *self.interleaved_items, *self._wait_args())
+                st.update(pairs_all=pairs_all, waited=True, started=None, segs=segs, waits=waits,
+                          job=(x, expert_idx, dest_row, source_blocks, direct))
+            else:
+                side = self._fused_side_stream()
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(self.device))
             launches = [(0, G, self.fused_comm_blocks, True)] if G == 1 else [
                 (0, 1, self.num_blocks, False), (1, G, self.fused_comm_blocks, True)]
             started = self._started_dev if self._stream_waits else self._started_host
@@ -545,7 +567,7 @@ class NVLinkDispatcher:
             waited = bool(self._stream_waits) and bool(self.ext.stream_wait_word(self._started_dev, e_disp))
             st.update(pairs_all=pairs_all, waited=waited, started=started, segs=segs,
                       waits=self._arrival_waits(segs, e_disp))
-        else:
+        elif not fused:
             self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
                                    self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
                                    self.dedup)
@@ -569,6 +591,14 @@ class NVLinkDispatcher:
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         if fused:
             recv_pair = st["pairs_all"][:rows]
+            if "job" in st and rows == 0:
+                # Interleaved roles, but no rows here to compute beside: the rest of the dispatch
+                # (the sends to the other ranks) runs alone, on every SM.
+                jx, jidx, jrow, jblocks, direct = st["job"]
+                self.ext.dispatch_fused(jx, jidx, jrow, self.num_experts, self.bufs.descriptor, direct, e_disp,
+                                        self.num_blocks, self.fused_dedup, jblocks, self.direct.rows,
+                                        st["pairs_all"], None, 1, self.ep_size, True, *self._wait_args())
+                st["waits"].comm_job = None
             if not st["waited"]:
                 self._await_fused_start(e_disp, st["started"])
             # The first GEMM, queued now, before this returns to the caller: its tiles start on
@@ -651,9 +681,10 @@ class NVLinkDispatcher:
         return self._fused_stream
 
     def _fused_gemm_sms(self) -> int:
-        """SMs of the fused schedule's waiting GEMM: the rest of the GPU, even (2-CTA clusters)."""
+        """SMs of the fused schedule's waiting GEMM: the rest of the GPU, even (2-CTA clusters);
+        with interleaved roles all of it."""
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(2, (sms - self.fused_comm_blocks) // 2 * 2)
+        return max(2, (sms - (0 if self.interleaved else self.fused_comm_blocks)) // 2 * 2)
 
     def _arrival_waits(self, segs: Tensor, epoch: int):
         from .gemm import ArrivalWaits

@@ -184,6 +184,25 @@ def test_fused_schedule_and_its_unread_knobs_are_named_off_the_megakernel():
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][0], outs[2][0])
 
 
+def test_roles_are_named_unless_the_fused_dispatch_reads_them():
+    """``roles`` is read by the megakernel's fused dispatch only: set anywhere else it is named."""
+    from ds_uniep import layer as layer_module
+    from ds_uniep.config import UniEPConfig
+    counts = []
+    for overlap, backend in (({"schedule": "fused", "roles": "interleaved"}, "megakernel"),
+                             ({"schedule": "sequential", "roles": "interleaved"}, "megakernel"),
+                             ({"schedule": "fused", "fused_dispatch": False, "roles": "interleaved"}, "megakernel"),
+                             ({"schedule": "fused", "roles": "interleaved"}, "reference")):
+        layer_module._SAID_WAITING.clear()
+        with _logged() as records:
+            layer_module._say_overlap_knobs_wait(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend,
+                                                 "layer 0")
+        said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
+        assert all("roles='interleaved'" in m for m in said), said
+        counts.append(len(said))
+    assert counts == [0, 1, 1, 1], counts
+
+
 def test_the_hosts_wait_for_the_fused_dispatch_start_compares_epochs_cyclically():
     """Where the driver offers no stream memory wait the host polls the word the fused dispatch's
     blocks raise: it returns once the word reaches the epoch (across the 32-bit wrap) and raises

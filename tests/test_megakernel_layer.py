@@ -202,19 +202,24 @@ def _compare_fused(rank, world_size):
         # 20 twice: run to run, the second time with the dispatch queued after the whole gate
         # (the third one with the second GEMM's outputs pushed back by the combine kernel instead of
         # stored into the sources' combine buffers by the GEMM's epilogue; the last one with the
-        # sequential dispatch and only the epilogue combine)
-        for sms, early, epilogue, fused_dispatch in ((20, True, True, True), (8, True, True, True),
-                                                     (20, False, False, True), (8, True, True, False)):
+        # sequential dispatch and only the epilogue combine; the last two with the dispatch in the
+        # first GEMM's CTAs (interleaved roles), with and without the epilogue combine. At k = 1 with
+        # every token on one expert, a rank receives no rows: its interleaved dispatch runs alone)
+        for sms, early, epilogue, fused_dispatch, roles in (
+                (20, True, True, True, "partitioned"), (8, True, True, True, "partitioned"),
+                (20, False, False, True, "partitioned"), (8, True, True, False, "partitioned"),
+                (20, True, True, True, "interleaved"), (20, False, False, True, "interleaved")):
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": sms, "epilogue_combine": epilogue,
-                                   "fused_dispatch": fused_dispatch})
+                                   "fused_dispatch": fused_dispatch, "roles": roles})
             layer.route_early = early
             where = (f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}, fused "
-                     f"dispatch {fused_dispatch}")
+                     f"dispatch {fused_dispatch}, roles {roles}")
             _check_same(layer, rank, cases, want, where)
             disp = next(iter(layer._dispatchers.values()))
             stats = disp.fused_stats
             assert stats == {"fused": len(cases) if fused_dispatch else 0, "sequential": 0}, f"{where}: {stats}"
+            assert disp.interleaved == (roles == "interleaved"), where
             begun = disp.early_dispatches
             assert begun == (len(cases) if early and k > 1 else 0), f"{where}: {begun} queued early"
             landed = disp.combine_stats["landed"], disp.combine_stats["landed_dgrad"]
@@ -270,7 +275,7 @@ def _compare_fused(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_schedule_is_bitwise_the_sequential_one(world_size):
     """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens, all tokens to one
-    expert, 8 and 20 communication SMs; every forward ran fused."""
+    expert, 8 and 20 communication SMs and interleaved roles; every forward ran fused."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare_fused, world_size, backend="nccl")

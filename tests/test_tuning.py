@@ -105,9 +105,9 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     shape = preset_shape("mixtral-like", 4)
     design = Space(shape, h200, 4)
     mk = design.for_backend("megakernel")
-    assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("schedule", "num_chunks", "num_comm_sms",
+    assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("schedule", "num_chunks", "num_comm_sms", "roles",
                                                                "dispatch_dtype", "fused_dispatch", "epilogue_combine")
-    assert mk.fixed_knobs() == dict(roles="partitioned", tile_m=64, tile_n=64, stages=2, signal_granularity="tile")
+    assert mk.fixed_knobs() == dict(tile_m=64, tile_n=64, stages=2, signal_granularity="tile")
     plans = mk.enumerate()
     seq = [p for p in plans if p.schedule == "sequential"]
     pipe = [p for p in plans if p.schedule == "pipelined"]
@@ -119,8 +119,11 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
                                                                      (8, 16, 24, 32, 48, 64, 80, 96)]
     assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1)
                == mk.baseline() for p in plans)
-    assert mk.baseline() in plans and len(mk.table()) == 2 * (9 + 2 * 9)  # the FP8 plans are rejected ...
-    assert all("numerics change not allowed" in r or "SM budget" in r for _, r in mk.table() if r)
+    # the FP8 plans are rejected, and interleaved roles outside the fused schedule ...
+    assert mk.baseline() in plans and len(mk.table()) == 2 * 2 * (9 + 2 * 9)
+    assert all(p.roles == "partitioned" for p in plans)
+    assert all("numerics change not allowed" in r or "SM budget" in r or "interleaved roles need the fused" in r
+               for _, r in mk.table() if r)
     allowed = Space(shape, h200, 4, allow_numerics_change=True, backend="megakernel")
     assert len(allowed.enumerate()) == 2 * len(plans)  # ... unless numerics may change
     # Capped by the GPU's SM count; FP8 rows need M divisible by 128 on the megakernel only.
@@ -143,11 +146,16 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     # num_comm_sms SMs beside the first GEMM, which keeps at least half of them; activation rows only.
     own = Space(shape, h200, 4, backend="megakernel", expert_gemm="uniep", allow_numerics_change=True)
     # Its two overlaps are knobs too: with the fused dispatch, every SM count with and without the
-    # epilogue combine; without it (num_comm_sms then unread, normalised to 20) the epilogue combine
-    # alone; never neither (that is the sequential schedule).
+    # epilogue combine in partitioned roles, and interleaved roles (num_comm_sms unread, normalised to
+    # 20); without it (num_comm_sms unread again) the epilogue combine alone; never neither (that is
+    # the sequential schedule).
     fused = [p for p in own.enumerate() if p.schedule == "fused"]
-    assert sorted((p.fused_dispatch, p.epilogue_combine, p.num_comm_sms) for p in fused) == [
-        (False, True, 20)] + [(True, e, n) for e in (False, True) for n in (8, 16, 24, 32, 48, 64)]
+    assert sorted((p.fused_dispatch, p.epilogue_combine, p.roles, p.num_comm_sms) for p in fused) == [
+        (False, True, "partitioned", 20)] + [
+        (True, e, r, n) for e in (False, True) for r, ns in (("interleaved", (20, )),
+                                                             ("partitioned", (8, 16, 24, 32, 48, 64))) for n in ns]
+    assert Plan(schedule="fused", roles="interleaved", num_comm_sms=8) == Plan(schedule="fused", roles="interleaved")
+    assert not own.comm_shares_sms(Plan(schedule="fused", roles="interleaved"))
     assert all(p.dispatch_dtype == "activation" for p in fused)
     assert "neither its dispatch nor its combine" in own.check(Plan(schedule="fused", fused_dispatch=False,
                                                                     epilogue_combine=False))
@@ -160,6 +168,8 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     assert "the fused schedule moves activation rows" in own.check(fused[0].replace(dispatch_dtype="fp8_e4m3"))
     assert own.project(Plan(schedule="fused", num_comm_sms=20, tile_m=256)) == own.baseline().replace(
         schedule="fused", num_comm_sms=20)
+    # A fused plan in interleaved roles where the fused schedule is not built runs the sequential one.
+    assert mk.project(Plan(schedule="fused", roles="interleaved")) == mk.baseline().replace(num_comm_sms=20)
     assert "needs ds_uniep's grouped GEMM" in mk.check(mk.baseline().replace(schedule="fused"))
     fp16 = Space(dataclasses.replace(shape, dtype="fp16"), h200, 4, backend="megakernel", expert_gemm="uniep")
     assert "fused" not in {p.schedule for p in fp16.enumerate()}
@@ -409,12 +419,12 @@ def test_cli_space_only_writes_the_plot(tmp_path):
              "--top", "3")
     assert p.returncode == 0, p.stderr
     assert "only enumerating and validating the space; no plan is timed" in p.stdout
-    assert "1950 valid" in p.stdout and "shared memory over the limit" in p.stdout
+    assert "1410 valid" in p.stdout and "shared memory over the limit" in p.stdout
     assert "NOT measured" in p.stdout
     png = tmp_path / "o" / "tune-dsv2lite-like-ep4-space.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "o" / "tune-dsv2lite-like-ep4-space.json").read_text())
-    assert data["measured"] is False and len(data["plans"]) == 5904
+    assert data["measured"] is False and len(data["plans"]) == 4608
 
 
 def test_cli_reference_backend_says_the_knobs_do_not_matter(tmp_path):

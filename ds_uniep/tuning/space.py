@@ -26,9 +26,10 @@ Two kinds of space:
   under the fused schedule the SMs its dispatch keeps beside the first GEMM),
   ``fused_dispatch`` and ``epilogue_combine`` (the fused schedule's two overlaps:
   its dispatch beside the first GEMM, the combines in the second GEMM's epilogue and
-  the first GEMM's dgrad epilogue) and
-  ``dispatch_dtype``; ``roles``, ``stages`` and ``signal_granularity`` are read
-  by nothing yet (the fused schedule waits per run of tiles); ``tile_m`` and
+  the first GEMM's dgrad epilogue), ``roles`` (where the fused dispatch runs:
+  on ``num_comm_sms`` whole SMs, or interleaved in a spare warp of each of the
+  GEMM's CTAs) and ``dispatch_dtype``; ``stages`` and ``signal_granularity`` are
+  read by nothing yet (the fused schedule waits per run of tiles); ``tile_m`` and
   ``tile_n``, set in the block, pick ds_uniep's GEMM tile (``expert_gemm:
   "uniep"``), which the tuner keeps as configured rather than walks (left unset,
   the GEMM picks its tiles itself; :meth:`Plan.apply` keeps them unset).
@@ -83,15 +84,16 @@ COMM_SMS_VALUES = (8, 16, 24, 32, 48, 64, 80, 96, 132)
 """``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
 
 ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
-    "megakernel": ("schedule", "num_chunks", "num_comm_sms", "dispatch_dtype", "fused_dispatch", "epilogue_combine"),
+    "megakernel": ("schedule", "num_chunks", "num_comm_sms", "roles", "dispatch_dtype", "fused_dispatch",
+                   "epilogue_combine"),
     "reference": ("dispatch_dtype",),
 }
 """The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
 fixes the others at the sequential baseline's values: the megakernel runs the sequential, the
 pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
 schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
-with ``num_comm_sms`` blocks and moves rows in ``dispatch_dtype``; the stage, role and signal knobs
-are read by nothing yet, and the tile knobs only by ds_uniep's GEMM, as configured (not walked)."""
+with ``num_comm_sms`` blocks (its fused dispatch in partitioned roles; interleaved, inside the first
+GEMM's CTAs) and moves rows in ``dispatch_dtype``; the stage and signal knobs are read by nothing yet, and the tile knobs only by ds_uniep's GEMM, as configured (not walked)."""
 
 BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
 """The schedules the megakernel runs. A backend space walks the fused one only for layers it can run
@@ -118,7 +120,8 @@ class Plan:
     signals); ``fused_dispatch`` and ``epilogue_combine`` are True unless
     ``schedule == "fused"``; and without the fused dispatch, which alone keeps
     ``num_comm_sms`` SMs, the fused schedule's ``num_comm_sms`` is 20 and its
-    roles are partitioned. ``overlap.timeout_s`` is not a knob: it is kept from
+    roles are partitioned (with it in interleaved roles, which keep no SMs,
+    ``num_comm_sms`` is 20 too). ``overlap.timeout_s`` is not a knob: it is kept from
     the user's config by :meth:`to_overlap_config`.
     """
 
@@ -158,6 +161,8 @@ class Plan:
         if self.schedule == "fused" and not self.fused_dispatch:
             object.__setattr__(self, "num_comm_sms", 20)
             object.__setattr__(self, "roles", "partitioned")
+        if self.schedule == "fused" and self.roles == "interleaved":
+            object.__setattr__(self, "num_comm_sms", 20)
 
     # ------------------------------------------------------------------ forms
     def to_dict(self) -> Dict[str, Any]:
@@ -382,6 +387,7 @@ class Space:
         if self.backend is not None and "schedule" in ACTING_KNOBS[self.backend] and \
                 plan.schedule not in self.built_schedules():
             fixed["schedule"] = "sequential"
+            fixed["roles"] = "partitioned"  # what the sequential schedule runs
         return plan.replace(**fixed) if fixed else plan
 
     def built_schedules(self) -> Tuple[str, ...]:
@@ -394,7 +400,7 @@ class Space:
     def _backend_values(self) -> Dict[str, Tuple[Any, ...]]:
         walked = {"schedule": self.built_schedules(), "num_chunks": BACKEND_CHUNKS,
                   "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES,
-                  "fused_dispatch": (True, False), "epilogue_combine": (True, False)}
+                  "fused_dispatch": (True, False), "epilogue_combine": (True, False), "roles": ROLES}
         out = {k: (v,) for k, v in self.fixed_knobs().items()}
         out.update({k: walked[k] for k in ACTING_KNOBS[self.backend]})
         return {k: out[k] for k in DEFAULT_VALUES}

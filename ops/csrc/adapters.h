@@ -40,6 +40,16 @@ void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, con
                     torch::Tensor& recv_pair, const c10::optional<torch::Tensor>& started, int64_t send_begin,
                     int64_t send_end, bool take, int64_t timeout_ns, const torch::Tensor& error_record,
                     int64_t layer_id);
+// The fused schedule's dispatch with interleaved roles: the job (InterleavedDispatch in
+// types.h, as bytes in a CPU uint8 tensor) that grouped_mm_segments' comm_job hands to the
+// GEMM's spare warps. The same arguments and checks as dispatch_fused (bf16 rows); the tensors
+// must live until the GEMM has run. Round 0 (this rank's own rows) is dispatch_fused's, first.
+torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
+                              int64_t num_experts, const std::vector<int64_t>& sym,
+                              const std::vector<int64_t>& direct, int64_t epoch, bool dedup, const torch::Tensor& segs,
+                              torch::Tensor& out, torch::Tensor& recv_pair, int64_t tokens_per_item,
+                              int64_t rows_per_item, int64_t timeout_ns, const torch::Tensor& error_record,
+                              int64_t layer_id);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
 // reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
 // dedup: after a deduplicated dispatch (copies each row its token's first row on this rank).
@@ -143,13 +153,15 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
 // left untouched. With `a_alt` (bf16, a's columns): segments whose weight index has bit 30 set read
 // their rows from a_alt at (first row - alt_row0) instead of from a. With `seg_out` ([G] int64,
 // on a's device): group g's rows go to address seg_out[g] (rows back to back, a peer's
-// symmetric memory allowed) and out is neither checked nor written.
+// symmetric memory allowed) and out is neither checked nor written. With `comm_job` (fwd with
+// waits; interleaved_job's bytes): the GEMM's spare warps run that dispatch (kFwdInterleaved).
 void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& segs, torch::Tensor& out,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
                          int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
-                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out, int64_t op);
+                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out, int64_t op,
+                         const c10::optional<torch::Tensor>& comm_job);
 std::string grouped_mm_config_name(int64_t config);
 
 }  // namespace uniep

@@ -9,6 +9,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dispatch_rows", &uniep::dispatch_rows, "store every kept row into its destination's receive buffer");
   m.def("dispatch_fused", &uniep::dispatch_fused,
         "the fused schedule's dispatch: rows one destination at a time, arrivals taken source by source");
+  m.def("interleaved_job", &uniep::interleaved_job,
+        "the fused dispatch's job for the waiting GEMM's spare warps (interleaved roles), as bytes");
   m.def("recv_copyout", &uniep::recv_copyout, "wait for all rows, copy them (and their source pairs) out");
   // combine: rows back to their sources, reduced in slot order
   m.def("combine_push", &uniep::combine_push, "store every received row back at its source pair");

@@ -18,7 +18,8 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //            [kMaxCombineChunks][kMaxRanks] uint32 and local counters [kMaxCombineChunks] uint32
 //   status   [32] uint32               local only: [0] poisoned flag, [1..3] done counters, [4..12) the
 //                                      fused dispatch's send rounds' counters, [12..20) its arrival
-//                                      rounds' counters, [20] its start counter
+//                                      rounds' counters, [20] its start counter, [21] the
+//                                      interleaved dispatch's item counter
 //   meta     [R_max] int32             source pair of each received row: src * pairs_per_rank + t * k + j
 //   dup      [R_max] int32             deduplicated dispatch: the row already holding the same token
 //            (its first slot on this rank), or -1 when the row itself was stored
@@ -89,5 +90,37 @@ struct WaitPolicy {
   int64_t* error_record;  // host-mapped pinned, kErrorRecordWords words
   int layer_id;
 };
+
+// The fused schedule's dispatch with interleaved roles: the waiting GEMM's own SMs move the rows.
+// One spare warp of each GEMM CTA's producer warpgroup (CUTLASS's auxiliary-load warp) claims
+// items of this job one at a time from a counter (status word kInterleavedClaimWord, zeroed
+// before the GEMM starts): first every send item, (round r >= 1, a chunk of tokens_per_item
+// tokens) storing the rows bound for rank + r, then every take item, (round r, a chunk of
+// rows_per_item of source rank - r's rows here) writing their source pairs and deduplicated
+// copies as FusedArrive's take does. The last item of a send round raises kPhaseDispatch on its
+// destination, the last of a take round kPhaseArrived here for its source, so the GEMM's tiles
+// wait on the same words as with partitioned roles. Round 0 (this rank's own rows) is stored by a
+// launch_dispatch before the GEMM. Claiming in order means every send is claimed before any take
+// waits, and items are not tied to CTAs, so no CTA waits on another that may not be running.
+struct InterleavedDispatch {
+  const void* x;           // [T, M] bf16
+  const int* expert_idx;   // [T, k]
+  const int* dest_row;     // [T, k]
+  int num_tokens;
+  int k;
+  int hidden;
+  int experts_per_rank;
+  int dedup;
+  int tokens_per_item;
+  int rows_per_item;
+  uint32_t epoch;          // the dispatch's epoch (kPhaseDispatch and kPhaseArrived)
+  SymView s;
+  DirectView dv;
+  FusedArrive f;           // segs, out, recv_pair (started, send_begin, send_end, take unused)
+  WaitPolicy w;
+};
+
+// Status word of the interleaved dispatch's item counter (see InterleavedDispatch).
+constexpr int kInterleavedClaimWord = 21;
 
 }  // namespace uniep

@@ -1,4 +1,6 @@
 // Grouped GEMM family: tensor checks, output allocation, device guard and stream.
+#include <cstring>
+
 #include "../adapters.h"
 #include "../host_utils.h"
 #include "grouped_gemm.cuh"
@@ -86,7 +88,8 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,
                          const c10::optional<torch::Tensor>& error_record, const c10::optional<torch::Tensor>& poison,
                          int64_t layer_id, int64_t rank, int64_t phase, const c10::optional<torch::Tensor>& a_alt,
-                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out, int64_t op) {
+                         int64_t alt_row0, const c10::optional<torch::Tensor>& seg_out, int64_t op,
+                         const c10::optional<torch::Tensor>& comm_job) {
   check_call("grouped_mm_segments", a, w, segs, config, raster_n, swizzle);
   TORCH_CHECK(op == gemm::kFwd || op == gemm::kDgrad, "grouped_mm_segments: op ", op,
               " is not 0 (fwd) or 1 (dgrad)");
@@ -143,6 +146,19 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
     if (a_alt->numel() > 0) args.a_alt = a_alt->data_ptr();
     args.alt_row0 = alt_row0;
   }
+  int run_op = static_cast<int>(op);
+  if (comm_job.has_value()) {
+    TORCH_CHECK(fwd && ready.has_value(), "grouped_mm_segments: the interleaved dispatch runs beside a forward "
+                "that waits for its rows (ready)");
+    TORCH_CHECK(!comm_job->is_cuda() && comm_job->scalar_type() == torch::kUInt8 && comm_job->is_contiguous() &&
+                    comm_job->numel() == static_cast<int64_t>(sizeof(InterleavedDispatch)),
+                "grouped_mm_segments: comm_job must be interleaved_job's bytes");
+    std::memcpy(&args.comm, comm_job->data_ptr(), sizeof(InterleavedDispatch));
+    run_op = gemm::kFwdInterleaved;
+  }
+  // No rows here: nothing to compute, but an interleaved dispatch still has rows to send.
+  TORCH_CHECK(a.size(0) > 0 || !comm_job.has_value(), "grouped_mm_segments: the interleaved dispatch needs rows "
+              "to compute beside (run the dispatch alone when none were received)");
   if (a.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(a.device());
   args.a = a.data_ptr();
@@ -159,7 +175,7 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
   args.raster_n = static_cast<int>(raster_n);
   args.swizzle = static_cast<int>(swizzle);
   int status = 0;
-  const cudaError_t err = gemm::grouped_gemm(static_cast<int>(op), static_cast<int>(config), args,
+  const cudaError_t err = gemm::grouped_gemm(run_op, static_cast<int>(config), args,
                                              c10::cuda::getCurrentCUDAStream(), &status);
   TORCH_CHECK(err == cudaSuccess, "grouped_mm_segments (", fwd ? "fwd" : "dgrad", ", config ",
               gemm::config_name(static_cast<int>(config)), ", G=", segs.size(0), " N=", w.size(1), " K=", w.size(2), ") failed: ", cudaGetErrorString(err),

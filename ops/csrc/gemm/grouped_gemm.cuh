@@ -24,6 +24,9 @@
 // `d`; an address may be a peer's symmetric memory (the MoE layer's second expert GEMM stores
 // each (expert, source) run of rows straight into that source's combine buffer, and in the
 // backward the first GEMM's dgrad stores the input gradient's rows there).
+// Interleaved dispatch (kFwdInterleaved: kFwd over segments with arrival waits, `comm` set):
+// one spare warp of every CTA's producer warpgroup runs the fused dispatch's job (moves the rows
+// the tiles wait for; InterleavedDispatch in types.h) beside the tiles, so the GEMM has every SM.
 // No split-K or stream-K: each output tile is computed by one CTA with a fixed k order
 // (k16 wgmma steps in increasing k), so a row's result never depends on the tile shape, the
 // raster order or how many SMs run the kernel. Tests check this bit for bit.
@@ -34,6 +37,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../types.h"
+
 namespace uniep {
 namespace gemm {
 
@@ -41,6 +46,8 @@ namespace gemm {
 constexpr int32_t kSegAltRows = 1 << 30;
 
 enum GemmOp : int { kFwd = 0, kDgrad = 1, kWgrad = 2, kNumOps = 3 };
+// kFwd with the interleaved dispatch's warps (built for every configuration, not an op of its own).
+constexpr int kFwdInterleaved = 3;
 
 // Tile configurations; every op is built with each. Names are reported by config_name().
 enum GemmConfig : int {
@@ -76,6 +83,8 @@ struct GroupedGemmArgs {
   int layer_id = 0;
   int rank = 0;
   int phase = 0;                      // recorded as the phase waited for
+  // kFwdInterleaved only: the dispatch job its spare warps run (copied into the workspace).
+  InterleavedDispatch comm{};
 };
 
 // What the waiting tiles read, written once per launch into the kernel's workspace.
@@ -101,7 +110,7 @@ cudaError_t grouped_gemm(int op, int config, const GroupedGemmArgs& args, cudaSt
 const char* config_name(int config);
 
 // One (op, config) pair, defined in grouped_gemm_impl.cuh and instantiated in its own
-// translation unit (grouped_gemm_<op>_<config>.cu), so the nine kernels build in parallel.
+// translation unit (grouped_gemm_<op>_<config>.cu), so the twelve kernels build in parallel.
 template <int Op, int Config>
 struct Instance {
   static cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream, int* cutlass_status);

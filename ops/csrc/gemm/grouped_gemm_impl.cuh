@@ -2,11 +2,14 @@
 // the device offsets (or segments) into per-group problem shapes, pointers and strides (no host
 // sync), then the ptr-array grouped kernel runs with device-side problem shapes. Its mainloop is
 // CUTLASS's, extended by one step: before a group's first operand load, the producer warp waits
-// for that group's arrival word (when it has one).
+// for that group's arrival word (when it has one). kFwdInterleaved adds a second: CUTLASS's
+// auxiliary-load warp (a spare warp of the producer warpgroup, present when the mainloop's
+// dispatch policy asks for it) runs the interleaved dispatch's job (dispatch/interleaved.cuh).
 #pragma once
 
 #include "grouped_gemm.cuh"
 #include "../common.cuh"
+#include "../dispatch/interleaved.cuh"
 
 #include <map>
 #include <memory>
@@ -38,6 +41,7 @@ using ColumnMajor = cutlass::layout::ColumnMajor;
 // contiguous. See grouped_gemm.cuh for what A, B and D are per op.
 template <int Op> struct OpLayouts;
 template <> struct OpLayouts<kFwd> { using A = RowMajor; using B = ColumnMajor; };    // x, w[g] (K contiguous)
+template <> struct OpLayouts<kFwdInterleaved> : OpLayouts<kFwd> {};
 template <> struct OpLayouts<kDgrad> { using A = RowMajor; using B = RowMajor; };     // dy, w[g] (N contiguous)
 template <> struct OpLayouts<kWgrad> { using A = ColumnMajor; using B = RowMajor; };  // dy^T, x (M, N contiguous)
 
@@ -84,29 +88,66 @@ __device__ inline void wait_arrival(const uint32_t* word, const WaitControl& c) 
              c.layer_id);
 }
 
+// A mainloop dispatch policy that asks the kernel for its auxiliary-load warp (see below).
+template <class Policy>
+struct AuxWarpPolicy : Policy {};
+
+}  // namespace detail
+}  // namespace gemm
+}  // namespace uniep
+
+template <class Policy>
+struct cutlass::gemm::kernel::detail::HasAuxiliaryLoad<uniep::gemm::detail::AuxWarpPolicy<Policy>>
+    : cute::true_type {};
+
+namespace uniep {
+namespace gemm {
+namespace detail {
+
+// The warp of the producer warpgroup (warpgroup 0 in both kernels) that CUTLASS names
+// MainloopAux: it walks the same tiles as the load warp, calling load_auxiliary for each.
+__device__ __forceinline__ bool aux_warp() { return threadIdx.x / 32 == 1; }
+
 // CUTLASS's ptr-array mainloop plus arrival waits. The kernel calls tensors_perform_update in
 // the producer warp whenever the group changes, before any TMA load of the new group: the wait
 // goes there. Lane 0 spins, the warp then fences the generic proxy (where the acquire saw the
 // rows' release) against the async proxy that the TMA loads read through.
-template <class Base>
+// With kInterleaved, the dispatch policy also asks for the auxiliary-load warp, which runs the
+// interleaved dispatch's job once, on its first tile, and skips the waits (it moves the rows
+// they wait for).
+template <class Base, bool kInterleaved = false>
 struct WaitingMainloop : Base {
+  using DispatchPolicy = cute::conditional_t<kInterleaved, AuxWarpPolicy<typename Base::DispatchPolicy>,
+                                             typename Base::DispatchPolicy>;
   struct Arguments : Base::Arguments {
     const uint32_t* const* ready;  // [groups]: the word each group waits for, or null
     const WaitControl* control;
+    const InterleavedDispatch* comm;  // kInterleaved: the job (in the workspace)
   };
   struct Params : Base::Params {
     const uint32_t* const* ready;
     const WaitControl* control;
+    const InterleavedDispatch* comm;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape problem_shapes, Arguments const& args, void* workspace) {
-    return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), args.ready, args.control};
+    return Params{Base::to_underlying_arguments(problem_shapes, args, workspace), args.ready, args.control,
+                  args.comm};
+  }
+
+  template <class... Rest>
+  CUTLASS_DEVICE void load_auxiliary(Params const& params, Rest&&...) {
+    if constexpr (kInterleaved) {
+      if (!job_done_ && params.comm != nullptr) interleaved::run(*params.comm);
+      job_done_ = true;
+    }
   }
 
   template <class InputTensors, class ProblemShape_MNKL>
   CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& params,
                                                      ProblemShape_MNKL problem_shape_mnkl, int32_t next_batch) {
+    if (kInterleaved && aux_warp()) return input_tensors;  // it loads nothing
     if (params.ready != nullptr) {
       const uint32_t* word = params.ready[next_batch];
       if (word != nullptr) {
@@ -117,6 +158,8 @@ struct WaitingMainloop : Base {
     }
     return Base::tensors_perform_update(input_tensors, params, problem_shape_mnkl, next_batch);
   }
+
+  bool job_done_ = false;
 };
 
 template <int Op, int Config>
@@ -135,7 +178,7 @@ struct Kernel {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Traits::Mainloop>::CollectiveOp;
-  using CollectiveMainloop = WaitingMainloop<BaseMainloop>;
+  using CollectiveMainloop = WaitingMainloop<BaseMainloop, Op == kFwdInterleaved>;
   using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
@@ -155,13 +198,14 @@ struct ArgArrays {
   typename K::StrideD* sd;
   const uint32_t** ready;
   WaitControl* control;
+  InterleavedDispatch* comm;
 
   static size_t align(size_t bytes) { return (bytes + 255) & ~size_t(255); }
   static size_t bytes(int groups) {
     const size_t g = static_cast<size_t>(groups);
     return align(g * sizeof(Shape3)) + 3 * align(g * sizeof(void*)) + align(g * sizeof(typename K::StrideA)) +
            align(g * sizeof(typename K::StrideB)) + align(g * sizeof(typename K::StrideD)) +
-           align(g * sizeof(void*)) + align(sizeof(WaitControl));
+           align(g * sizeof(void*)) + align(sizeof(WaitControl)) + align(sizeof(InterleavedDispatch));
   }
   static ArgArrays carve(char* p, int groups) {
     const size_t g = static_cast<size_t>(groups);
@@ -183,20 +227,28 @@ struct ArgArrays {
     r.ready = reinterpret_cast<const uint32_t**>(p);
     p += align(g * sizeof(void*));
     r.control = reinterpret_cast<WaitControl*>(p);
+    p += align(sizeof(WaitControl));
+    r.comm = reinterpret_cast<InterleavedDispatch*>(p);
     return r;
   }
 };
 
 // One thread per group: its problem shape and operand pointers from the row offsets (or its
 // segment), and its arrival word. Every operand is packed, so the strides are the same for all
-// groups and come in by value.
+// groups and come in by value. kFwdInterleaved: thread 0 also writes the dispatch's job and
+// zeroes its item counter (the GEMM runs after this kernel, on the same stream).
 template <int Op, class K>
 __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename K::StrideA sa,
                                typename K::StrideB sb, typename K::StrideD sd) {
   const int g = blockIdx.x * blockDim.x + threadIdx.x;
-  if (g == 0)
+  if (g == 0) {
     *out.control = WaitControl{args.ready,    args.ready_epoch, args.timeout_ns, args.error_record,
                                args.poison,   args.layer_id,    args.rank,       args.phase};
+    if (Op == kFwdInterleaved) {
+      *out.comm = args.comm;
+      status_words(args.comm.s)[kInterleavedClaimWord] = 0;
+    }
+  }
   if (g >= args.groups) return;
   const bool seg = Op != kWgrad && args.segs != nullptr;
   const int32_t* sg = seg ? args.segs + 4 * g : nullptr;
@@ -209,7 +261,7 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
   const Bf16* a = static_cast<const Bf16*>(alt ? args.a_alt : args.a);
   const Bf16* b = static_cast<const Bf16*>(args.b);
   Bf16* d = static_cast<Bf16*>(args.d);
-  if (Op == kFwd) {
+  if (Op == kFwd || Op == kFwdInterleaved) {
     out.shapes[g] = Shape3{rows, args.n, args.k};
     out.a[g] = a + (alt ? start - args.alt_row0 : start) * k;
     out.b[g] = b + wi * n * k;
@@ -257,7 +309,7 @@ typename K::Gemm::Arguments make_arguments(int groups, const ArgArrays<K>& arr, 
   typename K::Gemm::Arguments arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {groups, arr.shapes, nullptr},  // shapes live on the device only
-      {{arr.a, arr.sa, arr.b, arr.sb}, arr.ready, arr.control},
+      {{arr.a, arr.sa, arr.b, arr.sb}, arr.ready, arr.control, arr.comm},
       {{}, nullptr, arr.sd, arr.d, arr.sd},  // alpha 1, beta 0, no C
       hw};
   using Raster = decltype(arguments.scheduler.raster_order);
@@ -330,6 +382,9 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, cudaStream_t 
   if (args.segs != nullptr && (Op == kWgrad || args.weights <= 0)) return cudaErrorInvalidValue;
   if (args.ready != nullptr && (args.segs == nullptr || args.error_record == nullptr || args.poison == nullptr))
     return cudaErrorInvalidValue;
+  if (Op == kFwdInterleaved && (args.ready == nullptr || args.comm.f.segs == nullptr || args.comm.x == nullptr ||
+                                args.comm.tokens_per_item <= 0 || args.comm.rows_per_item <= 0))
+    return cudaErrorInvalidValue;
   if (args.raster_n < 0 || args.raster_n > 1 || !(args.swizzle == 1 || args.swizzle == 2 || args.swizzle == 4 ||
                                                   args.swizzle == 8))
     return cudaErrorInvalidValue;
@@ -342,7 +397,7 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, cudaStream_t 
   typename K::StrideA sa;
   typename K::StrideB sb;
   typename K::StrideD sd;
-  if (Op == kFwd) {  // A x (M, K=k), B w[g] (N=n, K=k), D (M, n)
+  if (Op == kFwd || Op == kFwdInterleaved) {  // A x (M, K=k), B w[g] (N=n, K=k), D (M, n)
     sa = detail::packed_stride(typename K::StrideA{}, 1, k);
     sb = detail::packed_stride(typename K::StrideB{}, n, k);
     sd = detail::packed_stride(typename K::StrideD{}, 1, n);
