@@ -44,7 +44,7 @@ __device__ __forceinline__ bool last_item(uint32_t* counter, int total, int lane
 
 // Send item: tokens [item * tokens_per_item, ...) to rank + round. A token's row crosses once
 // (dedup): its later slots there get the meta word and, in the dup word, the row of its first.
-__device__ void send(const InterleavedDispatch& j, int round, int item, int lane) {
+__device__ inline void send(const InterleavedDispatch& j, int round, int item, int lane) {
   const SymView& s = j.s;
   const int dst = (s.rank + round) % s.num_ranks;
   const int L = j.experts_per_rank;
@@ -78,7 +78,7 @@ __device__ void send(const InterleavedDispatch& j, int round, int item, int lane
 // Take item: rows [item * rows_per_item, ...) of source round `round`'s rows here (its (source,
 // expert) blocks back to back), once the source signalled: each row's source pair, and the copy
 // of a deduplicated row from its token's first row here. False when the wait gave up.
-__device__ bool take(const InterleavedDispatch& j, int round, int item, int lane) {
+__device__ inline bool take(const InterleavedDispatch& j, int round, int item, int lane) {
   const SymView& s = j.s;
   const int L = j.f.experts_per_rank;
   const int* seg = j.f.segs + 4 * round * L;
@@ -111,7 +111,7 @@ __device__ bool take(const InterleavedDispatch& j, int round, int item, int lane
 // The whole job, by one warp, claiming items until none is left: this rank's own take round
 // first (its rows are already stored, so the GEMM's first tiles can start), then every send,
 // then the other take rounds in arrival order.
-__device__ void run(const InterleavedDispatch& j) {
+__device__ inline void run(const InterleavedDispatch& j) {
   const int lane = threadIdx.x % 32;
   const SymView& s = j.s;
   if (poisoned(s)) return;
