@@ -384,9 +384,10 @@ class NVLinkDispatcher:
         self.fused_comm_blocks = config.overlap.num_comm_sms
         #: interleaved roles (``overlap.roles``): the fused dispatch runs in a spare warp of each of
         #: the waiting GEMM's CTAs, which then has every SM, instead of on fused_comm_blocks SMs
-        #: beside it; items of that job: tokens per send item, rows per take item
+        #: beside it; that job's tokens per send item, rows per take item, and 16-byte vectors
+        #: each lane keeps in flight (2, 4 or 8)
         self.interleaved = config.overlap.roles == "interleaved"
-        self.interleaved_items = (16, 64)
+        self.interleaved_items = (16, 64, 4)
         self._fused_stream = None
         self._round_sources = None
         self._fuse_next = False

@@ -113,6 +113,7 @@ struct InterleavedDispatch {
   int dedup;
   int tokens_per_item;
   int rows_per_item;
+  int unroll;              // 16-byte vectors a lane keeps in flight: 2, 4 or 8
   uint32_t epoch;          // the dispatch's epoch (kPhaseDispatch and kPhaseArrived)
   SymView s;
   DirectView dv;

@@ -8,7 +8,18 @@
 namespace uniep {
 namespace interleaved {
 
-constexpr int kUnroll = 2;  // 16-byte vectors a lane has in flight (the warp runs on few registers)
+// One row's 16-byte vectors from load(i) to use(i, v) with j.unroll vectors in flight per lane
+// (the warp runs on the producer warpgroup's few registers, so fewer loads in flight than the
+// copy kernels keep).
+template <typename Load, typename Use>
+__device__ __forceinline__ void copy_row(const InterleavedDispatch& j, int num_vecs, int lane, Load load, Use use) {
+  if (j.unroll >= 8)
+    warp_row_vectors<8>(num_vecs, lane, load, use);
+  else if (j.unroll >= 4)
+    warp_row_vectors<4>(num_vecs, lane, load, use);
+  else
+    warp_row_vectors<2>(num_vecs, lane, load, use);
+}
 
 __device__ __forceinline__ int send_items(const InterleavedDispatch& j) {
   return max(1, (j.num_tokens + j.tokens_per_item - 1) / j.tokens_per_item);
@@ -67,8 +78,7 @@ __device__ inline void send(const InterleavedDispatch& j, int round, int item, i
       }
       if (stored) {
         int4* out = reinterpret_cast<int4*>(region + static_cast<int64_t>(row) * s.recv_row_bytes);
-        warp_row_vectors<kUnroll>(num_vecs, lane, [&](int i) { return __ldg(src + i); },
-                                  [&](int i, const int4& v) { out[i] = v; });
+        copy_row(j, num_vecs, lane, [&](int i) { return __ldg(src + i); }, [&](int i, const int4& v) { out[i] = v; });
       }
       if (first_row < 0) first_row = row;
     }
@@ -100,8 +110,8 @@ __device__ inline bool take(const InterleavedDispatch& j, int round, int item, i
       if (from < 0) continue;
       const int4* in = reinterpret_cast<const int4*>(out + static_cast<int64_t>(from) * row_bytes);
       int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * row_bytes);
-      warp_row_vectors<kUnroll>(row_bytes / 16, lane, [&](int i) { return __ldcg(in + i); },
-                                [&](int i, const int4& v) { dst[i] = v; });
+      copy_row(j, row_bytes / 16, lane, [&](int i) { return __ldcg(in + i); },
+               [&](int i, const int4& v) { dst[i] = v; });
     }
     pos += rows;
   }
