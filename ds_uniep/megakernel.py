@@ -384,10 +384,12 @@ class NVLinkDispatcher:
         self.fused_comm_blocks = config.overlap.num_comm_sms
         #: interleaved roles (``overlap.roles``): the fused dispatch runs in a spare warp of each of
         #: the waiting GEMM's CTAs, which then has every SM, instead of on fused_comm_blocks SMs
-        #: beside it; that job's tokens per send item, rows per take item, and 16-byte vectors
-        #: each lane keeps in flight (2, 4 or 8)
+        #: beside it; that job's tokens per send item, rows per take item, 16-byte vectors each
+        #: lane keeps in flight (2, 4 or 8), and whether rows about to be read are prefetched to L2
         self.interleaved = config.overlap.roles == "interleaved"
-        self.interleaved_items = (16, 64, 4)
+        self.interleaved_items = (16, 64, 4, True)
+        #: whether that job sends the other ranks' rows too (else every SM sends them before the GEMM)
+        self.interleaved_sends = True
         self._fused_stream = None
         self._round_sources = None
         self._fuse_next = False
@@ -536,16 +538,17 @@ class NVLinkDispatcher:
                 # rounds by the spare warps of the GEMM that _dispatch_collect queues (the job's
                 # tensors stay referenced in st until then), so nothing waits for SMs.
                 direct = self.direct_descriptor(True, e_counts)
+                sent = 1 if self.interleaved_sends else G  # rounds [0, sent) go out before the GEMM
                 self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor, direct,
                                         e_disp, self.num_blocks, self.fused_dedup, source_blocks, self.direct.rows,
-                                        pairs_all, None, 0, 1, False, *self._wait_args())
+                                        pairs_all, None, 0, sent, False, *self._wait_args())
                 waits = self._arrival_waits(segs, e_disp)
                 waits.comm_job = self.ext.interleaved_job(x, expert_idx, dest_row, self.num_experts,
                                                           self.bufs.descriptor, direct, e_disp, self.fused_dedup,
                                                           source_blocks, self.direct.rows, pairs_all,
-                                                          *self.interleaved_items, *self._wait_args())
+                                                          *self.interleaved_items, sent, *self._wait_args())
                 st.update(pairs_all=pairs_all, waited=True, started=None, segs=segs, waits=waits,
-                          job=(x, expert_idx, dest_row, source_blocks, direct))
+                          job=(x, expert_idx, dest_row, source_blocks, direct, sent))
             else:
                 side = self._fused_side_stream()
         if side is not None:
@@ -595,10 +598,10 @@ class NVLinkDispatcher:
             if "job" in st and rows == 0:
                 # Interleaved roles, but no rows here to compute beside: the rest of the dispatch
                 # (the sends to the other ranks) runs alone, on every SM.
-                jx, jidx, jrow, jblocks, direct = st["job"]
+                jx, jidx, jrow, jblocks, direct, sent = st["job"]
                 self.ext.dispatch_fused(jx, jidx, jrow, self.num_experts, self.bufs.descriptor, direct, e_disp,
                                         self.num_blocks, self.fused_dedup, jblocks, self.direct.rows,
-                                        st["pairs_all"], None, 1, self.ep_size, True, *self._wait_args())
+                                        st["pairs_all"], None, sent, self.ep_size, True, *self._wait_args())
                 st["waits"].comm_job = None
             if not st["waited"]:
                 self._await_fused_start(e_disp, st["started"])

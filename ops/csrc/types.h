@@ -114,10 +114,12 @@ struct InterleavedDispatch {
   int tokens_per_item;
   int rows_per_item;
   int unroll;              // 16-byte vectors a lane keeps in flight: 2, 4 or 8
+  int prefetch;            // bulk-prefetch the rows about to be read into L2
   uint32_t epoch;          // the dispatch's epoch (kPhaseDispatch and kPhaseArrived)
   SymView s;
   DirectView dv;
-  FusedArrive f;           // segs, out, recv_pair (started, send_begin, send_end, take unused)
+  FusedArrive f;           // segs, out, recv_pair, send_begin: the first round sent here (1, or G when
+                           // launch_dispatch sent every round before the GEMM); started, send_end, take unused
   WaitPolicy w;
 };
 

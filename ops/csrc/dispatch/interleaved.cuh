@@ -8,6 +8,8 @@
 namespace uniep {
 namespace interleaved {
 
+constexpr int kPrefetchTokens = 4;  // send items: token rows prefetched into L2 ahead of the copy
+
 // One row's 16-byte vectors from load(i) to use(i, v) with j.unroll vectors in flight per lane
 // (the warp runs on the producer warpgroup's few registers, so fewer loads in flight than the
 // copy kernels keep).
@@ -37,6 +39,12 @@ __device__ __forceinline__ int take_items(const InterleavedDispatch& j, int roun
   return max(1, (rows + j.rows_per_item - 1) / j.rows_per_item);
 }
 
+// One bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) into L2, from one thread: the
+// warp's loads then wait on L2, not on memory, without registers held for the bytes in flight.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
 // After an item's stores (each lane fences its own): whether it was the last of the `total`
 // items that `counter` counts (left at 0 then, after a fence). The whole warp gets the answer.
 __device__ __forceinline__ bool last_item(uint32_t* counter, int total, int lane) {
@@ -64,8 +72,16 @@ __device__ inline void send(const InterleavedDispatch& j, int round, int item, i
   char* region = recv_region(s, j.dv, dst, L * s.num_ranks);
   int* meta = reinterpret_cast<int*>(s.ptrs[dst] + s.meta_off);
   int* dups = reinterpret_cast<int*>(s.ptrs[dst] + s.dup_off);
-  for (int t = item * j.tokens_per_item; t < t_end; ++t) {
-    const int4* src = reinterpret_cast<const int4*>(static_cast<const char*>(j.x) + static_cast<int64_t>(t) * j.hidden * 2);
+  const int t_begin = item * j.tokens_per_item;
+  const char* x = static_cast<const char*>(j.x);
+  const uint32_t row_bytes = static_cast<uint32_t>(j.hidden) * 2;
+  if (j.prefetch && lane < kPrefetchTokens && t_begin + lane < t_end)
+    prefetch_l2(x + static_cast<int64_t>(t_begin + lane) * row_bytes, row_bytes);
+  for (int t = t_begin; t < t_end; ++t) {
+    // The rows kPrefetchTokens tokens ahead go to L2 while this one is copied.
+    if (j.prefetch && lane == 0 && t + kPrefetchTokens < t_end)
+      prefetch_l2(x + static_cast<int64_t>(t + kPrefetchTokens) * row_bytes, row_bytes);
+    const int4* src = reinterpret_cast<const int4*>(x + static_cast<int64_t>(t) * row_bytes);
     int first_row = -1;
     for (int q = 0; q < j.k; ++q) {
       const int64_t pair = static_cast<int64_t>(t) * j.k + q;
@@ -107,6 +123,10 @@ __device__ inline bool take(const InterleavedDispatch& j, int round, int item, i
       const int r = first + (p - pos);
       if (lane == 0) j.f.recv_pair[r] = __ldcg(meta + r);
       const int from = j.dedup ? __ldcg(dups + r) : -1;
+      if (j.prefetch && j.dedup && lane == 0 && p + 1 < min(end, pos + rows)) {  // the next row's source
+        const int next = __ldcg(dups + r + 1);
+        if (next >= 0) prefetch_l2(out + static_cast<int64_t>(next) * row_bytes, row_bytes);
+      }
       if (from < 0) continue;
       const int4* in = reinterpret_cast<const int4*>(out + static_cast<int64_t>(from) * row_bytes);
       int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * row_bytes);
@@ -129,14 +149,15 @@ __device__ inline void run(const InterleavedDispatch& j) {
   uint32_t* status = status_words(s);
   const int own = take_items(j, 0, lane);
   const int per_send = send_items(j);
-  const int sends = (G - 1) * per_send;
+  const int first_send = j.f.send_begin;  // rounds before it were sent before the GEMM
+  const int sends = (G - first_send) * per_send;
   while (true) {
     int item = 0;
     if (lane == 0) item = static_cast<int>(atomicAdd(status + kInterleavedClaimWord, 1u));
     item = __shfl_sync(0xffffffffu, item, 0);
     int round = 0, items = own;
     if (item >= own && item < own + sends) {
-      round = 1 + (item - own) / per_send;
+      round = first_send + (item - own) / per_send;
       send(j, round, (item - own) % per_send, lane);
       if (last_item(status + 4 + round, per_send, lane) && lane == 0)
         raise_signal(s, (s.rank + round) % G, kPhaseDispatch, j.epoch);
