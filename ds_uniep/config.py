@@ -49,8 +49,8 @@ class OverlapConfig(_Block):
         "the local experts in num_chunks chunks, each chunk's output rows copied back to their sources by the copy "
         "engines while the next chunk computes (and, in the backward, each chunk's input gradient while the "
         "others' backward runs); fused (megakernel backend, expert_gemm 'uniep', bf16): the dispatch stores the "
-        "rows one destination rank at a time from num_comm_sms SMs (roles 'interleaved': from a spare warp in each of "
-        "the first expert GEMM's CTAs) and signals each rank as soon as its rows are there, while the first expert "
+        "rows one destination rank at a time from num_comm_sms SMs (roles 'interleaved': from every SM before the "
+        "first expert GEMM, whose CTAs take the arrivals in from a spare warp each) and signals each rank as soon as its rows are there, while the first expert "
         "GEMM runs on the other SMs (interleaved: on every SM) and starts each run of its tiles once the latest "
         "source rank among the tile's rows has arrived, this rank's own rows first (fused_dispatch), and the "
         "second expert GEMM's epilogue stores each (expert, source) run of output rows straight into that "
@@ -69,7 +69,7 @@ class OverlapConfig(_Block):
                               "on the other SMs (unset, or with torch's GEMM: by the copy engines).")
     fused_dispatch: bool = Field(True, description="The fused schedule's dispatch beside the first expert GEMM, "
                                  "whose tiles wait for their rows (from num_comm_sms SMs, or with roles "
-                                 "'interleaved' from inside the GEMM's CTAs); false: the sequential "
+                                 "'interleaved' partly from inside the GEMM's CTAs); false: the sequential "
                                  "schedule's dispatch (every SM), then that GEMM. Read by the fused schedule only.")
     epilogue_combine: bool = Field(True, description="The fused schedule's second expert GEMM stores its output rows "
                                    "straight into their sources' combine buffers (a last projection without bias), "
@@ -79,10 +79,11 @@ class OverlapConfig(_Block):
     roles: Literal["partitioned", "interleaved"] = Field(
         "partitioned",
         description="Read by the fused schedule's dispatch (fused_dispatch). partitioned: it runs on num_comm_sms "
-        "whole SMs while the first expert GEMM runs on the others; interleaved: it runs in one spare warp of each "
-        "of that GEMM's CTAs (the producer warpgroup's auxiliary-load warp, beside the GEMM's warpgroups), so the "
-        "GEMM has every SM and num_comm_sms is not read there (this rank's own rows are stored first by every SM, "
-        "as with partitioned roles). The same bits either way.")
+        "whole SMs while the first expert GEMM runs on the others; interleaved: every SM stores the rows, one "
+        "destination rank after another, before that GEMM, and the arriving rows are taken in (source pairs, "
+        "deduplicated copies) by one spare warp of each of the GEMM's CTAs (the producer warpgroup's "
+        "auxiliary-load warp, beside the GEMM's warpgroups), so the GEMM has every SM and num_comm_sms is not "
+        "read there. The same bits either way.")
     tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256). Read by ds_uniep's GEMM (expert_gemm "
                         "'uniep') when the block sets tile_m or tile_n: every expert GEMM (forward, dgrad, wgrad) "
                         "then runs the tile_m x tile_n configuration it is built with (128x256, 256x128 or 128x128; "

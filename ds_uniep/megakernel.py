@@ -382,14 +382,16 @@ class NVLinkDispatcher:
         # The fused schedule: blocks of its dispatch (the GEMM takes the other SMs), its stream,
         # the next dispatch's request, and what the waiting GEMM of the last fused dispatch needs.
         self.fused_comm_blocks = config.overlap.num_comm_sms
-        #: interleaved roles (``overlap.roles``): the fused dispatch runs in a spare warp of each of
-        #: the waiting GEMM's CTAs, which then has every SM, instead of on fused_comm_blocks SMs
-        #: beside it; that job's tokens per send item, rows per take item, 16-byte vectors each
-        #: lane keeps in flight (2, 4 or 8), and whether rows about to be read are prefetched to L2
+        #: interleaved roles (``overlap.roles``): the fused dispatch's arrivals are taken (source
+        #: pairs, deduplicated copies) in a spare warp of each of the waiting GEMM's CTAs, which then
+        #: has every SM, instead of on fused_comm_blocks SMs beside it; that job's tokens per send
+        #: item, rows per take item, 16-byte vectors each lane keeps in flight (2, 4 or 8), and
+        #: whether rows about to be read are prefetched to L2
         self.interleaved = config.overlap.roles == "interleaved"
         self.interleaved_items = (16, 64, 4, True)
-        #: whether that job sends the other ranks' rows too (else every SM sends them before the GEMM)
-        self.interleaved_sends = True
+        #: whether that job sends the other ranks' rows too; False (measured faster on 2 H200s at
+        #: dsv3-like and dsv2lite-like): every SM sends them, one rank after another, before the GEMM
+        self.interleaved_sends = False
         self._fused_stream = None
         self._round_sources = None
         self._fuse_next = False
@@ -534,9 +536,10 @@ class NVLinkDispatcher:
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             G = self.ep_size
             if self.interleaved:
-                # Interleaved roles: this rank's own rows on every SM, on this stream; the other
-                # rounds by the spare warps of the GEMM that _dispatch_collect queues (the job's
-                # tensors stay referenced in st until then), so nothing waits for SMs.
+                # Interleaved roles: this rank's own rows (and, unless interleaved_sends, the other
+                # ranks' rows) on every SM, on this stream; the rest by the spare warps of the GEMM
+                # that _dispatch_collect queues (the job's tensors stay referenced in st until
+                # then), so nothing waits for SMs.
                 direct = self.direct_descriptor(True, e_counts)
                 sent = 1 if self.interleaved_sends else G  # rounds [0, sent) go out before the GEMM
                 self.ext.dispatch_fused(x, expert_idx, dest_row, self.num_experts, self.bufs.descriptor, direct,
