@@ -215,7 +215,8 @@ def _compare_fused(rank, world_size):
                                    "fused_dispatch": fused_dispatch, "roles": roles})
             layer.route_early = early
             if roles == "interleaved" and not early:  # the GEMM's spare warps send the rows too
-                layer._dispatcher(torch.empty(1, 1024, device=torch.device("cuda", rank))).interleaved_sends = True
+                x0 = torch.empty(1, 1024, dtype=torch.bfloat16, device=torch.device("cuda", rank))
+                layer._dispatcher(x0).interleaved_sends = True
             where = (f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}, fused "
                      f"dispatch {fused_dispatch}, roles {roles}")
             _check_same(layer, rank, cases, want, where)
