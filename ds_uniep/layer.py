@@ -164,7 +164,8 @@ class UniEPMoE(MoE):
         """Run the next forward under ``plan`` (a :class:`ds_uniep.tuning.Plan`): its overlap knobs and
         dispatch dtype replace the config's. A megakernel dispatcher takes a new ``num_comm_sms`` as
         it is (the block count of its copy kernels; under the fused schedule its fused dispatch's,
-        the other copy kernels taking every SM); a new dispatch dtype rebuilds the dispatchers."""
+        the other copy kernels taking every SM) and the plan's roles; a new dispatch dtype rebuilds
+        the dispatchers."""
         self._applied_plan = plan
         cfg = plan.apply(self.uniep_config)
         if cfg == self.uniep_config and _comm_blocks(cfg) == _comm_blocks(self.uniep_config):
@@ -177,6 +178,7 @@ class UniEPMoE(MoE):
         for d in self._dispatchers.values():
             if hasattr(d, "set_comm_sms"):
                 d.set_comm_sms(cfg.overlap.num_comm_sms, fused=cfg.overlap.schedule == "fused")
+                d.interleaved = cfg.overlap.roles == "interleaved"
 
     @property
     def ep_group(self):

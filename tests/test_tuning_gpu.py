@@ -75,6 +75,7 @@ def _every_timed_plan_body(rank, world_size, gemm):
     if gemm == "uniep":  # the fused schedule's two overlaps, each alone and both
         assert {(p.fused_dispatch, p.epilogue_combine) for p in timed if p.schedule == "fused"} == {
             (True, True), (True, False), (False, True)}, [p.label() for p in timed]
+        assert {p.roles for p in timed if p.schedule == "fused"} == {"partitioned", "interleaved"}
 
     baseline = space.baseline()
     layer.set_plan(baseline)
@@ -91,6 +92,7 @@ def _every_timed_plan_body(rank, world_size, gemm):
         if plan.schedule == "fused":
             if plan.fused_dispatch:
                 assert d.fused_comm_blocks == plan.num_comm_sms, "the plan did not reach the fused dispatch"
+                assert d.interleaved == (plan.roles == "interleaved"), "the plan's roles did not reach it"
             ran = (d.fused_stats["fused"] - fused_before, d.combine_stats["landed"] - landed_before)
             assert ran == (int(plan.fused_dispatch), int(plan.epilogue_combine)), f"{plan.label()} ran {ran}"
         else:
