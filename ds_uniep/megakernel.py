@@ -233,7 +233,8 @@ class NVLinkDispatcher:
         num_experts: E; ep_size: G (the size of ``group``); hidden_size: M; k: slots per token.
         dtype: activation dtype (bf16, fp16 or fp32) of x and y.
         config: a :class:`UniEPConfig` (or anything ``UniEPConfig.coerce`` takes): uses
-            ``max_tokens_per_rank``, ``compression.dispatch_dtype`` and ``overlap.timeout_s``.
+            ``max_tokens_per_rank``, ``compression.dispatch_dtype``, ``overlap.timeout_s``,
+            ``overlap.num_comm_sms`` (the fused dispatch's blocks) and ``overlap.roles``.
         group: the expert-parallel process group (None: the world).
         padded_recv: return ``recv [R_max, M]`` without a host sync (see the module doc).
         num_blocks: blocks of the copy kernels (default: the SM count).
