@@ -92,8 +92,9 @@ ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
 fixes the others at the sequential baseline's values: the megakernel runs the sequential, the
 pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
 schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
-with ``num_comm_sms`` blocks (its fused dispatch in partitioned roles; interleaved, inside the first
-GEMM's CTAs) and moves rows in ``dispatch_dtype``; the stage and signal knobs are read by nothing yet, and the tile knobs only by ds_uniep's GEMM, as configured (not walked)."""
+with ``num_comm_sms`` blocks (its fused dispatch in partitioned roles; interleaved, its arrivals are
+taken inside the first GEMM's CTAs) and moves rows in ``dispatch_dtype``; the stage and signal knobs
+are read by nothing yet, and the tile knobs only by ds_uniep's GEMM, as configured (not walked)."""
 
 BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
 """The schedules the megakernel runs. A backend space walks the fused one only for layers it can run
