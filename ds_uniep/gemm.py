@@ -250,7 +250,8 @@ class ArrivalWaits:
     never depends on its tile). ``sm_count``: SMs of the waiting GEMM (the rest move the rows);
     ``done``: recorded when every row has arrived, joined into the current stream once the GEMM is
     queued. ``comm_job`` (interleaved roles): the dispatch job (``interleaved_job``'s bytes) that
-    a spare warp of each of the GEMM's CTAs runs beside its tiles; ``sm_count`` is then every SM. ``result``: the GEMM's output, queued by the fused dispatch itself (see
+    a spare warp of each of the GEMM's CTAs runs beside its tiles; ``sm_count`` is then every SM.
+    ``result``: the GEMM's output, queued by the fused dispatch itself (see
     ``NVLinkDispatcher.request_fused``); :func:`grouped_linear` adopts it. A wait past ``timeout_ns`` fills ``error_record`` (as the NVLink kernels' waits
     do) and sets ``poison``; the caller's check raises it."""
     segs: Tensor
