@@ -601,7 +601,8 @@ class NVLinkDispatcher:
             recv_pair = st["pairs_all"][:rows]
             if "job" in st and rows == 0:
                 # Interleaved roles, but no rows here to compute beside: the rest of the dispatch
-                # (the sends to the other ranks) runs alone, on every SM.
+                # (the take rounds, and the sends when the GEMM was to make them) runs alone, on
+                # every SM.
                 jx, jidx, jrow, jblocks, direct, sent = st["job"]
                 self.ext.dispatch_fused(jx, jidx, jrow, self.num_experts, self.bufs.descriptor, direct, e_disp,
                                         self.num_blocks, self.fused_dedup, jblocks, self.direct.rows,
