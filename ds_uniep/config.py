@@ -82,8 +82,8 @@ class OverlapConfig(_Block):
         description="Read by the fused schedule's dispatch (fused_dispatch). partitioned: it runs on num_comm_sms "
         "whole SMs while the first expert GEMM runs on the others; interleaved: every SM stores the rows, one "
         "destination rank after another, before that GEMM, and the arriving rows are taken in (source pairs, "
-        "deduplicated copies) by one spare warp of each of the GEMM's CTAs (the producer warpgroup's "
-        "auxiliary-load warp, beside the GEMM's warpgroups), so the GEMM has every SM and num_comm_sms is not "
+        "deduplicated copies) by one spare warp of each of the GEMM's CTAs (a warp of the producer warpgroup "
+        "that the GEMM leaves idle, beside its warpgroups), so the GEMM has every SM and num_comm_sms is not "
         "read there. The same bits either way.")
     tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256). Read by ds_uniep's GEMM (expert_gemm "
                         "'uniep') when the block sets tile_m or tile_n: every expert GEMM (forward, dgrad, wgrad) "

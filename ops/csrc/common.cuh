@@ -281,6 +281,35 @@ __device__ __forceinline__ void warp_row_vectors(int num_vecs, int lane, Load lo
   }
 }
 
+// One bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) into L2, from one thread: the
+// loads that follow wait on L2, not on memory, without registers held for the bytes in flight.
+__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+// The fused dispatch's receiving side, by one warp: rows [first, first + count) (count <= 32) of a
+// (source, expert) block that has landed here in `out`. Each lane takes one row's source pair
+// (meta word) into recv_pair; the rows whose dup word names an earlier row (a deduplicated token:
+// it crossed once, into its first row here) are then copied from it, one row at a time by the
+// whole warp (copy(in, dst)). With `prefetch`, those source rows are bulk-prefetched into L2 first.
+template <typename Copy>
+__device__ __forceinline__ void take_rows(const int* meta, const int* dups, int* recv_pair, char* out, int first,
+                                          int count, int row_bytes, bool dedup, bool prefetch, int lane, Copy copy) {
+  const int r = first + lane;
+  int from = -1;
+  if (lane < count) {
+    recv_pair[r] = __ldcg(meta + r);
+    if (dedup) from = __ldcg(dups + r);
+  }
+  if (prefetch && from >= 0) prefetch_l2(out + static_cast<int64_t>(from) * row_bytes, static_cast<uint32_t>(row_bytes));
+  for (uint32_t todo = __ballot_sync(0xffffffffu, from >= 0); todo != 0; todo &= todo - 1) {
+    const int l = __ffs(todo) - 1;
+    const int src = __shfl_sync(0xffffffffu, from, l);
+    copy(reinterpret_cast<const int4*>(out + static_cast<int64_t>(src) * row_bytes),
+         reinterpret_cast<int4*>(out + static_cast<int64_t>(first + l) * row_bytes));
+  }
+}
+
 // Loads that skip L1: peers' rows and rows written by other kernels are read once.
 __device__ __forceinline__ int4 ld_stream(const int4* p) { return __ldcs(p); }
 __device__ __forceinline__ void st_stream(int4* p, const int4& v) { __stcs(p, v); }

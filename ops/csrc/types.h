@@ -92,7 +92,7 @@ struct WaitPolicy {
 };
 
 // The fused schedule's dispatch with interleaved roles: the waiting GEMM's own SMs move the rows.
-// One spare warp of each GEMM CTA's producer warpgroup (CUTLASS's auxiliary-load warp) claims
+// One spare warp of each GEMM CTA's producer warpgroup (warp 1, which CUTLASS leaves idle) claims
 // items of this job one at a time from a counter (status word kInterleavedClaimWord, zeroed
 // before the GEMM starts): first the take items of this rank's own rows, then every send item
 // (round r from f.send_begin on, a chunk of tokens_per_item tokens) storing the rows bound for
@@ -115,7 +115,6 @@ struct InterleavedDispatch {
   int dedup;
   int tokens_per_item;
   int rows_per_item;
-  int unroll;              // 16-byte vectors a lane keeps in flight: 2, 4 or 8
   int prefetch;            // bulk-prefetch the rows about to be read into L2
   uint32_t epoch;          // the dispatch's epoch (kPhaseDispatch and kPhaseArrived)
   SymView s;

@@ -21,8 +21,9 @@ __device__ __forceinline__ void announce_start(const SymView& s, int* started, u
 
 // Fused dispatch, after send round `round`: the rows of source (rank - round) on this rank, once
 // it signalled: each row's source pair, and the copy of a deduplicated row from the row its
-// token first landed in here (the same source, so already there). The grid's last block then
-// raises kPhaseArrived for the source on this rank. False when the wait gave up.
+// token first landed in here (the same source, so already there), 32 rows per warp (take_rows).
+// The grid's last block then raises kPhaseArrived for the source on this rank. False when the
+// wait gave up.
 __device__ bool take_arrivals(const SymView& s, const WaitPolicy& w, uint32_t epoch, const FusedArrive& f,
                               int round, int row_bytes, bool dedup) {
   const int L = f.experts_per_rank;
@@ -40,16 +41,12 @@ __device__ bool take_arrivals(const SymView& s, const WaitPolicy& w, uint32_t ep
   char* out = static_cast<char*>(f.out);
   for (int l = 0; l < L; ++l) {
     const int first = seg[4 * l], rows = seg[4 * l + 1];
-    for (int i = warp; i < rows; i += num_warps) {
-      const int r = first + i;
-      if (lane == 0) f.recv_pair[r] = __ldcg(meta + r);
-      const int from = dedup ? __ldcg(dups + r) : -1;
-      if (from < 0) continue;
-      const int4* in = reinterpret_cast<const int4*>(out + static_cast<int64_t>(from) * row_bytes);
-      int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * row_bytes);
-      warp_row_vectors<kUnroll>(row_bytes / 16, lane, [&](int i) { return __ldcg(in + i); },
-                                [&](int i, const int4& v) { dst[i] = v; });
-    }
+    for (int i = 32 * warp; i < rows; i += 32 * num_warps)
+      take_rows(meta, dups, f.recv_pair, out, first + i, min(32, rows - i), row_bytes, dedup, false, lane,
+                [&](const int4* in, int4* dst) {
+                  warp_row_vectors<kUnroll>(row_bytes / 16, lane, [&](int v) { return __ldcg(in + v); },
+                                            [&](int v, const int4& x) { dst[v] = x; });
+                });
   }
   if (last_block_of_grid(status_words(s) + 12 + round) && threadIdx.x == 0)
     st_release_sys(signal_word(s, s.rank, kPhaseArrived, src), epoch);

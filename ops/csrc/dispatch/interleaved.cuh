@@ -10,17 +10,14 @@ namespace interleaved {
 
 constexpr int kPrefetchTokens = 4;  // send items: token rows prefetched into L2 ahead of the copy
 
-// One row's 16-byte vectors from load(i) to use(i, v) with j.unroll vectors in flight per lane
-// (the warp runs on the producer warpgroup's few registers, so fewer loads in flight than the
-// copy kernels keep).
+// 16-byte vectors a lane keeps in flight: the warp runs on the producer warpgroup's 40 registers
+// (after its release), and each further instance of the row copy costs spills there.
+constexpr int kUnroll = 4;
+
+// One row's 16-byte vectors from load(i) to use(i, v), kUnroll per lane in flight.
 template <typename Load, typename Use>
-__device__ __forceinline__ void copy_row(const InterleavedDispatch& j, int num_vecs, int lane, Load load, Use use) {
-  if (j.unroll >= 8)
-    warp_row_vectors<8>(num_vecs, lane, load, use);
-  else if (j.unroll >= 4)
-    warp_row_vectors<4>(num_vecs, lane, load, use);
-  else
-    warp_row_vectors<2>(num_vecs, lane, load, use);
+__device__ __forceinline__ void copy_row(int num_vecs, int lane, Load load, Use use) {
+  warp_row_vectors<kUnroll>(num_vecs, lane, load, use);
 }
 
 __device__ __forceinline__ int send_items(const InterleavedDispatch& j) {
@@ -37,12 +34,6 @@ __device__ __forceinline__ int take_items(const InterleavedDispatch& j, int roun
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) rows += __shfl_xor_sync(0xffffffffu, rows, o);
   return max(1, (rows + j.rows_per_item - 1) / j.rows_per_item);
-}
-
-// One bulk prefetch of `bytes` (a multiple of 16, 16-byte aligned) into L2, from one thread: the
-// warp's loads then wait on L2, not on memory, without registers held for the bytes in flight.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // After an item's stores (each lane fences its own): whether it was the last of the `total`
@@ -94,7 +85,7 @@ __device__ inline void send(const InterleavedDispatch& j, int round, int item, i
       }
       if (stored) {
         int4* out = reinterpret_cast<int4*>(region + static_cast<int64_t>(row) * s.recv_row_bytes);
-        copy_row(j, num_vecs, lane, [&](int i) { return __ldg(src + i); }, [&](int i, const int4& v) { out[i] = v; });
+        copy_row(num_vecs, lane, [&](int i) { return __ldg(src + i); }, [&](int i, const int4& v) { out[i] = v; });
       }
       if (first_row < 0) first_row = row;
     }
@@ -119,20 +110,13 @@ __device__ inline bool take(const InterleavedDispatch& j, int round, int item, i
   int pos = 0;  // the round's rows before block l
   for (int l = 0; l < L && pos < end; ++l) {
     const int first = seg[4 * l], rows = seg[4 * l + 1];
-    for (int p = max(begin, pos); p < min(end, pos + rows); ++p) {
-      const int r = first + (p - pos);
-      if (lane == 0) j.f.recv_pair[r] = __ldcg(meta + r);
-      const int from = j.dedup ? __ldcg(dups + r) : -1;
-      if (j.prefetch && j.dedup && lane == 0 && p + 1 < min(end, pos + rows)) {  // the next row's source
-        const int next = __ldcg(dups + r + 1);
-        if (next >= 0) prefetch_l2(out + static_cast<int64_t>(next) * row_bytes, row_bytes);
-      }
-      if (from < 0) continue;
-      const int4* in = reinterpret_cast<const int4*>(out + static_cast<int64_t>(from) * row_bytes);
-      int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(r) * row_bytes);
-      copy_row(j, row_bytes / 16, lane, [&](int i) { return __ldcg(in + i); },
-               [&](int i, const int4& v) { dst[i] = v; });
-    }
+    const int stop = min(end, pos + rows);
+    for (int p = max(begin, pos); p < stop; p += 32)
+      take_rows(meta, dups, j.f.recv_pair, out, first + (p - pos), min(32, stop - p), row_bytes, j.dedup != 0,
+                j.prefetch != 0, lane, [&](const int4* in, int4* dst) {
+                  copy_row(row_bytes / 16, lane, [&](int i) { return __ldcg(in + i); },
+                           [&](int i, const int4& v) { dst[i] = v; });
+                });
     pos += rows;
   }
   return true;

@@ -2,9 +2,8 @@
 // the device offsets (or segments) into per-group problem shapes, pointers and strides (no host
 // sync), then the ptr-array grouped kernel runs with device-side problem shapes. Its mainloop is
 // CUTLASS's, extended by one step: before a group's first operand load, the producer warp waits
-// for that group's arrival word (when it has one). kFwdInterleaved adds a second: CUTLASS's
-// auxiliary-load warp (a spare warp of the producer warpgroup, present when the mainloop's
-// dispatch policy asks for it) runs the interleaved dispatch's job (dispatch/interleaved.cuh).
+// for that group's arrival word (when it has one). kFwdInterleaved adds a second: a spare warp
+// of the producer warpgroup runs the interleaved dispatch's job (dispatch/interleaved.cuh).
 #pragma once
 
 #include "grouped_gemm.cuh"
@@ -88,41 +87,17 @@ __device__ inline void wait_arrival(const uint32_t* word, const WaitControl& c) 
              c.layer_id);
 }
 
-// A mainloop dispatch policy that asks the kernel for its auxiliary-load warp (see below).
-template <class Policy>
-struct AuxWarpPolicy : Policy {};
-
-}  // namespace detail
-}  // namespace gemm
-}  // namespace uniep
-
-template <class Policy>
-struct cutlass::gemm::kernel::detail::HasAuxiliaryLoad<uniep::gemm::detail::AuxWarpPolicy<Policy>>
-    : cute::true_type {};
-
-namespace uniep {
-namespace gemm {
-namespace detail {
-
-// The warp of the producer warpgroup (warpgroup 0 in both kernels) that CUTLASS names
-// MainloopAux: it walks the same tiles as the load warp, calling load_auxiliary for each.
-__device__ __forceinline__ bool aux_warp() { return threadIdx.x / 32 == 1; }
-
 // CUTLASS's ptr-array mainloop plus arrival waits. The kernel calls tensors_perform_update in
 // the producer warp whenever the group changes, before any TMA load of the new group: the wait
 // goes there. Lane 0 spins, the warp then fences the generic proxy (where the acquire saw the
-// rows' release) against the async proxy that the TMA loads read through.
-// With kInterleaved, the dispatch policy also asks for the auxiliary-load warp, which runs the
-// interleaved dispatch's job once, on its first tile, and skips the waits (it moves the rows
-// they wait for).
-template <class Base, bool kInterleaved = false>
+// rows' release) against the async proxy that the TMA loads read through. `comm` carries the
+// interleaved dispatch's job to InterleavedGemmKernel (null otherwise).
+template <class Base>
 struct WaitingMainloop : Base {
-  using DispatchPolicy = cute::conditional_t<kInterleaved, AuxWarpPolicy<typename Base::DispatchPolicy>,
-                                             typename Base::DispatchPolicy>;
   struct Arguments : Base::Arguments {
     const uint32_t* const* ready;  // [groups]: the word each group waits for, or null
     const WaitControl* control;
-    const InterleavedDispatch* comm;  // kInterleaved: the job (in the workspace)
+    const InterleavedDispatch* comm;  // kFwdInterleaved: the job (in the workspace)
   };
   struct Params : Base::Params {
     const uint32_t* const* ready;
@@ -136,18 +111,9 @@ struct WaitingMainloop : Base {
                   args.comm};
   }
 
-  template <class... Rest>
-  CUTLASS_DEVICE void load_auxiliary(Params const& params, Rest&&...) {
-    if constexpr (kInterleaved) {
-      if (!job_done_ && params.comm != nullptr) interleaved::run(*params.comm);
-      job_done_ = true;
-    }
-  }
-
   template <class InputTensors, class ProblemShape_MNKL>
   CUTLASS_DEVICE InputTensors tensors_perform_update(InputTensors const& input_tensors, Params const& params,
                                                      ProblemShape_MNKL problem_shape_mnkl, int32_t next_batch) {
-    if (kInterleaved && aux_warp()) return input_tensors;  // it loads nothing
     if (params.ready != nullptr) {
       const uint32_t* word = params.ready[next_batch];
       if (word != nullptr) {
@@ -158,8 +124,21 @@ struct WaitingMainloop : Base {
     }
     return Base::tensors_perform_update(input_tensors, params, problem_shape_mnkl, next_batch);
   }
+};
 
-  bool job_done_ = false;
+// The interleaved forward's kernel: CUTLASS's, then the interleaved dispatch's job in warp 1 of
+// the producer warpgroup (warpgroup 0 in both kernels). Without an auxiliary load CUTLASS gives
+// that warp no role: it passes the kernel's setup (barrier inits, the cluster wait, the
+// warpgroup's register release) and returns, so the job runs beside the GEMM from the start and
+// nothing in the GEMM waits for the warp. (CUTLASS's auxiliary-load warp would be a consumer of
+// the grouped tile scheduler's 8-stage pipeline, so a CTA's GEMM could get at most 8 tiles ahead
+// of that warp's job.) A CTA without tiles returns before the release and runs the job alone.
+template <class Base>
+struct InterleavedGemmKernel : Base {
+  CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem_buf) {
+    Base::operator()(params, smem_buf);
+    if (threadIdx.x / 32 == 1 && params.mainloop.comm != nullptr) interleaved::run(*params.mainloop.comm);
+  }
 };
 
 template <int Op, int Config>
@@ -178,8 +157,9 @@ struct Kernel {
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Traits::Mainloop>::CollectiveOp;
-  using CollectiveMainloop = WaitingMainloop<BaseMainloop, Op == kFwdInterleaved>;
-  using GemmKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using CollectiveMainloop = WaitingMainloop<BaseMainloop>;
+  using CutlassKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using GemmKernel = cute::conditional_t<Op == kFwdInterleaved, InterleavedGemmKernel<CutlassKernel>, CutlassKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
   using StrideB = typename GemmKernel::InternalStrideB;
