@@ -386,9 +386,10 @@ class NVLinkDispatcher:
         #: interleaved roles (``overlap.roles``): the fused dispatch's arrivals are taken (source
         #: pairs, deduplicated copies) in a spare warp of each of the waiting GEMM's CTAs, which then
         #: has every SM, instead of on fused_comm_blocks SMs beside it; that job's tokens per send
-        #: item, rows per take item, and whether rows about to be read are prefetched to L2
+        #: item, rows per take item, whether rows about to be read are prefetched to L2, and the
+        #: warps per CTA that run it (1 or 2)
         self.interleaved = config.overlap.roles == "interleaved"
-        self.interleaved_items = (16, 64, True)
+        self.interleaved_items = (16, 64, True, 2)
         #: whether that job sends the other ranks' rows too; False (measured faster on 2 H200s at
         #: dsv3-like and dsv2lite-like): every SM sends them, one rank after another, before the GEMM
         self.interleaved_sends = False

@@ -48,7 +48,7 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
                               int64_t num_experts, const std::vector<int64_t>& sym,
                               const std::vector<int64_t>& direct, int64_t epoch, bool dedup, const torch::Tensor& segs,
                               torch::Tensor& out, torch::Tensor& recv_pair, int64_t tokens_per_item,
-                              int64_t rows_per_item, bool prefetch, int64_t send_begin,
+                              int64_t rows_per_item, bool prefetch, int64_t warps, int64_t send_begin,
                               int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
 // reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.

@@ -115,6 +115,7 @@ struct InterleavedDispatch {
   int dedup;
   int tokens_per_item;
   int rows_per_item;
+  int warps;               // warps per CTA that run the job: 1 or 2 (see InterleavedGemmKernel)
   int prefetch;            // bulk-prefetch the rows about to be read into L2
   uint32_t epoch;          // the dispatch's epoch (kPhaseDispatch and kPhaseArrived)
   SymView s;

@@ -134,7 +134,7 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
                               int64_t num_experts, const std::vector<int64_t>& sym,
                               const std::vector<int64_t>& direct, int64_t epoch, bool dedup, const torch::Tensor& segs,
                               torch::Tensor& out, torch::Tensor& recv_pair, int64_t tokens_per_item,
-                              int64_t rows_per_item, bool prefetch, int64_t send_begin,
+                              int64_t rows_per_item, bool prefetch, int64_t warps, int64_t send_begin,
                               int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id) {
   const FusedSetup f = fused_setup(x, expert_idx, dest_row, num_experts, sym, direct, segs, out, recv_pair,
                                    timeout_ns, error_record, layer_id);
@@ -143,6 +143,7 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
   TORCH_CHECK(expert_idx.size(1) >= 1 && expert_idx.size(1) <= kMaxTopK, "k must be in 1..", kMaxTopK);
   TORCH_CHECK(tokens_per_item >= 1 && rows_per_item >= 1, "items need at least one token and one row, got ",
               tokens_per_item, " and ", rows_per_item);
+  TORCH_CHECK(warps == 1 || warps == 2, "the job runs in 1 or 2 warps per CTA, got ", warps);
   TORCH_CHECK(send_begin >= 1 && send_begin <= f.s.num_ranks, "send_begin must be in 1..", f.s.num_ranks, ", got ",
               send_begin);
   InterleavedDispatch job{};
@@ -156,6 +157,7 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
   job.dedup = dedup ? 1 : 0;
   job.tokens_per_item = static_cast<int>(tokens_per_item);
   job.rows_per_item = static_cast<int>(rows_per_item);
+  job.warps = static_cast<int>(warps);
   job.prefetch = prefetch ? 1 : 0;
   job.epoch = static_cast<uint32_t>(epoch);
   job.s = f.s;

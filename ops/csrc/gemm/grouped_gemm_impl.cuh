@@ -126,18 +126,22 @@ struct WaitingMainloop : Base {
   }
 };
 
-// The interleaved forward's kernel: CUTLASS's, then the interleaved dispatch's job in warp 1 of
-// the producer warpgroup (warpgroup 0 in both kernels). Without an auxiliary load CUTLASS gives
-// that warp no role: it passes the kernel's setup (barrier inits, the cluster wait, the
-// warpgroup's register release) and returns, so the job runs beside the GEMM from the start and
-// nothing in the GEMM waits for the warp. (CUTLASS's auxiliary-load warp would be a consumer of
-// the grouped tile scheduler's 8-stage pipeline, so a CTA's GEMM could get at most 8 tiles ahead
-// of that warp's job.) A CTA without tiles returns before the release and runs the job alone.
+// The interleaved forward's kernel: CUTLASS's, then the interleaved dispatch's job in warp 1 (and,
+// with comm->warps 2, warp 2) of the producer warpgroup (warpgroup 0 in both kernels). Without an
+// auxiliary load CUTLASS gives warp 1 no role, and warp 2 (the epilogue's load warp) none when
+// the epilogue reads no C: they pass the kernel's setup (barrier inits, the cluster wait, the
+// warpgroup's register release) and return, so the job runs beside the GEMM from the start and
+// nothing in the GEMM waits for them. (CUTLASS's auxiliary-load warp would be a consumer of the
+// grouped tile scheduler's 8-stage pipeline, so a CTA's GEMM could get at most 8 tiles ahead of
+// that warp's job.) A CTA without tiles returns before the release and runs the job alone.
 template <class Base>
 struct InterleavedGemmKernel : Base {
+  static_assert(cute::is_void_v<typename Base::CollectiveEpilogue::ElementC>, "warp 2 must have no C to load");
   CUTLASS_DEVICE void operator()(typename Base::Params const& params, char* smem_buf) {
     Base::operator()(params, smem_buf);
-    if (threadIdx.x / 32 == 1 && params.mainloop.comm != nullptr) interleaved::run(*params.mainloop.comm);
+    const int warp = threadIdx.x / 32;
+    const InterleavedDispatch* job = params.mainloop.comm;
+    if (job != nullptr && (warp == 1 || (warp == 2 && job->warps > 1))) interleaved::run(*job);
   }
 };
 
