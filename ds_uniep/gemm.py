@@ -269,9 +269,14 @@ class ArrivalWaits:
     comm_job: Optional[Tensor] = None
 
 
-FUSED_CONFIGS = tuple(tile + order for tile in CONFIGS for order in ("", ":n1"))
-"""Configurations the fused schedule's waiting GEMM picks from: band 1 only, since the scheduler
-rounds every group's tiles up to a whole band, and the fused GEMM's groups are runs of rows."""
+FUSED_DEFAULT = "coop128x256"
+"""The fused schedule's waiting GEMM's configuration unless the block's tiles name one (band 1:
+the scheduler rounds every group's tiles up to a whole band, and that GEMM's groups are runs of
+rows). Not timed per shape: inside the layer (one H200, the fused schedule against the sequential
+one, forward) the configuration that timed fastest alone on scratch rows, ``pingpong128x128``,
+made the layer 0.88x / 0.91x / 0.89x the sequential schedule at dsv3-like / dsv2lite-like /
+mixtral-like with partitioned roles, where ``coop128x256`` made it 1.01x / 0.97x / 0.90x (and
+0.97x / 0.90x / 0.88x against 1.08x / 1.00x / 0.96x with interleaved roles)."""
 
 
 def run_alignment(config: str) -> int:
@@ -282,24 +287,11 @@ def run_alignment(config: str) -> int:
     return (256 if CONFIGS[tile] == "coop256x128" else 128) * 2 * band
 
 
-def fused_config(rows: int, w: Tensor, configs: Optional[Mapping[str, str]], sm_count: int) -> str:
-    """The forward configuration of the fused schedule's waiting GEMM over about ``rows`` rows of
-    ``w``'s groups (``[G, N, K]``) on ``sm_count`` SMs: ``configs["fwd"]`` when set, else the fastest
-    of :data:`FUSED_CONFIGS` for that many rows split evenly over the groups on that many SMs,
-    timed once per shape on scratch rows (a waiting GEMM cannot be timed on rows in flight). Not
-    :data:`DEFAULT_CONFIGS`: the waiting GEMM runs on fewer SMs than the plain forward it was set for."""
+def fused_config(configs: Optional[Mapping[str, str]]) -> str:
+    """The forward configuration of the fused schedule's waiting GEMM: ``configs["fwd"]`` when the
+    block's tiles set it, else :data:`FUSED_DEFAULT`."""
     config = (configs or {}).get("fwd", "auto")
-    if config != "auto":
-        return config
-    groups = w.shape[0]
-    rows = max(groups, int(rows))
-    chosen = _TUNED.get(_tuning_key("fwd", (rows, w.shape[2]), w, groups, sm_count, "fused"))
-    if chosen is not None:  # every forward after the first of a shape: no scratch rows
-        return chosen
-    # Random rows, not zeros: timed under sustained load, zeros would draw less power than data.
-    a = torch.randn(rows, w.shape[2], device=w.device).to(w.dtype)
-    offs = ((torch.arange(1, groups + 1, device=w.device) * rows) // groups).to(torch.int32)
-    return _choose(a, w.detach(), offs, "fwd", sm_count, configs=FUSED_CONFIGS, tag="fused")
+    return FUSED_DEFAULT if config == "auto" else config
 
 
 SEG_ALT_ROWS = 1 << 30

@@ -389,7 +389,7 @@ class NVLinkDispatcher:
         #: item, rows per take item, whether rows about to be read are prefetched to L2, and the
         #: warps per CTA that run it (1 or 2)
         self.interleaved = config.overlap.roles == "interleaved"
-        self.interleaved_items = (16, 64, True, 2)
+        self.interleaved_items = (16, 64, True, 1)
         #: whether that job sends the other ranks' rows too; False (measured faster on 2 H200s at
         #: dsv3-like and dsv2lite-like): every SM sends them, one rank after another, before the GEMM
         self.interleaved_sends = False
@@ -495,8 +495,7 @@ class NVLinkDispatcher:
         if fused:
             from .gemm import fused_config
             (fused_w, configs), self._fused_weight = self._fused_weight, None
-            # Before the counts exchange: the first call of a shape times the configurations.
-            fused_gemm = fused_config(x.shape[0] * expert_idx.shape[1], fused_w, configs, self._fused_gemm_sms())
+            fused_gemm = fused_config(configs)
             if self._stream_waits is None:
                 # A wait that holds at once (the word is 0, cyclic >= 0) tells whether the driver offers it.
                 self._stream_waits = bool(self.ext.stream_wait_word(self._started_dev, 0))

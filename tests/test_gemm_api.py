@@ -50,41 +50,24 @@ def test_reference_is_per_group():
 
 
 def test_fused_runs_align_to_the_tiles_the_scheduler_counts():
-    """A run of the fused GEMM is cut at tile M x cluster 2 x band rows; the fused schedule picks among
-    band-1 configurations only, and an explicit configuration is taken as it is (nothing is timed)."""
+    """A run of the fused GEMM is cut at tile M x cluster 2 x band rows."""
     assert gemm.run_alignment("coop128x256") == 256 and gemm.run_alignment("pingpong128x128:n1") == 256
     assert gemm.run_alignment("coop256x128") == 512 and gemm.run_alignment("coop128x256:m4") == 1024
-    assert set(gemm.FUSED_CONFIGS) <= set(gemm.candidates())
-    assert {gemm.parse_config(c)[2] for c in gemm.FUSED_CONFIGS} == {1}
-    assert {c.partition(":")[0] for c in gemm.FUSED_CONFIGS} == set(gemm.CONFIGS)
-    w = torch.zeros(4, 16, 8, dtype=torch.bfloat16)
-    assert gemm.fused_config(1000, w, {"fwd": "pingpong128x128:n1"}, 116) == "pingpong128x128:n1"
-    # A choice made before for this shape (rows bucketed) is looked up without scratch rows or timing
-    # (on this CPU tensor, timing would fail).
-    key = gemm._tuning_key("fwd", (1000, 8), w, 4, 116, "fused")
-    gemm._TUNED[key] = "coop128x256:n1"
-    try:
-        assert gemm.fused_config(900, w, None, 116) == "coop128x256:n1"
-    finally:
-        del gemm._TUNED[key]
     with pytest.raises(ValueError, match="tile"):
         gemm.run_alignment("coop64x64")
 
 
-def test_default_configs_are_built_ones_and_the_fused_gemm_keeps_its_own_choice(monkeypatch):
+def test_default_configs_are_built_ones_and_the_fused_gemm_takes_the_tiles_it_is_given(monkeypatch):
     assert set(gemm.DEFAULT_CONFIGS) == set(gemm.OPS)
     for op, config in gemm.DEFAULT_CONFIGS.items():
         assert config == "auto" or gemm.parse_config(config), op  # parse_config raises on unbuilt ones
-    w = torch.zeros(2, 16, 16, dtype=torch.bfloat16)
-    # A configuration named by the caller is taken as it is (no timing, so no GPU needed) ...
-    assert gemm.fused_config(64, w, {"fwd": "pingpong128x128:n1"}, 64) == "pingpong128x128:n1"
-    # ... but the plain forward's default is not: without configs the waiting GEMM times its own
-    # candidates (here the stand-in for the timing records that it was asked).
-    asked = []
-    monkeypatch.setattr(gemm, "_choose", lambda *a, **kw: asked.append(kw.get("configs")) or "coop256x128")
-    monkeypatch.setitem(gemm.DEFAULT_CONFIGS, "fwd", "coop128x256")
-    assert gemm.fused_config(64, w, None, 64) == "coop256x128"
-    assert asked == [gemm.FUSED_CONFIGS]
+    # The fused GEMM's default is a built band-1 configuration, and nothing is timed for it ...
+    assert gemm.parse_config(gemm.FUSED_DEFAULT)[2] == 1
+    monkeypatch.setattr(gemm, "_choose", lambda *a, **kw: pytest.fail("the fused GEMM's configuration was timed"))
+    assert gemm.fused_config(None) == gemm.fused_config({}) == gemm.FUSED_DEFAULT
+    # ... and a configuration named by the block's tiles is taken as it is.
+    assert gemm.fused_config({"fwd": "pingpong128x128:n1"}) == "pingpong128x128:n1"
+    assert gemm.fused_config(gemm.configs_for_tiles(256, 128)) == "coop256x128"
 
 
 def test_grouped_linear_hands_its_dgrad_to_into(monkeypatch):
