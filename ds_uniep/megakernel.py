@@ -390,8 +390,8 @@ class NVLinkDispatcher:
         #: warps per CTA that run it (1 or 2)
         self.interleaved = config.overlap.roles == "interleaved"
         self.interleaved_items = (16, 64, True, 1)
-        #: whether that job sends the other ranks' rows too; False (measured faster on 2 H200s at
-        #: dsv3-like and dsv2lite-like): every SM sends them, one rank after another, before the GEMM
+        #: whether that job sends the other ranks' rows too; False (faster forward on 2 H200s at all
+        #: three shapes of BENCHMARKS.md): every SM sends them, one rank after another, before the GEMM
         self.interleaved_sends = False
         self._fused_stream = None
         self._round_sources = None
