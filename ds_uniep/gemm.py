@@ -148,12 +148,12 @@ def candidates():
     return [tile + order for tile in CONFIGS for order in ORDERS]
 
 
-def _tuning_key(op: str, a_shape, b: Tensor, groups: int, sm_count: int, tag: str = "") -> Tuple:
-    """The cache key of a choice: op, device, G, N, K, rows rounded up to a power of two, SMs (and
-    ``tag``, for choices among other candidates). ``a_shape``: the first operand's shape."""
+def _tuning_key(op: str, a_shape, b: Tensor, groups: int, sm_count: int) -> Tuple:
+    """The cache key of a choice: op, device, G, N, K, rows rounded up to a power of two, SMs.
+    ``a_shape``: the first operand's shape."""
     n, k = (b.shape[1], b.shape[2]) if op != "wgrad" else (a_shape[1], b.shape[1])
     rows = max(1, a_shape[0])
-    return (op, b.device, groups, n, k, 1 << (rows - 1).bit_length(), int(sm_count)) + ((tag, ) if tag else ())
+    return (op, b.device, groups, n, k, 1 << (rows - 1).bit_length(), int(sm_count))
 
 
 def time_sustained(fns: Mapping[str, Callable[[], object]], burst_ms: float = BURST_MS,
@@ -188,11 +188,10 @@ def time_sustained(fns: Mapping[str, Callable[[], object]], burst_ms: float = BU
 
 
 def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, burst_ms: float = BURST_MS,
-            rounds: int = 3, configs: Optional[Tuple[str, ...]] = None, tag: str = "") -> str:
-    """The fastest of ``configs`` (default :func:`candidates`) for this call's shape (cached under
-    ``tag`` and the shape; see :data:`DEFAULT_CONFIGS`), timed under sustained load
-    (:func:`time_sustained`)."""
-    key = _tuning_key(op, a.shape, b, offs.shape[0], sm_count, tag)
+            rounds: int = 3) -> str:
+    """The fastest of :func:`candidates` for this call's shape (cached per shape; see
+    :data:`DEFAULT_CONFIGS`), timed under sustained load (:func:`time_sustained`)."""
+    key = _tuning_key(op, a.shape, b, offs.shape[0], sm_count)
     chosen = _TUNED.get(key)
     if chosen is not None:
         return chosen
@@ -202,7 +201,7 @@ def _choose(a: Tensor, b: Tensor, offs: Tensor, op: str, sm_count: int, burst_ms
         tile, raster_n, swizzle = parse_config(config)
         return lambda: ext.grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
 
-    timings = time_sustained({c: runner(c) for c in (configs or candidates())}, burst_ms, rounds)
+    timings = time_sustained({c: runner(c) for c in candidates()}, burst_ms, rounds)
     chosen = min(timings, key=timings.get)
     _TUNED[key] = chosen
     return chosen
