@@ -92,18 +92,18 @@ struct WaitPolicy {
 };
 
 // The fused schedule's dispatch with interleaved roles: the waiting GEMM's own SMs move the rows.
-// One spare warp of each GEMM CTA's producer warpgroup (warp 1, which CUTLASS leaves idle) claims
-// items of this job one at a time from a counter (status word kInterleavedClaimWord, zeroed
-// before the GEMM starts): first the take items of this rank's own rows, then every send item
-// (round r from f.send_begin on, a chunk of tokens_per_item tokens) storing the rows bound for
-// rank + r, then the other take items (round r, a chunk of rows_per_item of source rank - r's
-// rows here) writing their source pairs and deduplicated copies as FusedArrive's take does. The
-// last item of a send round raises kPhaseDispatch on its destination, the last of a take round
-// kPhaseArrived here for its source, so the GEMM's tiles wait on the same words as with
-// partitioned roles. Rounds before f.send_begin (round 0, this rank's own rows, at least) are
-// stored by a launch_dispatch before the GEMM. Claiming in order means every send is claimed
-// before any remote take waits, and items are not tied to CTAs, so no CTA waits on another that
-// may not be running.
+// One spare warp of each GEMM CTA's producer warpgroup (warp 1, which CUTLASS leaves idle; with
+// warps 2, warp 2 as well) claims items of this job one at a time from a counter (status word
+// kInterleavedClaimWord, zeroed before the GEMM starts): first the take items of this rank's own
+// rows, then every send item (round r from f.send_begin on, a chunk of tokens_per_item tokens)
+// storing the rows bound for rank + r, then the other take items (round r, a chunk of rows_per_item
+// of source rank - r's rows here) writing their source pairs and deduplicated copies as
+// FusedArrive's take does. The last item of a send round raises kPhaseDispatch on its destination,
+// the last of a take round kPhaseArrived here for its source, so the GEMM's tiles wait on the same
+// words as with partitioned roles. Rounds before f.send_begin (round 0, this rank's own rows, at
+// least) are stored by a launch_dispatch before the GEMM. Claiming in order means every send is
+// claimed before any remote take waits, and items are not tied to CTAs, so no CTA waits on another
+// that may not be running.
 struct InterleavedDispatch {
   const void* x;           // [T, M] bf16
   const int* expert_idx;   // [T, k]
