@@ -9,7 +9,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_FILES = sorted(glob.glob(os.path.join(REPO, "configs", "*.json")))
 NAMES = [os.path.basename(p) for p in CONFIG_FILES]
 EXPECTED = ["ds_config_uniep_default.json", "ds_config_uniep_deterministic.json", "ds_config_uniep_fp8.json",
-            "ds_config_uniep_autotune.json", "ds_config_uniep_fused.json", "ds_config_cpu_zero0.json",
+            "ds_config_uniep_autotune.json", "ds_config_uniep_fused.json",
+            "ds_config_uniep_fused_interleaved.json", "ds_config_cpu_zero0.json",
             "ds_config_cpu_zero2.json"]
 
 
@@ -44,6 +45,9 @@ def test_each_config_means_what_its_name_says():
     fused = cfg["ds_config_uniep_fused.json"]
     assert fused.overlap.schedule == "fused" and fused.expert_gemm == "uniep"
     assert fused.overlap.epilogue_combine and not fused.overlap.fused_dispatch
+    inter = cfg["ds_config_uniep_fused_interleaved.json"]
+    assert inter.overlap.schedule == "fused" and inter.expert_gemm == "uniep"
+    assert inter.overlap.fused_dispatch and inter.overlap.epilogue_combine and inter.overlap.roles == "interleaved"
     for n in ("ds_config_cpu_zero0.json", "ds_config_cpu_zero2.json"):
         assert cfg[n].backend == "reference", n
     for n in NAMES:
