@@ -1,6 +1,7 @@
 // The fused schedule's dispatch with interleaved roles (InterleavedDispatch in types.h): run by
-// one spare warp of each CTA of the waiting GEMM, beside its warpgroups. Device code only; the
-// rows, meta words, dup words and source pairs are those of launch_dispatch's fused rounds.
+// one (or two) spare warps of each CTA of the waiting GEMM, beside its warpgroups. Device code
+// only; the rows, meta words, dup words and source pairs are those of launch_dispatch's fused
+// rounds.
 #pragma once
 
 #include "../common.cuh"
