@@ -204,8 +204,8 @@ def _compare_fused(rank, world_size):
         # stored into the sources' combine buffers by the GEMM's epilogue; the last one with the
         # sequential dispatch and only the epilogue combine; the last two with the dispatch in the
         # first GEMM's CTAs (interleaved roles), with and without the epilogue combine, the second
-        # with the sends in those CTAs too. At k = 1 with every token on one expert, a rank receives
-        # no rows: its interleaved dispatch runs alone)
+        # with the sends in those CTAs too and two warps of each CTA on the job. At k = 1 with every
+        # token on one expert, a rank receives no rows: its interleaved dispatch runs alone)
         for sms, early, epilogue, fused_dispatch, roles in (
                 (20, True, True, True, "partitioned"), (8, True, True, True, "partitioned"),
                 (20, False, False, True, "partitioned"), (8, True, True, False, "partitioned"),
@@ -214,9 +214,11 @@ def _compare_fused(rank, world_size):
                           overlap={"schedule": "fused", "num_comm_sms": sms, "epilogue_combine": epilogue,
                                    "fused_dispatch": fused_dispatch, "roles": roles})
             layer.route_early = early
-            if roles == "interleaved" and not early:  # the GEMM's spare warps send the rows too
+            if roles == "interleaved" and not early:  # the GEMM's spare warps (two per CTA) send the rows too
                 x0 = torch.empty(1, 1024, dtype=torch.bfloat16, device=torch.device("cuda", rank))
-                layer._dispatcher(x0).interleaved_sends = True
+                d = layer._dispatcher(x0)
+                d.interleaved_sends = True
+                d.interleaved_items = d.interleaved_items[:3] + (2, )
             where = (f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}, fused "
                      f"dispatch {fused_dispatch}, roles {roles}")
             _check_same(layer, rank, cases, want, where)

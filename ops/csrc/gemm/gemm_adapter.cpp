@@ -178,8 +178,8 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
   const cudaError_t err = gemm::grouped_gemm(run_op, static_cast<int>(config), args,
                                              c10::cuda::getCurrentCUDAStream(), &status);
   TORCH_CHECK(err == cudaSuccess, "grouped_mm_segments (", fwd ? "fwd" : "dgrad", ", config ",
-              gemm::config_name(static_cast<int>(config)), ", G=", segs.size(0), " N=", w.size(1), " K=", w.size(2), ") failed: ", cudaGetErrorString(err),
-              " (CUTLASS status ", status, ")");
+              gemm::config_name(static_cast<int>(config)), ", G=", segs.size(0), " N=", w.size(1), " K=", w.size(2),
+              ") failed: ", cudaGetErrorString(err), " (CUTLASS status ", status, ")");
 }
 
 std::string grouped_mm_config_name(int64_t config) { return gemm::config_name(static_cast<int>(config)); }
