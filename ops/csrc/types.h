@@ -99,8 +99,9 @@ struct WaitPolicy {
 // storing the rows bound for rank + r, then the other take items (round r, a chunk of rows_per_item
 // of source rank - r's rows here) writing their source pairs and deduplicated copies as
 // FusedArrive's take does. The last item of a send round raises kPhaseDispatch on its destination,
-// the last of a take round kPhaseArrived here for its source, so the GEMM's tiles wait on the same
-// words as with partitioned roles. Rounds before f.send_begin (round 0, this rank's own rows, at
+// the last of a take round kPhaseArrived here for its source once the previous round's word is up:
+// the words rise in round order, as with partitioned roles, since a GEMM tile waits only for the
+// latest round among its rows. Rounds before f.send_begin (round 0, this rank's own rows, at
 // least) are stored by a launch_dispatch before the GEMM. Claiming in order means every send is
 // claimed before any remote take waits, and items are not tied to CTAs, so no CTA waits on another
 // that may not be running.

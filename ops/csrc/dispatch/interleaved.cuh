@@ -123,9 +123,25 @@ __device__ inline bool take(const InterleavedDispatch& j, int round, int item, i
   return true;
 }
 
+// Round `round`'s rows are all taken: raise kPhaseArrived for its source here, once the previous
+// round's word is up. A run of the GEMM waits only for the latest round among its rows (see
+// layout.fused_runs), so the words must rise in round order; the items of different rounds finish
+// in any order, and the previous round's items were all claimed earlier, by warps that are running.
+// False when the wait gave up. Warp-wide.
+__device__ __forceinline__ bool raise_arrived(const InterleavedDispatch& j, int round, int lane) {
+  const SymView& s = j.s;
+  const int* seg = j.f.segs + 4 * j.f.experts_per_rank * round;
+  int ok = 1;
+  if (lane == 0) {
+    if (round > 0) ok = wait_signal(s, j.w, seg[3 - 4 * j.f.experts_per_rank], kPhaseArrived, j.epoch);
+    if (ok) st_release_sys(signal_word(s, s.rank, kPhaseArrived, seg[3]), j.epoch);
+  }
+  return __shfl_sync(0xffffffffu, ok, 0) != 0;
+}
+
 // The whole job, by one warp, claiming items until none is left: this rank's own take round
 // first (its rows are already stored, so the GEMM's first tiles can start), then every send,
-// then the other take rounds in arrival order.
+// then the other take rounds in round order (the order the sources send to this rank).
 __device__ inline void run(const InterleavedDispatch& j) {
   const int lane = threadIdx.x % 32;
   const SymView& s = j.s;
@@ -158,8 +174,7 @@ __device__ inline void run(const InterleavedDispatch& j) {
       if (round == G) return;  // every item claimed
     }
     if (!take(j, round, item, lane)) return;
-    if (last_item(status + 12 + round, items, lane) && lane == 0)
-      st_release_sys(signal_word(s, s.rank, kPhaseArrived, j.f.segs[4 * round * j.f.experts_per_rank + 3]), j.epoch);
+    if (last_item(status + 12 + round, items, lane) && !raise_arrived(j, round, lane)) return;
   }
 }
 
