@@ -86,11 +86,12 @@ MEGAKERNEL_CONFIGS = {
     "megakernel-pipelined-sm": {"backend": "megakernel", "expert_gemm": "uniep",
                                 "overlap": {"schedule": "pipelined", "num_chunks": 4, "num_comm_sms": 20}},
     "megakernel-fused": {"backend": "megakernel", "expert_gemm": "uniep",
-                         "overlap": {"schedule": "fused", "num_comm_sms": 20}},
+                         "overlap": {"schedule": "fused", "num_comm_sms": 20, "roles": "partitioned"}},
     # megakernel-fused with the second GEMM's outputs kept on the expert rank and pushed back by the combine
     # kernel, and the first GEMM's dgrad rows by the dispatch's backward (overlap.epilogue_combine false)
     "megakernel-fused-push": {"backend": "megakernel", "expert_gemm": "uniep",
-                              "overlap": {"schedule": "fused", "num_comm_sms": 20, "epilogue_combine": False}},
+                              "overlap": {"schedule": "fused", "num_comm_sms": 20, "roles": "partitioned",
+                                          "epilogue_combine": False}},
     # megakernel-fused with the sequential schedule's dispatch (overlap.fused_dispatch false): only the
     # epilogue combines (the second GEMM's forward, the first GEMM's dgrad)
     "megakernel-fused-epilogue": {"backend": "megakernel", "expert_gemm": "uniep",

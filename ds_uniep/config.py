@@ -78,13 +78,13 @@ class OverlapConfig(_Block):
                                    "rows there; false: the rows stay on the expert's rank and the combine kernels "
                                    "move them. Read by the fused schedule only.")
     roles: Literal["partitioned", "interleaved"] = Field(
-        "partitioned",
-        description="Read by the fused schedule's dispatch (fused_dispatch). partitioned: it runs on num_comm_sms "
-        "whole SMs while the first expert GEMM runs on the others; interleaved: every SM stores the rows, one "
-        "destination rank after another, before that GEMM, and the arriving rows are taken in (source pairs, "
-        "deduplicated copies) by one spare warp of each of the GEMM's CTAs (a warp of the producer warpgroup "
-        "that the GEMM leaves idle, beside its warpgroups), so the GEMM has every SM and num_comm_sms is not "
-        "read there. The same bits either way.")
+        "interleaved",
+        description="Read by the fused schedule's dispatch (fused_dispatch). interleaved: every SM stores the "
+        "rows, one destination rank after another, before the first expert GEMM, and the arriving rows are taken "
+        "in (source pairs, deduplicated copies) by one spare warp of each of the GEMM's CTAs (a warp of the "
+        "producer warpgroup that the GEMM leaves idle, beside its warpgroups), so the GEMM has every SM and "
+        "num_comm_sms is not read there; partitioned: the dispatch runs on num_comm_sms whole SMs while that "
+        "GEMM runs on the others (measured slower). The same bits either way.")
     tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256). Read by ds_uniep's GEMM (expert_gemm "
                         "'uniep') when the block sets tile_m or tile_n: every expert GEMM (forward, dgrad, wgrad) "
                         "then runs the tile_m x tile_n configuration it is built with (128x256, 256x128 or 128x128; "

@@ -69,7 +69,7 @@ def test_config_sources_agree(tmp_path):
     path.write_text(json.dumps({"train_batch_size": 8, "uniep": block}))
     a = UniEPConfig.from_dict(block)
     assert a == UniEPConfig.from_ds_config(str(path)) == UniEPConfig.coerce({"train_batch_size": 8, "uniep": block})
-    assert a.overlap.num_chunks == 4 and a.overlap.roles == "partitioned"
+    assert a.overlap.num_chunks == 4 and a.overlap.roles == "interleaved"
     assert UniEPConfig.from_ds_config({"train_batch_size": 8}) == UniEPConfig()
 
 

@@ -281,7 +281,9 @@ def _compare_fused(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_schedule_is_bitwise_the_sequential_one(world_size):
     """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens, all tokens to one
-    expert, 8 and 20 communication SMs and interleaved roles; every forward ran fused."""
+    expert, 8 and 20 communication SMs in partitioned roles and interleaved roles (the default, which
+    the cases that name no roles run: two forwards before their backwards, tile sizes, GeLU experts,
+    flattened experts); every forward ran fused."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare_fused, world_size, backend="nccl")

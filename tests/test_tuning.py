@@ -62,7 +62,6 @@ def test_each_rejection_reason_is_hit_by_a_plan():
         "SM budget exceeded: the GEMM is left 62 of 132": Plan(schedule="fused", num_comm_sms=70),
         "shared memory over the limit": Plan(tile_m=256, tile_n=256, stages=4),
         "pipelined with 1 chunk": Plan(schedule="pipelined", num_chunks=1),
-        "interleaved roles need the fused schedule": Plan(schedule="pipelined", num_chunks=2, roles="interleaved"),
         "numerics change not allowed": Plan(dispatch_dtype="fp8_e4m3"),
     }
     for reason, plan in cases.items():
@@ -76,8 +75,13 @@ def test_each_rejection_reason_is_hit_by_a_plan():
     assert space.check(Plan(tile_m=256, tile_n=256, stages=3)) is None
     big = Space(Shape(T=9000, M=64, F=64, E=8, k=2), GPU, max_tokens_per_rank=8192)
     assert "symmetric buffer too small: T=9000" in big.check(big.baseline())
-    # Interleaved roles keep every SM for the GEMM; the sequential schedule never overlaps.
+    # Interleaved roles keep every SM for the GEMM; the sequential schedule never overlaps, and roles
+    # outside the fused dispatch (the config's default, interleaved, under the sequential schedule)
+    # are the partitioned ones: nothing reads them there.
     assert space.check(Plan(schedule="fused", roles="interleaved", num_comm_sms=70)) is None
+    assert Plan(schedule="pipelined", num_chunks=2, roles="interleaved") == Plan(schedule="pipelined", num_chunks=2)
+    assert Plan.from_config(UniEPConfig()).roles == "partitioned" and UniEPConfig().overlap.roles == "interleaved"
+    assert Plan.from_config({"overlap": {"schedule": "fused"}}).roles == "interleaved"
     assert space.check(Plan(schedule="sequential", num_comm_sms=70)) is None
     # The default plan of the config is valid at BENCHMARKS.md shapes.
     assert space.check(Plan.from_config(UniEPConfig())) is None
@@ -119,11 +123,10 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
                                                                      (8, 16, 24, 32, 48, 64, 80, 96)]
     assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1)
                == mk.baseline() for p in plans)
-    # the FP8 plans are rejected, and interleaved roles outside the fused schedule ...
-    assert mk.baseline() in plans and len(mk.table()) == 2 * 2 * (9 + 2 * 9)
+    # the FP8 plans are rejected (roles outside the fused schedule are the partitioned ones) ...
+    assert mk.baseline() in plans and len(mk.table()) == 2 * (9 + 2 * 9)
     assert all(p.roles == "partitioned" for p in plans)
-    assert all("numerics change not allowed" in r or "SM budget" in r or "interleaved roles need the fused" in r
-               for _, r in mk.table() if r)
+    assert all("numerics change not allowed" in r or "SM budget" in r for _, r in mk.table() if r)
     allowed = Space(shape, h200, 4, allow_numerics_change=True, backend="megakernel")
     assert len(allowed.enumerate()) == 2 * len(plans)  # ... unless numerics may change
     # Capped by the GPU's SM count; FP8 rows need M divisible by 128 on the megakernel only.
@@ -424,7 +427,8 @@ def test_cli_space_only_writes_the_plot(tmp_path):
     png = tmp_path / "o" / "tune-dsv2lite-like-ep4-space.png"
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((tmp_path / "o" / "tune-dsv2lite-like-ep4-space.json").read_text())
-    assert data["measured"] is False and len(data["plans"]) == 4608
+    # (interleaved roles outside the fused schedule are the partitioned plans, not candidates of their own)
+    assert data["measured"] is False and len(data["plans"]) == 3456
 
 
 def test_cli_reference_backend_says_the_knobs_do_not_matter(tmp_path):

@@ -119,10 +119,12 @@ class Plan:
     unless ``schedule == "pipelined"``; ``signal_granularity`` is ``"tile"``
     unless the fused schedule's dispatch runs (only its GEMM waits on arrival
     signals); ``fused_dispatch`` and ``epilogue_combine`` are True unless
-    ``schedule == "fused"``; and without the fused dispatch, which alone keeps
-    ``num_comm_sms`` SMs, the fused schedule's ``num_comm_sms`` is 20 and its
-    roles are partitioned (with it in interleaved roles, which keep no SMs,
-    ``num_comm_sms`` is 20 too). ``overlap.timeout_s`` is not a knob: it is kept from
+    ``schedule == "fused"``; ``roles`` is ``"partitioned"`` unless the fused
+    schedule's dispatch runs (nothing else reads it; the config's default,
+    ``"interleaved"``, so becomes ``"partitioned"`` under the other schedules);
+    and without the fused dispatch, which alone keeps ``num_comm_sms`` SMs, the
+    fused schedule's ``num_comm_sms`` is 20 (with it in interleaved roles, which
+    keep no SMs, ``num_comm_sms`` is 20 too). ``overlap.timeout_s`` is not a knob: it is kept from
     the user's config by :meth:`to_overlap_config`.
     """
 
@@ -159,9 +161,10 @@ class Plan:
             object.__setattr__(self, "epilogue_combine", True)
         if self.schedule != "fused" or not self.fused_dispatch:
             object.__setattr__(self, "signal_granularity", "tile")
+        if self.schedule != "fused" or not self.fused_dispatch:
+            object.__setattr__(self, "roles", "partitioned")
         if self.schedule == "fused" and not self.fused_dispatch:
             object.__setattr__(self, "num_comm_sms", 20)
-            object.__setattr__(self, "roles", "partitioned")
         if self.schedule == "fused" and self.roles == "interleaved":
             object.__setattr__(self, "num_comm_sms", 20)
 
@@ -460,9 +463,6 @@ class Space:
             if "fused" not in self.built_schedules():
                 reasons.append('the fused schedule needs ds_uniep\'s grouped GEMM ("expert_gemm": "uniep") and '
                                f"bf16 rows (expert_gemm={self.expert_gemm}, dtype={self.shape.dtype})")
-        if plan.roles == "interleaved" and plan.schedule != "fused":
-            reasons.append(f"interleaved roles need the fused schedule: schedule={plan.schedule} runs communication "
-                           "and GEMMs as separate kernels")
         if plan.dispatch_dtype == "fp8_e4m3" and self.backend == "megakernel" and s.M % FP8_GROUP:
             reasons.append(f"FP8 rows need the hidden size divisible by {FP8_GROUP}: M={s.M}")
         if plan.dispatch_dtype != self.dispatch_dtype and not self.allow_numerics_change:
