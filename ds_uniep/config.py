@@ -92,7 +92,11 @@ class OverlapConfig(_Block):
     tile_n: int = Field(128, description="GEMM tile columns (64, 128 or 256); see tile_m.")
     stages: int = Field(4, ge=2, le=8, description="Shared-memory pipeline stages of the GEMM.")
     signal_granularity: Literal["tile", "expert", "rank"] = Field(
-        "tile", description="What one arrival signal covers: a tile of rows, all rows of an expert, or a rank.")
+        "tile", description="What one wait of the fused schedule's first expert GEMM covers (read with "
+        "fused_dispatch; arrival words are raised per source rank, in the order the sources send): tile, each run "
+        "of whole tiles starts once the latest source among its rows has arrived; expert, each expert's rows start "
+        "once the latest source among them has; rank, every row waits for all of this rank's rows. The same "
+        "tiles and bits under each; the tuner keeps the configured value rather than walking it.")
     timeout_s: float = Field(100.0, gt=0, description="Seconds a kernel waits on a peer's signal before it "
                              "raises an error naming the layer, rank and signal.")
 
@@ -217,8 +221,9 @@ class UniEPConfig(_Block):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
                                    "backend runs the sequential, pipelined or fused schedule and reads schedule, "
-                                   "num_chunks, num_comm_sms, fused_dispatch, epilogue_combine, roles (the fused "
-                                   "dispatch) and timeout_s; no schedule reads stages or signal_granularity yet; "
+                                   "num_chunks, num_comm_sms, fused_dispatch, epilogue_combine, roles and "
+                                   "signal_granularity (the fused dispatch) and timeout_s; no schedule reads stages "
+                                   "yet; "
                                    "tile_m and tile_n reach ds_uniep's GEMM only).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")

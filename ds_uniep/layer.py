@@ -179,6 +179,7 @@ class UniEPMoE(MoE):
             if hasattr(d, "set_comm_sms"):
                 d.set_comm_sms(cfg.overlap.num_comm_sms, fused=cfg.overlap.schedule == "fused")
                 d.interleaved = cfg.overlap.roles == "interleaved"
+                d.signal_granularity = cfg.overlap.signal_granularity
 
     @property
     def ep_group(self):
@@ -596,10 +597,9 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
 
 
 _FUSED_KNOBS = ("roles", "tile_m", "tile_n", "stages", "signal_granularity")
-"""``uniep.overlap`` knobs meant for the fused schedule: ``roles`` is read by its dispatch
-(``fused_dispatch``) only; ``stages`` and ``signal_granularity`` are read by nothing yet (it waits
-per run of tiles on one signal per source rank); ``tile_m`` and ``tile_n`` are read by ds_uniep's
-GEMM (``expert_gemm: "uniep"``) wherever it runs the experts, on any schedule."""
+"""``uniep.overlap`` knobs meant for the fused schedule: ``roles`` and ``signal_granularity`` are read
+by its dispatch (``fused_dispatch``) only; ``stages`` is read by nothing yet; ``tile_m`` and ``tile_n``
+are read by ds_uniep's GEMM (``expert_gemm: "uniep"``) wherever it runs the experts, on any schedule."""
 _SAID_WAITING = set()
 _SAID_CANNOT = set()
 _NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
@@ -620,13 +620,13 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
     knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))
-              and not (k == "roles" and fused_here and overlap.fused_dispatch)]
+              and not (k in ("roles", "signal_granularity") and fused_here and overlap.fused_dispatch)]
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
     if knobs and (said, backend) not in _SAID_WAITING:
         _SAID_WAITING.add((said, backend))
         logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
-                       + ("the sequential, pipelined or fused schedule, none of which reads stages or signal "
-                          "granularity yet, roles only reach the fused schedule's dispatch (fused_dispatch) and "
+                       + ("the sequential, pipelined or fused schedule, none of which reads stages yet, roles "
+                          "and signal granularity only reach the fused schedule's dispatch (fused_dispatch) and "
                           "tile sizes only ds_uniep's GEMM (expert_gemm 'uniep')"
                           if backend == "megakernel" else
                           "the sequential schedule") + "; results are the same under every value. Said once for "

@@ -393,6 +393,9 @@ class NVLinkDispatcher:
         #: whether that job sends the other ranks' rows too; False (faster forward on 2 H200s at all
         #: three shapes of BENCHMARKS.md): every SM sends them, one rank after another, before the GEMM
         self.interleaved_sends = False
+        #: what one wait of the fused schedule's first GEMM covers (``overlap.signal_granularity``; see
+        #: _wait_runs)
+        self.signal_granularity = config.overlap.signal_granularity
         self._fused_stream = None
         self._round_sources = None
         self._fuse_next = False
@@ -532,7 +535,7 @@ class NVLinkDispatcher:
             # layout.fused_runs on the device: the (source, expert) blocks the dispatch takes in,
             # and the runs of the GEMM's tiles
             source_blocks = self.ext.fused_segments(counts_all, self.rank, 1)
-            segs = self.ext.fused_segments(counts_all, self.rank, run_alignment(st["fused_gemm"]))
+            segs = self._wait_runs(counts_all, run_alignment(st["fused_gemm"]))
             pairs_all = torch.empty(self.bufs.recv_rows, dtype=torch.int32, device=x.device)
             G = self.ep_size
             if self.interleaved:
@@ -693,6 +696,22 @@ class NVLinkDispatcher:
         with interleaved roles all of it."""
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         return max(2, (sms - (0 if self.interleaved else self.fused_comm_blocks)) // 2 * 2)
+
+    def _wait_runs(self, counts_all: Tensor, tile_rows: int) -> Tensor:
+        """The runs of rows the fused schedule's first GEMM runs over, each waiting for one source's
+        arrival word (``[G * L, 4]`` int32 on the device: first row, rows, local expert, source), by
+        ``signal_granularity``: ``"tile"``, runs of whole tiles (``tile_rows``), each waiting for the
+        latest source among its rows (``layout.fused_runs``); ``"expert"``, each expert's rows one run
+        waiting for the latest source among them; ``"rank"``, those runs all waiting for the last
+        round's source (rank + 1), i.e. for every row here. The words rise in round order, so a wait
+        for a round covers the earlier ones; every run is whole tiles of its expert, so the GEMM does
+        the same tiles (and bits) under each."""
+        # An alignment of the receive buffer's rows or more makes each expert's block one tile.
+        whole = max(1, self.bufs.recv_rows)
+        segs = self.ext.fused_segments(counts_all, self.rank, tile_rows if self.signal_granularity == "tile" else whole)
+        if self.signal_granularity == "rank":
+            segs[:, 3] = (self.rank + 1) % self.ep_size
+        return segs
 
     def _arrival_waits(self, segs: Tensor, epoch: int):
         from .gemm import ArrivalWaits

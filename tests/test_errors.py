@@ -203,6 +203,28 @@ def test_roles_are_named_unless_the_fused_dispatch_reads_them():
     assert counts == [0, 1, 1, 1], counts
 
 
+def test_signal_granularity_is_named_unless_the_fused_dispatch_reads_it():
+    """``signal_granularity`` is read by the megakernel's fused dispatch only; ``stages`` by nothing."""
+    from ds_uniep import layer as layer_module
+    from ds_uniep.config import UniEPConfig
+    for overlap, backend, named in (
+            ({"schedule": "fused", "signal_granularity": "expert"}, "megakernel", []),
+            ({"schedule": "fused", "signal_granularity": "rank", "stages": 3}, "megakernel", ["stages=3"]),
+            ({"schedule": "sequential", "signal_granularity": "expert"}, "megakernel",
+             ["signal_granularity='expert'"]),
+            ({"schedule": "fused", "fused_dispatch": False, "signal_granularity": "rank"}, "megakernel",
+             ["signal_granularity='rank'"])):
+        layer_module._SAID_WAITING.clear()
+        with _logged() as records:
+            layer_module._say_overlap_knobs_wait(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend,
+                                                 "layer 0")
+        said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
+        assert len(said) == (1 if named else 0), (overlap, said)
+        assert all(n in said[0] for n in named), (overlap, said)
+        if said:
+            assert ("signal_granularity" in said[0].split("accepted")[0]) == (named != ["stages=3"]), said
+
+
 def test_the_hosts_wait_for_the_fused_dispatch_start_compares_epochs_cyclically():
     """Where the driver offers no stream memory wait the host polls the word the fused dispatch's
     blocks raise: it returns once the word reaches the epoch (across the 32-bit wrap) and raises

@@ -205,14 +205,17 @@ def _compare_fused(rank, world_size):
         # sequential dispatch and only the epilogue combine; the last two with the dispatch in the
         # first GEMM's CTAs (interleaved roles), with and without the epilogue combine, the second
         # with the sends in those CTAs too and two warps of each CTA on the job. At k = 1 with every
-        # token on one expert, a rank receives no rows: its interleaved dispatch runs alone)
-        for sms, early, epilogue, fused_dispatch, roles in (
-                (20, True, True, True, "partitioned"), (8, True, True, True, "partitioned"),
-                (20, False, False, True, "partitioned"), (8, True, True, False, "partitioned"),
-                (20, True, True, True, "interleaved"), (20, False, False, True, "interleaved")):
+        # token on one expert, a rank receives no rows: its interleaved dispatch runs alone. The
+        # last two: each expert's rows waited for as a whole, and all of a rank's rows)
+        for sms, early, epilogue, fused_dispatch, roles, granularity in (
+                (20, True, True, True, "partitioned", "tile"), (8, True, True, True, "partitioned", "tile"),
+                (20, False, False, True, "partitioned", "tile"), (8, True, True, False, "partitioned", "tile"),
+                (20, True, True, True, "interleaved", "tile"), (20, False, False, True, "interleaved", "tile"),
+                (20, True, True, True, "interleaved", "expert"), (8, True, True, True, "partitioned", "rank")):
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
                           overlap={"schedule": "fused", "num_comm_sms": sms, "epilogue_combine": epilogue,
-                                   "fused_dispatch": fused_dispatch, "roles": roles})
+                                   "fused_dispatch": fused_dispatch, "roles": roles,
+                                   "signal_granularity": granularity})
             layer.route_early = early
             if roles == "interleaved" and not early:  # the GEMM's spare warps (two per CTA) send the rows too
                 x0 = torch.empty(1, 1024, dtype=torch.bfloat16, device=torch.device("cuda", rank))
@@ -220,12 +223,12 @@ def _compare_fused(rank, world_size):
                 d.interleaved_sends = True
                 d.interleaved_items = d.interleaved_items[:3] + (2, )
             where = (f"k={k} fused, comm SMs {sms}, early dispatch {early}, epilogue combine {epilogue}, fused "
-                     f"dispatch {fused_dispatch}, roles {roles}")
+                     f"dispatch {fused_dispatch}, roles {roles}, signal granularity {granularity}")
             _check_same(layer, rank, cases, want, where)
             disp = next(iter(layer._dispatchers.values()))
             stats = disp.fused_stats
             assert stats == {"fused": len(cases) if fused_dispatch else 0, "sequential": 0}, f"{where}: {stats}"
-            assert disp.interleaved == (roles == "interleaved"), where
+            assert disp.interleaved == (roles == "interleaved") and disp.signal_granularity == granularity, where
             begun = disp.early_dispatches
             assert begun == (len(cases) if early and k > 1 else 0), f"{where}: {begun} queued early"
             landed = disp.combine_stats["landed"], disp.combine_stats["landed_dgrad"]
@@ -283,7 +286,7 @@ def test_fused_schedule_is_bitwise_the_sequential_one(world_size):
     """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens, all tokens to one
     expert, 8 and 20 communication SMs in partitioned roles and interleaved roles (the default, which
     the cases that name no roles run: two forwards before their backwards, tile sizes, GeLU experts,
-    flattened experts); every forward ran fused."""
+    flattened experts), each signal granularity; every forward ran fused."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare_fused, world_size, backend="nccl")

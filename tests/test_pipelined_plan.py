@@ -232,3 +232,49 @@ def test_segment_config_times_only_when_no_tile_is_set():
     assert segment_config({"dgrad": "pingpong128x128:n4"}, "dgrad", never) == "pingpong128x128"
     assert segment_config({"dgrad": "auto"}, "dgrad", lambda: "coop256x128:m2") == "coop256x128"
     assert segment_config(None, "fwd", never) == "coop128x256"  # the forward's default is explicit
+
+
+@pytest.mark.parametrize("G,T,k,E", [(2, 19, 2, 4), (4, 33, 6, 16), (4, 1, 8, 32), (4, 300, 2, 8), (2, 0, 1, 2)])
+@pytest.mark.parametrize("skew", [False, True])
+def test_wait_runs_cover_each_expert_and_wait_for_every_source_they_hold(G, T, k, E, skew):
+    """The runs the fused dispatch's first GEMM waits on (``NVLinkDispatcher._wait_runs``) under
+    each ``signal_granularity``: every expert's block is covered once, by runs starting on its tile
+    boundaries (so the GEMM does the tiles of the whole experts), and each run waits for a source
+    whose round is at least that of every source with rows in it (arrival words rise in round
+    order). ``expert``: one run per expert; ``rank``: every run waits for the last round."""
+    from ds_uniep.layout import fused_runs
+    from ds_uniep.megakernel import NVLinkDispatcher
+    routing = _routing(G, T, k, E, seed=G * 7 + T + k, skew=skew)
+    counts = torch.stack([expert_counts(r, E) for r in routing])
+    L, tile = E // G, 4
+    for rank in range(G):
+        mine = counts[:, rank * L:(rank + 1) * L]  # [sources, local experts]
+        for gran in ("tile", "expert", "rank"):
+            fake = _FakeDispatcher(rank, G, 1 << 20)
+            fake.signal_granularity = gran
+            fake.bufs.recv_rows = G * max(T, 1) * min(k, L)
+            segs = NVLinkDispatcher._wait_runs(fake, counts, tile)
+            assert segs.shape == (G * L, 4)
+            if gran == "tile":
+                assert torch.equal(segs.long(), fused_runs(counts, rank, tile))
+            base = 0
+            for l in range(L):
+                per_src = mine[:, l].tolist()
+                total = sum(per_src)
+                runs = sorted((f, n, s) for f, n, ll, s in segs.tolist() if ll == l and n > 0)
+                assert sum(n for _, n, _ in runs) == total, (gran, rank, l)
+                at = base
+                for first, n, src in runs:
+                    assert first == at and (first - base) % tile == 0, (gran, rank, l, runs)
+                    at += n
+                    pre = 0
+                    for s, c in enumerate(per_src):  # every source with rows in [first, first + n)
+                        if c and base + pre < first + n and base + pre + c > first:
+                            assert (rank - src) % G >= (rank - s) % G, (gran, rank, l, s, src)
+                        pre += c
+                    if gran == "rank":
+                        assert src == (rank + 1) % G
+                if gran != "tile":
+                    assert len(runs) == (1 if total else 0), (gran, runs)
+                base += total
+

@@ -216,6 +216,12 @@ def test_plan_forms_normalisation_and_config_round_trip():
     # the config's tile sizes stay: tile_m set (64), tile_n unset
     assert applied.compression.dispatch_dtype == "activation" and Plan.from_config(applied) == Plan(stages=3, tile_m=64)
     assert "tile_n" not in applied.overlap.model_fields_set
+    # and so does its signal granularity (read by the fused dispatch, not walked): set, or left unset
+    assert "signal_granularity" not in applied.overlap.model_fields_set
+    expert = UniEPConfig.from_dict({"overlap": {"schedule": "fused", "signal_granularity": "expert"}})
+    for p2 in (Plan(schedule="fused"), Plan(schedule="fused", signal_granularity="rank")):
+        assert p2.apply(expert).overlap.signal_granularity == "expert"
+    assert Plan(schedule="sequential").apply(expert).overlap.signal_granularity == "tile"  # nothing reads it there
     assert plan.to_overlap_config().num_chunks == 4
     with pytest.raises(ValueError, match="tile_m"):
         Plan(tile_m=96)

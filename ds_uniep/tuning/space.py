@@ -28,11 +28,12 @@ Two kinds of space:
   its dispatch beside the first GEMM, the combines in the second GEMM's epilogue and
   the first GEMM's dgrad epilogue), ``roles`` (where the fused dispatch runs:
   on ``num_comm_sms`` whole SMs, or interleaved in a spare warp of each of the
-  GEMM's CTAs) and ``dispatch_dtype``; ``stages`` and ``signal_granularity`` are
-  read by nothing yet (the fused schedule waits per run of tiles); ``tile_m`` and
-  ``tile_n``, set in the block, pick ds_uniep's GEMM tile (``expert_gemm:
-  "uniep"``), which the tuner keeps as configured rather than walks (left unset,
-  the GEMM picks its tiles itself; :meth:`Plan.apply` keeps them unset).
+  GEMM's CTAs) and ``dispatch_dtype``; ``stages`` is read by nothing yet;
+  ``signal_granularity`` (what one wait of the fused dispatch's first GEMM covers)
+  and ``tile_m`` and ``tile_n`` (set in the block, they pick ds_uniep's GEMM tile,
+  ``expert_gemm: "uniep"``) the tuner keeps as configured rather than walks
+  (:data:`KEPT_KNOBS`; left unset, the GEMM picks its tiles itself and the fused
+  dispatch waits per run of tiles; :meth:`Plan.apply` keeps them unset).
   The reference backend acts on ``dispatch_dtype`` only.
 """
 
@@ -93,8 +94,13 @@ fixes the others at the sequential baseline's values: the megakernel runs the se
 pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
 schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
 with ``num_comm_sms`` blocks (its fused dispatch in partitioned roles; interleaved, its arrivals are
-taken inside the first GEMM's CTAs) and moves rows in ``dispatch_dtype``; the stage and signal knobs
-are read by nothing yet, and the tile knobs only by ds_uniep's GEMM, as configured (not walked)."""
+taken inside the first GEMM's CTAs) and moves rows in ``dispatch_dtype``; the stage knob is read by
+nothing yet, the signal knob by the fused dispatch and the tile knobs by ds_uniep's GEMM, as
+configured (not walked: :data:`KEPT_KNOBS`)."""
+
+KEPT_KNOBS = ("tile_m", "tile_n", "signal_granularity")
+"""Knobs a backend reads but its space does not walk: :meth:`Plan.apply` keeps the config's values
+(set or unset) in every plan it applies."""
 
 BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
 """The schedules the megakernel runs. A backend space walks the fused one only for layers it can run
@@ -219,11 +225,11 @@ class Plan:
 
     def apply(self, config):
         """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept, and so
-        are the config's tile sizes: no backend's space walks them (a backend plan carries the
-        baseline's), and set, ds_uniep's GEMM runs them instead of its own choice, so a plan must
-        neither set nor change them. Tile sizes the config leaves unset stay unset."""
-        unset = [k for k in ("tile_m", "tile_n") if k not in config.overlap.model_fields_set]
-        tiles = {k: getattr(config.overlap, k) for k in ("tile_m", "tile_n") if k not in unset}
+        are the config's tile sizes and signal granularity (:data:`KEPT_KNOBS`): no backend's space
+        walks them (a backend plan carries the baseline's), and set, the layer runs them, so a plan
+        must neither set nor change them. Those the config leaves unset stay unset."""
+        unset = [k for k in KEPT_KNOBS if k not in config.overlap.model_fields_set]
+        tiles = {k: getattr(config.overlap, k) for k in KEPT_KNOBS if k not in unset}
         overlap = self.replace(**tiles).to_overlap_config(config.overlap.timeout_s, unset)
         compression = config.compression.model_copy(update={"dispatch_dtype": self.dispatch_dtype})
         return config.model_copy(update={"overlap": overlap, "compression": compression})

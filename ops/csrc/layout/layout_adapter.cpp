@@ -41,7 +41,7 @@ torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank, int6
   const int64_t G = counts_all.size(0), E = counts_all.size(1);
   TORCH_CHECK(G >= 1 && G <= kMaxRanks && E % G == 0 && rank >= 0 && rank < G, "counts_all [", G, ", ", E,
               "] and rank ", rank, " do not make a layout");
-  TORCH_CHECK(align >= 1 && align <= (1 << 20), "fused segments: align must be 1 to 2^20 rows, got ", align);
+  TORCH_CHECK(align >= 1 && align <= (1 << 30), "fused segments: align must be 1 to 2^30 rows, got ", align);
   const c10::cuda::CUDAGuard guard(counts_all.device());
   torch::Tensor segs = torch::empty({E, 4}, counts_all.options().dtype(torch::kInt32));  // G * L = E runs
   UNIEP_CHECK_LAUNCH(launch_fused_segments(counts_all.data_ptr<int64_t>(), static_cast<int>(G), static_cast<int>(E),
