@@ -167,7 +167,6 @@ class Plan:
             object.__setattr__(self, "epilogue_combine", True)
         if self.schedule != "fused" or not self.fused_dispatch:
             object.__setattr__(self, "signal_granularity", "tile")
-        if self.schedule != "fused" or not self.fused_dispatch:
             object.__setattr__(self, "roles", "partitioned")
         if self.schedule == "fused" and not self.fused_dispatch:
             object.__setattr__(self, "num_comm_sms", 20)
