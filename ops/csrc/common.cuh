@@ -291,10 +291,11 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 // (source, expert) block that has landed here in `out`. Each lane takes one row's source pair
 // (meta word) into recv_pair; the rows whose dup word names an earlier row (a deduplicated token:
 // it crossed once, into its first row here) are then copied from it, one row at a time by the
-// whole warp (copy(in, dst)). With `prefetch`, those source rows are bulk-prefetched into L2 first.
-template <typename Copy>
+// whole warp, kUnroll 16-byte vectors per lane in flight. With `prefetch`, those source rows are
+// bulk-prefetched into L2 first.
+template <int kUnroll>
 __device__ __forceinline__ void take_rows(const int* meta, const int* dups, int* recv_pair, char* out, int first,
-                                          int count, int row_bytes, bool dedup, bool prefetch, int lane, Copy copy) {
+                                          int count, int row_bytes, bool dedup, bool prefetch, int lane) {
   const int r = first + lane;
   int from = -1;
   if (lane < count) {
@@ -305,8 +306,10 @@ __device__ __forceinline__ void take_rows(const int* meta, const int* dups, int*
   for (uint32_t todo = __ballot_sync(0xffffffffu, from >= 0); todo != 0; todo &= todo - 1) {
     const int l = __ffs(todo) - 1;
     const int src = __shfl_sync(0xffffffffu, from, l);
-    copy(reinterpret_cast<const int4*>(out + static_cast<int64_t>(src) * row_bytes),
-         reinterpret_cast<int4*>(out + static_cast<int64_t>(first + l) * row_bytes));
+    const int4* in = reinterpret_cast<const int4*>(out + static_cast<int64_t>(src) * row_bytes);
+    int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(first + l) * row_bytes);
+    warp_row_vectors<kUnroll>(row_bytes / 16, lane, [&](int v) { return __ldcg(in + v); },
+                              [&](int v, const int4& x) { dst[v] = x; });
   }
 }
 

@@ -42,11 +42,7 @@ __device__ bool take_arrivals(const SymView& s, const WaitPolicy& w, uint32_t ep
   for (int l = 0; l < L; ++l) {
     const int first = seg[4 * l], rows = seg[4 * l + 1];
     for (int i = 32 * warp; i < rows; i += 32 * num_warps)
-      take_rows(meta, dups, f.recv_pair, out, first + i, min(32, rows - i), row_bytes, dedup, false, lane,
-                [&](const int4* in, int4* dst) {
-                  warp_row_vectors<kUnroll>(row_bytes / 16, lane, [&](int v) { return __ldcg(in + v); },
-                                            [&](int v, const int4& x) { dst[v] = x; });
-                });
+      take_rows<kUnroll>(meta, dups, f.recv_pair, out, first + i, min(32, rows - i), row_bytes, dedup, false, lane);
   }
   if (last_block_of_grid(status_words(s) + 12 + round) && threadIdx.x == 0)
     st_release_sys(signal_word(s, s.rank, kPhaseArrived, src), epoch);

@@ -11,15 +11,9 @@ namespace interleaved {
 
 constexpr int kPrefetchTokens = 4;  // send items: token rows prefetched into L2 ahead of the copy
 
-// 16-byte vectors a lane keeps in flight: the warp runs on the producer warpgroup's 40 registers
-// (after its release), and each further instance of the row copy costs spills there.
+// 16-byte vectors a lane keeps in flight in a row copy: the warp runs on the producer warpgroup's
+// 40 registers (after its release), and each further instance of the row copy costs spills there.
 constexpr int kUnroll = 4;
-
-// One row's 16-byte vectors from load(i) to use(i, v), kUnroll per lane in flight.
-template <typename Load, typename Use>
-__device__ __forceinline__ void copy_row(int num_vecs, int lane, Load load, Use use) {
-  warp_row_vectors<kUnroll>(num_vecs, lane, load, use);
-}
 
 __device__ __forceinline__ int send_items(const InterleavedDispatch& j) {
   return max(1, (j.num_tokens + j.tokens_per_item - 1) / j.tokens_per_item);
@@ -86,7 +80,8 @@ __device__ inline void send(const InterleavedDispatch& j, int round, int item, i
       }
       if (stored) {
         int4* out = reinterpret_cast<int4*>(region + static_cast<int64_t>(row) * s.recv_row_bytes);
-        copy_row(num_vecs, lane, [&](int i) { return __ldg(src + i); }, [&](int i, const int4& v) { out[i] = v; });
+        warp_row_vectors<kUnroll>(num_vecs, lane, [&](int i) { return __ldg(src + i); },
+                                  [&](int i, const int4& v) { out[i] = v; });
       }
       if (first_row < 0) first_row = row;
     }
@@ -113,11 +108,8 @@ __device__ inline bool take(const InterleavedDispatch& j, int round, int item, i
     const int first = seg[4 * l], rows = seg[4 * l + 1];
     const int stop = min(end, pos + rows);
     for (int p = max(begin, pos); p < stop; p += 32)
-      take_rows(meta, dups, j.f.recv_pair, out, first + (p - pos), min(32, stop - p), row_bytes, j.dedup != 0,
-                j.prefetch != 0, lane, [&](const int4* in, int4* dst) {
-                  copy_row(row_bytes / 16, lane, [&](int i) { return __ldcg(in + i); },
-                           [&](int i, const int4& v) { dst[i] = v; });
-                });
+      take_rows<kUnroll>(meta, dups, j.f.recv_pair, out, first + (p - pos), min(32, stop - p), row_bytes,
+                         j.dedup != 0, j.prefetch != 0, lane);
     pos += rows;
   }
   return true;
