@@ -6,6 +6,11 @@ Every rank runs the same layer on its own tokens; a run's time is the slowest
 rank's (ranks are lined up by a barrier before each run; gradients are set to
 None before each run, untimed, as after a training step's ``zero_grad``).
 fwd+bwd includes the input's gradient, as in a model whose earlier layers train.
+With ``--streamed-steps N`` every layer is also timed as a training loop runs it:
+N steps back to back (gradients set to None and a fresh input inside each step,
+no barrier or host wait between steps but the layer's own), per-step time from
+CUDA events around the N steps, the median of ``--streamed-rounds`` bursts, the
+slowest rank's; a second table gives those times and their ratios.
 Baselines and bounds are measured in the same run:
 
 - stock: ``deepspeed.moe.layer.MoE`` (dropless, so it pads every expert to the largest count);
@@ -145,6 +150,11 @@ def parse_args(argv=None):
                    "megakernel-fused-epilogue, megakernel-fused-interleaved and megakernel-pipelined-sm, "
                    "megakernel-fused-push against "
                    "megakernel-fused (medians; default 3)")
+    p.add_argument("--streamed-steps", type=int, default=0,
+                   help="also time every layer over this many back-to-back steps, as a training loop runs "
+                   "them (per-step ms; 0: off, the default)")
+    p.add_argument("--streamed-rounds", type=int, default=3,
+                   help="bursts of --streamed-steps steps per layer; the median burst counts (default 3)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (config default, each num_comm_sms value) per shape")
@@ -181,7 +191,7 @@ def dense_gemm_tflops(n=8192):
 
 
 def slowest(ms, dist):
-    t = torch.tensor([ms], device="cuda")
+    t = torch.tensor([ms], device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -324,7 +334,8 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
     return layers
 
 
-def time_layer(layer, inputs, mode, args, dist):
+def _step_fns(layer, inputs, mode):
+    """``(fwd(x, g), setup(run) -> (x, g))``: one step of ``layer`` and its inputs for run ``run``."""
     def fwd(x, g):
         out, l_aux, _ = layer(x)
         if mode == "fwdbwd":
@@ -333,17 +344,53 @@ def time_layer(layer, inputs, mode, args, dist):
             else:
                 torch.autograd.backward([out, l_aux], [g, torch.ones_like(l_aux)])
     def setup(run):
-        # Gradients start empty in every run (outside the timed region), as in a training step
-        # after zero_grad(set_to_none=True): no layer spends the run adding into old gradients.
+        # Gradients start empty in every run, as in a training step after zero_grad(set_to_none=True):
+        # no layer spends the run adding into old gradients.
         layer.zero_grad(set_to_none=True)
         x, g = inputs(run)
         # fwd+bwd computes the input's gradient too, as in a model whose earlier layers train: the
         # first expert GEMM's dgrad and the backward of dispatch are part of every layer's run.
         return x.detach().requires_grad_(mode == "fwdbwd"), g
-    ctx = torch.enable_grad() if mode == "fwdbwd" else torch.no_grad()
-    with ctx:
+    return fwd, setup
+
+
+def time_layer(layer, inputs, mode, args, dist):
+    """Median ms of one step, each run started from a barrier (setup untimed); the slowest rank's."""
+    fwd, setup = _step_fns(layer, inputs, mode)
+    with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
         r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=setup, sync=dist.barrier)
     return slowest(r["median_ms"], dist)
+
+
+def time_layer_streamed(layer, inputs, mode, args, dist):
+    """Per-step ms of ``args.streamed_steps`` steps back to back, as a training loop runs them: the
+    setup (gradients set to None, the next input) inside the timed region, no barrier or host wait
+    between steps but the layer's own; CUDA events around the burst, after one barrier. The median
+    of ``args.streamed_rounds`` bursts (after ``args.warmup`` untimed steps); the slowest rank's."""
+    fwd, setup = _step_fns(layer, inputs, mode)
+    cuda = torch.cuda.is_available()
+    bursts = []
+    with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
+        for i in range(args.warmup):
+            fwd(*setup(i))
+        for _ in range(max(1, args.streamed_rounds)):
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            for i in range(args.streamed_steps):
+                fwd(*setup(i))
+            if cuda:
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                ms = (time.perf_counter() - t0) * 1e3
+            bursts.append(ms / args.streamed_steps)
+    return slowest(sorted(bursts)[len(bursts) // 2], dist)
 
 
 def _layer_rows(layer, x):
@@ -531,6 +578,8 @@ def main(argv=None):
     dist.broadcast_object_list(obj, src=0)
     peer, tflops = obj[0]
     results = {"ep": ep, "peer_copy_GBps": peer, "dense_bf16_TFLOPs": tflops, "megakernel": list(status), "rows": []}
+    if args.streamed_steps > 0:
+        results["streamed"] = {"steps": args.streamed_steps, "rounds": max(1, args.streamed_rounds)}
     if "autoep" in args.backends:
         results["autoep_note"] = AUTOEP_NOTE
 
@@ -553,13 +602,18 @@ def main(argv=None):
                     continue
                 try:
                     row[bname + "_ms"] = time_layer(layer, inputs, mode, args, dist)
+                    if args.streamed_steps > 0:
+                        row[bname + "_streamed_ms"] = time_layer_streamed(layer, inputs, mode, args, dist)
                 except Exception as e:  # noqa: BLE001 - the row reports it; only AutoEP's is not ours
                     if bname != "autoep":
                         raise
                     row[bname + "_why_not"] = why_not[bname] = f"{type(e).__name__} while running: {e}"
+                    row.pop(bname + "_ms", None)
                 if rank == 0:  # progress, one line per timed layer
                     print(f"[{name} {mode}] {bname}: "
-                          + (f"{row[bname + '_ms']:.2f} ms" if bname + "_ms" in row else "n/a"), flush=True)
+                          + (f"{row[bname + '_ms']:.2f} ms" if bname + "_ms" in row else "n/a")
+                          + (f", streamed {row[bname + '_streamed_ms']:.2f} ms/step"
+                             if bname + "_streamed_ms" in row else ""), flush=True)
             for base, other, key, rounds in (
                     ("megakernel-torch-gemm", "megakernel-arrival", "determinism", args.determinism_rounds),
                     ("megakernel-torch-gemm", "megakernel-pipelined", "schedule", args.schedule_rounds),
@@ -620,9 +674,15 @@ def main(argv=None):
     dist.barrier()
 
 
-def print_table(results):
-    print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
-          f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
+_TIMED = ("stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
+          "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
+          "megakernel-fused-interleaved", "autoep")
+_OURS = _TIMED[1:-1]
+
+
+def print_times(results, suffix="_ms"):
+    """The table of one timing (``suffix`` "_ms": runs started from a barrier; "_streamed_ms": per step of
+    back-to-back steps) with the bounds and the best ds_uniep layer's ratios."""
     head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
             "mk fused", "mk fused push", "mk fused epilogue", "mk fused interleaved", "autoep", "gemm alone",
             "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
@@ -630,22 +690,29 @@ def print_table(results):
     notes = {}
     for r in results["rows"]:
         cells = [r["shape"], r["mode"]]
-        for k in ("stock_ms", "reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
-                  "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms",
-                  "megakernel-fused-epilogue_ms", "megakernel-fused-interleaved_ms", "autoep_ms",
-                  "gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
-            cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep_ms" and "autoep_why_not" in r else "-")
+        for k in [b + suffix for b in _TIMED] + ["gemm_alone_ms", "experts_alone_ms", "practical_bound_ms",
+                                                  "physical_bound_ms"]:
+            cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep" + suffix and "autoep_why_not" in r
+                         else "-")
         if "autoep_why_not" in r:
             notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
-        ours = [r[k] for k in ("reference_ms", "megakernel_ms", "megakernel-torch-gemm_ms", "megakernel-pipelined_ms",
-                               "megakernel-pipelined-sm_ms", "megakernel-fused_ms", "megakernel-fused-push_ms",
-                               "megakernel-fused-epilogue_ms", "megakernel-fused-interleaved_ms")
-                if k in r]
+        ours = [r[b + suffix] for b in _OURS if b + suffix in r]
         best = min(ours) if ours else None
-        cells.append(f"{r['stock_ms'] / best:.2f}x" if best and "stock_ms" in r else "-")
-        cells.append(f"{r['autoep_ms'] / best:.2f}x" if best and "autoep_ms" in r else "-")
+        cells.append(f"{r['stock' + suffix] / best:.2f}x" if best and "stock" + suffix in r else "-")
+        cells.append(f"{r['autoep' + suffix] / best:.2f}x" if best and "autoep" + suffix in r else "-")
         cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
         print(" | ".join(cells))
+    return notes
+
+
+def print_table(results):
+    print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
+          f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
+    notes = print_times(results)
+    if "streamed" in results:
+        print(f"\nstreamed: ms per step of {results['streamed']['steps']} back-to-back steps (median of "
+              f"{results['streamed']['rounds']} bursts, slowest rank); bounds as above")
+        print_times(results, "_streamed_ms")
     def times(v):
         return "/".join(f"{x:.2f}" for x in v)
     # the alternating timings of two megakernel layers

@@ -186,3 +186,72 @@ def test_table_prints_autoep_and_why_not(capsys):
 def test_autoep_is_a_default_backend():
     args = _bench().parse_args([])
     assert "autoep" in args.backends
+
+
+def test_table_prints_streamed_times_and_their_ratios(capsys):
+    bench = _bench()
+    base = {"shape": "s", "T": 1, "M": 1, "F": 1, "E": 2, "k": 1, "mode": "fwdbwd", "stock_ms": 2.0,
+            "reference_ms": 1.0, "stock_streamed_ms": 6.0, "reference_streamed_ms": 1.5, "autoep_ms": 3.0,
+            "autoep_streamed_ms": 2.25, "gemm_alone_ms": 0.5, "practical_bound_ms": 0.5, "physical_bound_ms": 0.25}
+    results = {"ep": 2, "peer_copy_GBps": 100.0, "dense_bf16_TFLOPs": 500.0, "megakernel": [False, "no"],
+               "streamed": {"steps": 8, "rounds": 3}, "rows": [base]}
+    bench.print_table(results)
+    out = capsys.readouterr().out
+    launched, streamed = out.split("streamed: ms per step of 8 back-to-back steps")
+    assert "| 2.00x | 3.00x | 2.00" in launched  # stock/best, autoep/best, best/practical
+    assert "| 6.00 | 1.50 |" in streamed and "| 4.00x | 1.50x | 3.00" in streamed
+
+
+class _CountingLayer(torch.nn.Module):
+    """A layer for the timing loops: counts its forwards, backwards and zero_grads."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+        self.calls = {"forward": 0, "backward": 0, "zero_grad": 0}
+
+    def forward(self, x):
+        self.calls["forward"] += 1
+        out = x * self.w
+        if out.requires_grad:
+            out.register_hook(lambda g: self.calls.__setitem__("backward", self.calls["backward"] + 1))
+        return out, None, None
+
+    def zero_grad(self, set_to_none=True):
+        self.calls["zero_grad"] += 1
+        super().zero_grad(set_to_none=set_to_none)
+
+
+class _OneRank:
+    def barrier(self):
+        pass
+
+    def all_reduce(self, t, op=None):
+        pass
+
+    class ReduceOp:
+        MAX = None
+
+
+@pytest.mark.parametrize("mode", ["fwd", "fwdbwd"])
+def test_streamed_timing_runs_every_step_back_to_back(mode):
+    bench = _bench()
+    layer = _CountingLayer()
+    seen = []
+
+    def inputs(run):
+        seen.append(run)
+        return torch.full((4,), float(run)), torch.ones(4)
+
+    args = bench.parse_args(["--streamed-steps", "5", "--streamed-rounds", "3", "--warmup", "2"])
+    ms = bench.time_layer_streamed(layer, inputs, mode, args, _OneRank())
+    assert ms > 0
+    steps = 2 + 3 * 5
+    assert layer.calls["forward"] == layer.calls["zero_grad"] == steps
+    assert layer.calls["backward"] == (steps if mode == "fwdbwd" else 0)
+    assert seen == [0, 1] + [0, 1, 2, 3, 4] * 3  # a fresh input in every step of a burst
+    assert layer.w.grad is None or mode == "fwdbwd"
+
+
+def test_streamed_timing_is_off_by_default():
+    assert _bench().parse_args([]).streamed_steps == 0
