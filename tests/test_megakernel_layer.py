@@ -16,16 +16,17 @@ from conftest import needs_gpus
 from dist_utils import run_distributed
 
 
-def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False):
+def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False,
+          max_tokens=4096):
     """A layer with the same weights on every call (bf16 experts, fp32 gate); SwiGLU experts, or
-    GeLU ones with biases (``gelu``)."""
+    GeLU ones with biases (``gelu``); buffers for ``max_tokens`` tokens per rank."""
     from ds_uniep import GeLUExpert, SwiGLUExpert, UniEPMoE
     E = 4 * world_size
     torch.manual_seed(11)
     expert = GeLUExpert(M, F) if gelu else SwiGLUExpert(M, F)
     layer = UniEPMoE(M, expert, num_experts=E, ep_size=world_size, k=k, min_capacity=0,
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
-                     config={"backend": backend, "max_tokens_per_rank": 4096, "deterministic": det,
+                     config={"backend": backend, "max_tokens_per_rank": max_tokens, "deterministic": det,
                              "expert_gemm": expert_gemm,
                              "overlap": dict(timeout_s=5.0, **(overlap or {}))})
     with torch.no_grad():
@@ -85,17 +86,25 @@ def _check_same(layer, rank, cases, want, where):
 
 
 def _run(rank, world_size, k, T, one_expert, backend, det=True, overlap=None):
-    layer = _make(rank, world_size, k, backend, det, overlap)
+    layer = _make(rank, world_size, k, backend, det, overlap, max_tokens=max(T, 4096))
     res = _step(layer, rank, T, one_expert)
     assert layer.backend_name(torch.device("cuda", rank)) == backend
     return res, layer
 
 
 CASES = [(k, T, one) for k in (1, 2, 6, 8) for T, one in ((1, False), (19, False), (4096, False), (4096, True))]
+BIG = 8192  # the largest token count: every k against the reference, k = 8 in the schedule comparisons
+
+
+def _cases(k):
+    """The (T, one_expert) cases of ``k`` for the schedule comparisons (k = 8 also at BIG tokens) and the
+    buffers' tokens per rank they need."""
+    cases = [(T, one) for kk, T, one in CASES if kk == k] + ([(BIG, False)] if k == 8 else [])
+    return cases, max(T for T, _ in cases)
 
 
 def _compare(rank, world_size):
-    for k, T, one_expert in CASES:
+    for k, T, one_expert in CASES + [(k, BIG, False) for k in (1, 2, 6, 8)]:
         runs = {}
         for backend, det in (("reference", True), ("megakernel", True), ("megakernel", True),
                              ("megakernel", False)):
@@ -151,39 +160,41 @@ def test_early_dispatch_is_bitwise_the_late_one(world_size):
 def _compare_schedules(rank, world_size):
     # One layer per (k, schedule), run on every token count: layers are built len(CASES) times less.
     for k in (1, 2, 6, 8):
-        cases = [(T, one) for kk, T, one in CASES if kk == k]
-        seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"})
+        cases, big = _cases(k)
+        seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, max_tokens=big)
         want = [_step(seq, rank, T, one) for T, one in cases]
         del seq
         for chunks in (1, 2, 3, 4, 4):  # 4 twice: run to run
-            layer = _make(rank, world_size, k, "megakernel", overlap={"schedule": "pipelined", "num_chunks": chunks})
+            layer = _make(rank, world_size, k, "megakernel", overlap={"schedule": "pipelined", "num_chunks": chunks},
+                          max_tokens=big)
             _check_same(layer, rank, cases, want, f"k={k} chunks={chunks}")
             stats = next(iter(layer._dispatchers.values())).combine_stats
             assert stats["pipelined"] == len(cases) and stats["pushed"] == 0, f"k={k} chunks={chunks}: {stats}"
     # ds_uniep's GEMM: the pipelined schedule's chunks run it on the SMs num_comm_sms leaves, and
     # their rows travel by SM stores; the bits are still the sequential schedule's (on all SMs).
     for k in (2, 8):
-        cases = [(T, one) for kk, T, one in CASES if kk == k]
-        seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep")
+        cases, big = _cases(k)
+        seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
+                    max_tokens=big)
         want = [_step(seq, rank, T, one) for T, one in cases]
         del seq
         for chunks, sms in ((1, 20), (2, 20), (4, 32), (4, 32), (2, None)):  # None: copy engines, every SM
             overlap = {"schedule": "pipelined", "num_chunks": chunks}
             if sms is not None:
                 overlap["num_comm_sms"] = sms
-            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap)
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap, max_tokens=big)
             _check_same(layer, rank, cases, want, f"k={k} chunks={chunks} uniep GEMM, copy SMs {sms}")
         # The block's tile sizes: every chunk's GEMMs run that tile, the same bits.
         overlap = {"schedule": "pipelined", "num_chunks": 2, "num_comm_sms": 20, "tile_m": 256, "tile_n": 128}
-        layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap)
+        layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap, max_tokens=big)
         _check_same(layer, rank, cases, want, f"k={k} {overlap}")
 
 
 @needs_gpus(2)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pipelined_schedule_is_bitwise_the_sequential_one(world_size):
-    """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens, all tokens to one
-    expert, 1 to 4 chunks (one per local expert)."""
+    """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens (8192 at k 8), all tokens
+    to one expert, 1 to 4 chunks (one per local expert)."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare_schedules, world_size, backend="nccl")
@@ -194,9 +205,9 @@ def _compare_fused(rank, world_size):
     # rows when that source's rows are there. Wider rows than the other tests (M 1024), so the
     # dispatch takes long enough for the GEMM to start on early sources while later ones travel.
     for k in (1, 2, 6, 8):
-        cases = [(T, one) for kk, T, one in CASES if kk == k]
+        cases, big = _cases(k)
         seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
-                    M=1024, F=512)
+                    M=1024, F=512, max_tokens=big)
         want = [_step(seq, rank, T, one) for T, one in cases]
         del seq
         # 20 twice: run to run, the second time with the dispatch queued after the whole gate
@@ -212,7 +223,7 @@ def _compare_fused(rank, world_size):
                 (20, False, False, True, "partitioned", "tile"), (8, True, True, False, "partitioned", "tile"),
                 (20, True, True, True, "interleaved", "tile"), (20, False, False, True, "interleaved", "tile"),
                 (20, True, True, True, "interleaved", "expert"), (8, True, True, True, "partitioned", "rank")):
-            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512,
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512, max_tokens=big,
                           overlap={"schedule": "fused", "num_comm_sms": sms, "epilogue_combine": epilogue,
                                    "fused_dispatch": fused_dispatch, "roles": roles,
                                    "signal_granularity": granularity})
@@ -255,7 +266,8 @@ def _compare_fused(rank, world_size):
         # The block's tile sizes pick ds_uniep's GEMM tile for every expert GEMM: the same bits.
         for overlap in ({"schedule": "sequential", "tile_m": 256, "tile_n": 128},
                         {"schedule": "fused", "num_comm_sms": 8, "tile_m": 128, "tile_n": 128}):
-            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512, overlap=overlap)
+            layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512, overlap=overlap,
+                          max_tokens=big)
             _check_same(layer, rank, cases, want, f"k={k} {overlap}")
         if k == 2:  # GeLU experts with biases: the second GEMM's rows go back by the combine kernel, the
             # first GEMM's dgrad still stores into the sources' combine buffers
@@ -283,8 +295,8 @@ def _compare_fused(rank, world_size):
 @needs_gpus(2)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_schedule_is_bitwise_the_sequential_one(world_size):
-    """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens, all tokens to one
-    expert, 8 and 20 communication SMs in partitioned roles and interleaved roles (the default, which
+    """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens (8192 at k 8), all
+    tokens to one expert, 8 and 20 communication SMs in partitioned roles and interleaved roles (the default, which
     the cases that name no roles run: two forwards before their backwards, tile sizes, GeLU experts,
     flattened experts), each signal granularity; every forward ran fused."""
     if torch.cuda.device_count() < world_size:
