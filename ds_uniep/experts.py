@@ -188,15 +188,6 @@ def stack_experts(experts: Sequence[nn.Module], dtype: torch.dtype, device: torc
     :func:`pack_experts` (or flattened by DeepSpeed's optimizers, expert by expert) are viewed, not
     copied. ``cache``: a dict the caller keeps, so that the checks and the layout search run once
     per parameter storage (keyed by the tensors' addresses), not on every forward."""
-    found = stack_plan(experts, dtype, device, params, cache)
-    return None if found is None else stack_with(found)
-
-
-def stack_plan(experts: Sequence[nn.Module], dtype: torch.dtype, device: torch.device,
-               params: Optional[Sequence[Dict[str, Tensor]]] = None, cache: Optional[Dict] = None):
-    """The first half of :func:`stack_experts`, the checks and the stacking plan without building the
-    stacked operands: None where the experts cannot run as grouped GEMMs, else what
-    :func:`stack_with` stacks (the same tensors, as long as no parameter moves in between)."""
     key = None
     if cache is not None and params is None and experts and type(experts[0]) in _GEMMS:
         kind = type(experts[0])
@@ -210,7 +201,7 @@ def stack_plan(experts: Sequence[nn.Module], dtype: torch.dtype, device: torch.d
                    tuple(t.data_ptr() if t is not None else 0 for t in flat))
             hit = cache.get(key)
             if hit is not None:
-                return None if hit is False else (hit, lambda name, g: flat[g * len(names) + names[name]])
+                return None if hit is False else _stack_with(hit, lambda name, g: flat[g * len(names) + names[name]])
     found = _grouped_operands(experts, dtype, device, params)
     if found is None:
         if key is not None:
@@ -227,13 +218,12 @@ def stack_plan(experts: Sequence[nn.Module], dtype: torch.dtype, device: torch.d
         if len(cache) >= 72:  # parameters moved again and again (chunks of the pipelined schedule: one each)
             cache.clear()
         cache[key] = plans
-    return plans, lambda name, g: tensors[f"{name[0]}.{name[1]}"][g]
+    return _stack_with(plans, lambda name, g: tensors[f"{name[0]}.{name[1]}"][g])
 
 
-def stack_with(found) -> StackedExperts:
-    """The stacked operands of a :func:`stack_plan` result ``(plans, tensor)``; ``tensor((proj, what),
-    g)``: group ``g``'s parameter."""
-    plans, tensor = found
+def _stack_with(plans: Dict, tensor) -> StackedExperts:
+    """The stacked operands by ``plans`` (see :func:`stack_experts`); ``tensor((proj, what), g)``:
+    group ``g``'s parameter."""
     kind, n = plans["kind"], plans["n"]
     weights, biases = {}, {}
     for gemm, projs in _GEMMS[kind]:

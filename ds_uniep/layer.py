@@ -27,7 +27,7 @@ from . import backend as backend_mod
 from . import gating
 from .config import UniEPConfig
 from .env import logger
-from .experts import pack_experts, run_experts, run_grouped, stack_experts, stack_plan, stack_with
+from .experts import pack_experts, run_experts, run_grouped, stack_experts
 from .pipelined import pipeline_partition, run_pipelined
 from .reference import ReferenceDispatcher
 from .tensor_parallel import even_sizes, run_tp_sharded_experts, tp_context, tp_gather, tp_slice
@@ -280,11 +280,10 @@ class UniEPMoE(MoE):
         """The megakernel's sequential and fused schedules with the dispatch queued as soon as the
         gate's routes exist: the counts exchange, the layout and the rows' stores then run on the
         device while the host issues the rest of the gate (gates, auxiliary loss, counts:
-        ``gating.route_split``) and stacks the experts' weights, work that otherwise comes before
-        the dispatch while the device waits (``NVLinkDispatcher.dispatch_begin``; the fused
-        dispatch gets its first projection's weight after it began,
-        ``NVLinkDispatcher.give_fused_weight``, and queues that GEMM once the row count is in).
-        The same operations on the same tensors, so the same bits. None where this
+        ``gating.route_split``) and, in the sequential schedule, stacks the experts' weights, work
+        that otherwise comes before the dispatch while the device waits
+        (``NVLinkDispatcher.dispatch_begin``; the fused dispatch needs the stacked first projection
+        at its start). The same operations on the same tensors, so the same bits. None where this
         does not apply (the pipelined schedule, the reference backend, tensor parallelism, arrival
         ordering, a gate other than DeepSpeed's dropless top-2/top-k): the general path runs."""
         schedule = self.uniep_config.overlap.schedule
@@ -300,24 +299,17 @@ class UniEPMoE(MoE):
             return None
         expert_idx, finish = split
         experts = moe.experts.deepspeed_experts
-        plan = fused = fused_dispatch = None
+        stacked = fused = None
         if schedule == "fused":
-            # Whether the experts stack is known before the dispatch starts; the stacking itself
-            # (host work) waits until its kernels are queued, the first GEMM's weight with it.
-            plan = stack_plan(experts, x.dtype, x.device, cache=self._stack_cache)
-            fused = self._fuses(dispatcher, plan is not None)
-            fused_dispatch = fused and self.uniep_config.overlap.fused_dispatch
-            if fused_dispatch:
-                dispatcher.request_fused(None, self._gemm_configs())
+            stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
+            fused = self._fuses(dispatcher, stacked is not None)
+            if fused and self.uniep_config.overlap.fused_dispatch:
+                self._request_fused(dispatcher, stacked)
         dispatcher.dispatch_begin(x, expert_idx)
         l_aux, gates, exp_counts = finish()
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         if schedule != "fused":
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
-        else:
-            stacked = None if plan is None else stack_with(plan)
-            if fused_dispatch:
-                dispatcher.give_fused_weight(self._first_weight(stacked))
         recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
         output = self._experts_and_combine(dispatcher, x, recv, local_counts, stacked, fused, gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
@@ -368,14 +360,11 @@ class UniEPMoE(MoE):
                              f"{e}") from None
 
     def _request_fused(self, dispatcher, stacked) -> None:
-        """Ask the next dispatch to queue the first expert GEMM over the rows as they arrive."""
-        dispatcher.request_fused(self._first_weight(stacked), self._gemm_configs())
-
-    @staticmethod
-    def _first_weight(stacked) -> Tensor:
-        """The first projection's stacked weight (``w13`` of SwiGLU experts, ``fc1`` of GeLU ones),
-        contiguous, as grouped_linear makes it (a copy only for the strided stacks of flattened experts)."""
-        return stacked.weights["w13" if "w13" in stacked.weights else "fc1"].contiguous()
+        """Ask the next dispatch to queue the first expert GEMM (``w13`` of SwiGLU experts, ``fc1`` of
+        GeLU ones) over the rows as they arrive; the weight contiguous, as grouped_linear makes it (a
+        copy only for the strided stacks of flattened experts)."""
+        first = "w13" if "w13" in stacked.weights else "fc1"
+        dispatcher.request_fused(stacked.weights[first].contiguous(), self._gemm_configs())
 
     def _finish(self, output: Tensor, hidden_states: Tensor, tp_sizes, tp_rank, tp_group, l_aux, exp_counts):
         """The combined tokens back in the input's shape (gathered over TP ranks), plus PR-MoE's residual."""

@@ -617,9 +617,6 @@ class NVLinkDispatcher:
             from .gemm import grouped_mm_segments
             waits = st["waits"]
             self._fused_waits = waits
-            if st["fused_w"] is None:
-                raise RuntimeError(f"{self.layer_name}: the fused dispatch has no first-projection weight; "
-                                   "request_fused(None, ...) needs give_fused_weight(weight) before dispatch()")
             waits.result = grouped_mm_segments(recv, st["fused_w"], st["segs"], st["fused_gemm"], waits)
         else:
             recv_pair = torch.empty(rows, dtype=torch.int32, device=x.device)
@@ -653,28 +650,14 @@ class NVLinkDispatcher:
             return f"ds_uniep's grouped GEMM takes bf16 rows, not {self.dtype}"
         return ""
 
-    def request_fused(self, weight: Optional[Tensor], configs: Optional[Dict[str, str]] = None) -> None:
+    def request_fused(self, weight: Tensor, configs: Optional[Dict[str, str]] = None) -> None:
         """Run the next forward dispatch fused (when its direct region is free). ``weight``
         (``[L, N, M]`` bf16, the first projection of the local experts): the dispatch queues that
         GEMM itself, right after its own launch; the caller takes :meth:`take_fused_waits` and
         hands them to its first projection, which adopts ``waits.result`` (``configs``: ds_uniep's
-        GEMM configurations, as :func:`ds_uniep.gemm.grouped_linear` takes them). ``weight`` None:
-        given later by :meth:`give_fused_weight`, after :meth:`dispatch_begin` (the GEMM is queued
-        when :meth:`dispatch` collects the row count), so the host stacks the weights while the
-        dispatch's first kernels run."""
+        GEMM configurations, as :func:`ds_uniep.gemm.grouped_linear` takes them)."""
         self._fuse_next = True
         self._fused_weight = (weight, configs)
-
-    def give_fused_weight(self, weight: Tensor) -> None:
-        """The first projection's weight for a fused dispatch requested without one: the begun
-        dispatch's (which queues that GEMM in :meth:`dispatch`), else the next one's."""
-        if self._pending is not None:
-            st = self._pending[2]
-            if st["fused"] and st["fused_w"] is None:
-                st["fused_w"] = weight
-            return
-        if self._fused_weight is not None and self._fused_weight[0] is None:
-            self._fused_weight = (weight, self._fused_weight[1])
 
     def take_fused_waits(self):
         """The :class:`ds_uniep.gemm.ArrivalWaits` of the last fused dispatch (once), or None when

@@ -125,29 +125,6 @@ def test_the_stacking_cache_follows_the_parameters():
     assert stack_experts([torch.nn.Linear(8, 8)], torch.bfloat16, cpu, cache=cache) is None
 
 
-def test_a_stacking_plan_taken_first_stacks_the_same_operands_later():
-    # The fused schedule asks whether the experts stack before its dispatch starts and stacks them
-    # after: stack_plan then stack_with must give what stack_experts gives, cached or not.
-    from ds_uniep.experts import stack_experts, stack_plan, stack_with
-    cpu = torch.device("cpu")
-    for layout, experts in expert_layouts(SwiGLUExpert, 16, 24, 3).items():
-        for cache in (None, {}, "warm"):
-            if cache == "warm":
-                cache = {}
-                stack_experts(experts, torch.bfloat16, cpu, cache=cache)
-            plan = stack_plan(experts, torch.bfloat16, cpu, cache=cache)
-            assert plan is not None, layout
-            got, want = stack_with(plan), stack_experts(experts, torch.bfloat16, cpu)
-            for name in ("w13", "w2"):
-                assert torch.equal(got.weights[name], want.weights[name]), (layout, name)
-            # still the parameters' own tensors: the gradients reach them
-            got.weights["w13"].float().sum().backward()
-            assert all(e.w1.weight.grad is not None and e.w3.weight.grad is not None for e in experts), layout
-            for e in experts:
-                e.zero_grad(set_to_none=True)
-    assert stack_plan([torch.nn.Linear(8, 8)], torch.bfloat16, cpu, cache={}) is None
-
-
 def test_parameters_zero3_partitions_are_not_packed():
     from ds_uniep.experts import pack_experts
     experts = [SwiGLUExpert(16, 24) for _ in range(2)]
