@@ -30,7 +30,7 @@ want tests && step tests python3 -m pytest -q -rs tests/test_grouped_gemm_gpu.py
   tests/test_megakernel_layer.py tests/test_determinism.py tests/test_commfuse.py tests/test_tuning_gpu.py
 want gemm && step bench_grouped_gemm python3 benchmarks/bench_grouped_gemm.py --out "$OUT/gemm"
 want dispatch && step bench_dispatch torchrun --nproc_per_node "$NGPU" benchmarks/bench_dispatch.py --out "$OUT/dispatch.json"
-want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/bench_moe_layer.py --autotune --out "$OUT"
+want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/bench_moe_layer.py --autotune --streamed-steps 8 --out "$OUT"
 want commfuse && step bench_commfuse torchrun --nproc_per_node "$NGPU" benchmarks/bench_commfuse.py --out "$OUT/commfuse"
 want hybrid && [[ $NGPU -eq 4 ]] && step bench_hybrid torchrun --nproc_per_node 4 benchmarks/bench_hybrid.py --out "$OUT/hybrid"
 want gpt && for backend in deepspeed reference megakernel megakernel_again; do
