@@ -277,4 +277,3 @@ def test_wait_runs_cover_each_expert_and_wait_for_every_source_they_hold(G, T, k
                 if gran != "tile":
                     assert len(runs) == (1 if total else 0), (gran, runs)
                 base += total
-
