@@ -17,12 +17,7 @@ Backward. The expert outputs now live only in the sources' combine buffers, so e
 its gate gradients ``<grad_out[t], y row of (t, j)>`` from those rows, in the sum the expert side
 uses under the sequential schedule (the same bits); ``grad_out``'s rows travel to the experts
 unweighted with the gates, as there, and the experts form ``grad_y = gate * row``; then the dgrad
-and wgrad GEMMs. With the fused dispatch in interleaved roles (``interleave``) the dgrad does not
-wait for all of ``grad_y``: it runs over the forward's runs of rows (``signal_granularity``), each
-run starting once its latest source's rows are formed, and a spare warp of each of its CTAs forms
-them source by source as they arrive (``interleaved_take_job``): this rank's own rows first, while
-the peers' rows are on the wire. The same bits: ``grad_y``'s rows are computed as
-``combine_bwd_rows`` computes them, and a row's dgrad does not depend on its run. The rows have to survive in the combine buffer until that backward: before any
+and wgrad GEMMs. The rows have to survive in the combine buffer until that backward: before any
 later op of the layer lets peers store there (a counts exchange or a barrier), the dispatcher
 copies them out for a backward still to come (``NVLinkDispatcher._keep_landed``: two forwards
 before a backward, or a graph kept). One backward per forward: a second one through the same
@@ -90,7 +85,7 @@ def segment_config(configs: Optional[Mapping[str, str]], op: str = "fwd",
 class _GemmCombineFn(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, a, w, gates, offs, dispatcher, handle, configs, interleave):
+    def forward(ctx, a, w, gates, offs, dispatcher, handle, configs):
         from .gemm import grouped_mm_segments
         d = dispatcher
         d._join_fused()
@@ -109,13 +104,13 @@ class _GemmCombineFn(torch.autograd.Function):
         if any(ctx.needs_input_grad[:3]):
             ctx.landed = _Landed(idx.numel())
             d._landed = weakref.ref(ctx.landed)
-        ctx.dispatcher, ctx.configs, ctx.interleave, ctx.counts_all = d, configs, interleave, handle.counts_all
+        ctx.dispatcher, ctx.configs = d, configs
         ctx.save_for_backward(a, w, gates, offs, mirror_off, idx, handle.dest_row, handle.num_recv)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        from .gemm import _choose, grouped_mm
+        from .gemm import grouped_mm
         a, w, gates, offs, mirror_off, idx, dest_row, num_recv = ctx.saved_tensors
         d, landed = ctx.dispatcher, ctx.landed
         if landed.read and landed.rows is None:
@@ -142,54 +137,28 @@ class _GemmCombineFn(torch.autograd.Function):
         if d._landed is not None and d._landed() is landed:
             d._landed = None
         # grad_y = gate * grad_out row, on the experts' ranks (the sequential backward's bits).
-        configs = ctx.configs
-        grad_y = a.new_empty(a.shape[0], d.hidden_size)
-        interleave = ctx.interleave and ctx.needs_input_grad[0] and a.shape[0] > 0
-        if interleave:  # before any kernel of this backward: the automatic choice may time GEMMs
-            config = segment_config(configs, "dgrad", lambda: _choose(grad_y, w, offs, "dgrad", 0))
         d._barrier()
         d.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
         e_disp = d._next_epoch(_PHASE_DISPATCH)
         d.ext.dispatch_rows(grad_out, idx, dest_row, None, False, d.num_experts, d.bufs.descriptor,
                             d.direct_descriptor(False, 0), e_disp, d.num_blocks, None, None, d.dedup)
-        if interleave:
-            da = _dgrad_taking_rows(d, grad_y, w, ctx.counts_all, e_disp, config)
-        else:
-            d.ext.combine_bwd_rows(None, num_recv, grad_y, d.bufs.descriptor, e_disp, 0, *d._wait_args(),
-                                   d.num_blocks, d.dedup, 0, False)
-            da = grouped_mm(grad_y, w, offs, "dgrad", configs["dgrad"]) if ctx.needs_input_grad[0] else None
+        grad_y = a.new_empty(a.shape[0], d.hidden_size)
+        d.ext.combine_bwd_rows(None, num_recv, grad_y, d.bufs.descriptor, e_disp, 0, *d._wait_args(), d.num_blocks,
+                               d.dedup, 0, False)
+        configs = ctx.configs
+        da = grouped_mm(grad_y, w, offs, "dgrad", configs["dgrad"]) if ctx.needs_input_grad[0] else None
         dw = grouped_mm(grad_y, a, offs, "wgrad", configs["wgrad"]) if ctx.needs_input_grad[1] else None
         compute.wait_stream(side)
-        return da, dw, grad_gates, None, None, None, None, None
-
-
-def _dgrad_taking_rows(d, grad_y: Tensor, w: Tensor, counts_all: Tensor, epoch: int, config: str) -> Tensor:
-    """``grad_y @ w[l]`` per local expert, queued right after the dispatch of the output gradient
-    (epoch ``epoch``): the dgrad runs over the runs of rows the fused forward's first GEMM runs over
-    (:meth:`NVLinkDispatcher._wait_runs`), each waiting for its latest source's arrival word, while
-    a spare warp of each CTA writes ``grad_y``'s rows source by source as they land
-    (``interleaved_take_job``); ``grad_y`` is complete once the GEMM is done."""
-    from .gemm import grouped_mm_segments, run_alignment
-    segs = d._wait_runs(counts_all, run_alignment(config))
-    waits = d._arrival_waits(segs, epoch)
-    waits.done = None
-    _, rows_per_item, _, warps = d.interleaved_items
-    waits.comm_job = d.ext.interleaved_take_job(grad_y, d.num_experts, d.bufs.descriptor, epoch, d.dedup,
-                                                d.ext.fused_segments(counts_all, d.rank, 1), rows_per_item, warps,
-                                                *d._wait_args())
-    da = grouped_mm_segments(grad_y, w, segs, config, waits, op="dgrad")
-    d.combine_stats["taken_grad"] += 1
-    return da
+        return da, dw, grad_gates, None, None, None, None
 
 
 def gemm_combine(dispatcher, a: Tensor, w: Tensor, offs: Tensor, gates: Tensor, handle,
-                 configs: Optional[Mapping[str, str]] = None, interleave: bool = False) -> Tensor:
+                 configs: Optional[Mapping[str, str]] = None) -> Tensor:
     """``combine(a @ w[l]^T per local expert l, gates)`` with the GEMM's epilogue storing into the
     sources' combine buffers (see the module doc): ``a [R, K]`` bf16 (the received rows' last
     activation, layout order), ``w [L, M, K]`` bf16, ``offs [L]`` int32 row ends, ``gates [T, k]``,
     ``handle``: the dispatch's :class:`ds_uniep.megakernel.NVLinkHandle`. ``configs``: ds_uniep's
-    GEMM configuration per op (as :func:`ds_uniep.gemm.grouped_linear`). ``interleave``: the
-    backward's dgrad forms its rows as they arrive (see the module doc). Returns ``[T, M]``, the
+    GEMM configuration per op (as :func:`ds_uniep.gemm.grouped_linear`). Returns ``[T, M]``, the
     bits of ``dispatcher.combine(grouped_linear(a, w, offs, configs), gates, handle)``."""
     from .gemm import DEFAULT_CONFIGS
     if a.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
@@ -201,7 +170,7 @@ def gemm_combine(dispatcher, a: Tensor, w: Tensor, offs: Tensor, gates: Tensor, 
     merged: Dict[str, str] = dict(DEFAULT_CONFIGS)
     merged.update(configs or {})
     return _GemmCombineFn.apply(a.contiguous(), w.contiguous(), gates.float().contiguous(), offs.to(torch.int32),
-                                dispatcher, handle, merged, bool(interleave))
+                                dispatcher, handle, merged)
 
 
 class DgradCombine:

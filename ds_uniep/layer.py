@@ -325,15 +325,10 @@ class UniEPMoE(MoE):
         if fused and self.uniep_config.overlap.epilogue_combine:
             from .epilogue_combine import DgradCombine, gemm_combine
             into = DgradCombine(dispatcher, handle, x)
-            # the backward's dgrad of the second projection forms its rows as they arrive, in the
-            # fused dispatch's interleaved roles
-            interleave = (self.uniep_config.overlap.fused_dispatch and dispatcher.interleaved
-                          and dispatcher.interleaved_grad)
             if stacked.biases["w2" if "w2" in stacked.weights else "fc2"] is None:
                 return self._local_experts(dispatcher, recv, local_counts, stacked, True, into=into,
-                                           last=lambda h, w, offs: gemm_combine(
-                                               dispatcher, h, w, offs, gates, handle, self._gemm_configs(),
-                                               interleave=interleave))
+                                           last=lambda h, w, offs: gemm_combine(dispatcher, h, w, offs, gates, handle,
+                                                                                self._gemm_configs()))
         y = self._local_experts(dispatcher, recv, local_counts, stacked, fused, into=into)
         return dispatcher.combine(y, gates, handle)
 

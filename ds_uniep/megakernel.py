@@ -373,10 +373,8 @@ class NVLinkDispatcher:
         self.early_dispatches = 0
         #: forward combines that pulled from the source regions / pushed rows back / ran pipelined /
         #: summed the rows the fused schedule's second GEMM stored (epilogue combine); backward
-        #: dispatches whose input-gradient rows the first GEMM's dgrad stored (landed_dgrad); backward
-        #: combines whose grad_y rows the second GEMM's dgrad formed as they arrived (taken_grad)
-        self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0, "landed_dgrad": 0,
-                              "taken_grad": 0}
+        #: dispatches whose input-gradient rows the first GEMM's dgrad stored (landed_dgrad)
+        self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0, "landed_dgrad": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self._num_recv_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # R of the exact-R form
         # every rank's counts per expert, read with R (the pipelined schedule plans its copies by them)
@@ -395,10 +393,6 @@ class NVLinkDispatcher:
         #: whether that job sends the other ranks' rows too; False (faster forward on 2 H200s at all
         #: three shapes of BENCHMARKS.md): every SM sends them, one rank after another, before the GEMM
         self.interleaved_sends = False
-        #: interleaved roles with the epilogue combine: whether the backward's dgrad of the second
-        #: projection forms its rows (grad_y = gate * row) in such a job as they arrive
-        #: (``ds_uniep.epilogue_combine``), instead of waiting for all of them (the same bits)
-        self.interleaved_grad = True
         #: what one wait of the fused schedule's first GEMM covers (``overlap.signal_granularity``; see
         #: _wait_runs)
         self.signal_granularity = config.overlap.signal_granularity

@@ -50,15 +50,6 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
                               torch::Tensor& out, torch::Tensor& recv_pair, int64_t tokens_per_item,
                               int64_t rows_per_item, bool prefetch, int64_t warps, int64_t send_begin,
                               int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id);
-// The backward's form of that job (InterleavedDispatch::scale_gates), for the spare warps of the
-// second projection's dgrad over `segs`' runs: no sends (a dispatch_rows of the output gradient,
-// epoch `epoch`, stored every row into the receive region first); each source's rows are taken
-// into grad_y ([R, M] bf16, R <= R_max) as cast(gate * row) once it signalled, in `segs`' (source,
-// expert) blocks (fused_segments with alignment 1), and kPhaseArrived rises here per source.
-torch::Tensor interleaved_take_job(torch::Tensor& grad_y, int64_t num_experts, const std::vector<int64_t>& sym,
-                                   int64_t epoch, bool dedup, const torch::Tensor& segs, int64_t rows_per_item,
-                                   int64_t warps, int64_t timeout_ns, const torch::Tensor& error_record,
-                                   int64_t layer_id);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
 // reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
 // dedup: after a deduplicated dispatch (copies each row its token's first row on this rank).
@@ -163,8 +154,7 @@ torch::Tensor grouped_mm(const torch::Tensor& a, const torch::Tensor& b, const t
 // their rows from a_alt at (first row - alt_row0) instead of from a. With `seg_out` ([G] int64,
 // on a's device): group g's rows go to address seg_out[g] (rows back to back, a peer's
 // symmetric memory allowed) and out is neither checked nor written. With `comm_job` (fwd with
-// waits; interleaved_job's bytes): the GEMM's spare warps run that dispatch (kFwdInterleaved);
-// (dgrad with waits; interleaved_take_job's bytes): they form its rows (kDgradInterleaved).
+// waits; interleaved_job's bytes): the GEMM's spare warps run that dispatch (kFwdInterleaved).
 void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const torch::Tensor& segs, torch::Tensor& out,
                          int64_t config, int64_t sm_count, int64_t raster_n, int64_t swizzle,
                          const c10::optional<torch::Tensor>& ready, int64_t epoch, int64_t timeout_ns,

@@ -11,8 +11,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the fused schedule's dispatch: rows one destination at a time, arrivals taken source by source");
   m.def("interleaved_job", &uniep::interleaved_job,
         "the fused dispatch's job for the waiting GEMM's spare warps (interleaved roles), as bytes");
-  m.def("interleaved_take_job", &uniep::interleaved_take_job,
-        "the backward's job for the spare warps of the waiting dgrad: grad_y = gate * row as rows arrive");
   m.def("recv_copyout", &uniep::recv_copyout, "wait for all rows, copy them (and their source pairs) out");
   // combine: rows back to their sources, reduced in slot order
   m.def("combine_push", &uniep::combine_push, "store every received row back at its source pair");

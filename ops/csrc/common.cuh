@@ -313,45 +313,6 @@ __device__ __forceinline__ void take_rows(const int* meta, const int* dups, int*
   }
 }
 
-// The interleaved backward's receiving side, by one warp: rows [first, first + count) (count <= 32)
-// of a (source, expert) block of a dispatch of the output gradient that landed in this rank's
-// receive region. Each lane reads one row's source pair (meta word), the row it was stored in (its
-// dup word for a deduplicated token) and the pair's gate from the source's gates region; then the
-// warp writes each row into `out` (rows of row_bytes) as cast(gate * float(v)), one rounding per
-// element (combine_bwd_rows' arithmetic, so the same bits).
-template <int kUnroll>
-__device__ __forceinline__ void take_rows_scaled(const SymView& s, const int* meta, const int* dups, char* out,
-                                                 int first, int count, int row_bytes, bool dedup, int lane) {
-  const int r = first + lane;
-  int from = -1;
-  float gate = 0.0f;
-  if (lane < count) {
-    const int pair = __ldcg(meta + r);
-    from = r;
-    if (dedup) {
-      const int f = __ldcg(dups + r);
-      if (f >= 0) from = f;
-    }
-    const int src = static_cast<int>(pair / s.pairs_per_rank);
-    gate = __ldcg(reinterpret_cast<const float*>(s.ptrs[src] + s.gates_off) + pair % s.pairs_per_rank);
-  }
-  const char* recv = s.ptrs[s.rank] + s.recv_off;
-  for (int l = 0; l < count; ++l) {
-    const int row = __shfl_sync(0xffffffffu, from, l);
-    const float g = __shfl_sync(0xffffffffu, gate, l);
-    const int4* in = reinterpret_cast<const int4*>(recv + static_cast<int64_t>(row) * s.recv_row_bytes);
-    int4* dst = reinterpret_cast<int4*>(out + static_cast<int64_t>(first + l) * row_bytes);
-    warp_row_vectors<kUnroll>(row_bytes / 16, lane, [&](int v) { return __ldcg(in + v); },
-                              [&](int v, const int4& x) {
-                                float a[Vec<__nv_bfloat16>::kElems];
-                                unpack<__nv_bfloat16>(x, a);
-#pragma unroll
-                                for (int i = 0; i < Vec<__nv_bfloat16>::kElems; ++i) a[i] = __fmul_rn(g, a[i]);
-                                dst[v] = pack<__nv_bfloat16>(a);
-                              });
-  }
-}
-
 // Loads that skip L1: peers' rows and rows written by other kernels are read once.
 __device__ __forceinline__ int4 ld_stream(const int4* p) { return __ldcs(p); }
 __device__ __forceinline__ void st_stream(int4* p, const int4& v) { __stcs(p, v); }

@@ -105,12 +105,6 @@ struct WaitPolicy {
 // least) are stored by a launch_dispatch before the GEMM. Claiming in order means every send is
 // claimed before any remote take waits, and items are not tied to CTAs, so no CTA waits on another
 // that may not be running.
-// With `scale_gates` (the backward's form, beside the first expert GEMM's dgrad of the second
-// projection): there are no send items (f.send_begin is the number of ranks; a dispatch of the
-// output gradient stored every row before the GEMM, into the receive region at recv_off), and a
-// take item writes every row r of its chunk into f.out (grad_y [R, M]) as cast(gate * float(row)):
-// the row is the one the dispatch left at r (or, deduplicated, at its token's first row here) and
-// the gate is the source's, read from its gates region at the pair (combine_bwd_rows' bits).
 struct InterleavedDispatch {
   const void* x;           // [T, M] bf16
   const int* expert_idx;   // [T, k]
@@ -130,7 +124,6 @@ struct InterleavedDispatch {
   FusedArrive f;           // segs, out, recv_pair, send_begin: the first round sent here (1, or G when
                            // launch_dispatch sent every round before the GEMM); started, send_end, take unused
   WaitPolicy w;
-  int scale_gates;         // the backward's takes (see above); 0 in the forward
 };
 
 // Status word of the interleaved dispatch's item counter (see InterleavedDispatch).

@@ -170,40 +170,6 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
   return bytes;
 }
 
-torch::Tensor interleaved_take_job(torch::Tensor& grad_y, int64_t num_experts, const std::vector<int64_t>& sym,
-                                   int64_t epoch, bool dedup, const torch::Tensor& segs, int64_t rows_per_item,
-                                   int64_t warps, int64_t timeout_ns, const torch::Tensor& error_record,
-                                   int64_t layer_id) {
-  UNIEP_CHECK_INPUT(grad_y);
-  UNIEP_CHECK_INPUT(segs);
-  UNIEP_CHECK_DTYPE(grad_y, torch::kBFloat16);
-  UNIEP_CHECK_DTYPE(segs, torch::kInt32);
-  const SymView s = sym_from_descriptor(sym);
-  const int L = static_cast<int>(num_experts / s.num_ranks);
-  UNIEP_CHECK_SHAPE(segs, static_cast<int64_t>(s.num_ranks) * L, 4);
-  TORCH_CHECK(grad_y.dim() == 2 && grad_y.size(0) <= s.recv_rows, "grad_y must be [R, M] with R <= R_max = ",
-              s.recv_rows, ", got ", grad_y.sizes());
-  TORCH_CHECK(grad_y.size(1) % 8 == 0 && grad_y.size(1) * grad_y.element_size() <= s.recv_row_bytes,
-              "grad_y rows must be 16-byte vectors no wider than the receive rows, got ", grad_y.sizes());
-  TORCH_CHECK(rows_per_item >= 1, "items need at least one row, got ", rows_per_item);
-  TORCH_CHECK(warps == 1 || warps == 2, "the job runs in 1 or 2 warps per CTA, got ", warps);
-  InterleavedDispatch job{};
-  job.hidden = static_cast<int>(grad_y.size(1));
-  job.experts_per_rank = L;
-  job.dedup = dedup ? 1 : 0;
-  job.tokens_per_item = 1;  // no send items
-  job.rows_per_item = static_cast<int>(rows_per_item);
-  job.warps = static_cast<int>(warps);
-  job.epoch = static_cast<uint32_t>(epoch);
-  job.s = s;
-  job.f = FusedArrive{segs.data_ptr<int>(), L, grad_y.data_ptr(), nullptr, nullptr, s.num_ranks, 0, false};
-  job.w = wait_from_args(timeout_ns, error_record, layer_id);
-  job.scale_gates = 1;
-  torch::Tensor bytes = torch::empty({static_cast<int64_t>(sizeof(job))}, torch::kUInt8);
-  std::memcpy(bytes.data_ptr(), &job, sizeof(job));
-  return bytes;
-}
-
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                   const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows,

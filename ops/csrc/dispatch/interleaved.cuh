@@ -90,8 +90,7 @@ __device__ inline void send(const InterleavedDispatch& j, int round, int item, i
 
 // Take item: rows [item * rows_per_item, ...) of source round `round`'s rows here (its (source,
 // expert) blocks back to back), once the source signalled: each row's source pair, and the copy
-// of a deduplicated row from its token's first row here (with scale_gates, every row scaled by
-// its gate into f.out instead: take_rows_scaled). False when the wait gave up.
+// of a deduplicated row from its token's first row here. False when the wait gave up.
 __device__ inline bool take(const InterleavedDispatch& j, int round, int item, int lane) {
   const SymView& s = j.s;
   const int L = j.f.experts_per_rank;
@@ -108,14 +107,9 @@ __device__ inline bool take(const InterleavedDispatch& j, int round, int item, i
   for (int l = 0; l < L && pos < end; ++l) {
     const int first = seg[4 * l], rows = seg[4 * l + 1];
     const int stop = min(end, pos + rows);
-    for (int p = max(begin, pos); p < stop; p += 32) {
-      if (j.scale_gates)
-        take_rows_scaled<kUnroll>(s, meta, dups, out, first + (p - pos), min(32, stop - p), row_bytes, j.dedup != 0,
-                                  lane);
-      else
-        take_rows<kUnroll>(meta, dups, j.f.recv_pair, out, first + (p - pos), min(32, stop - p), row_bytes,
-                           j.dedup != 0, j.prefetch != 0, lane);
-    }
+    for (int p = max(begin, pos); p < stop; p += 32)
+      take_rows<kUnroll>(meta, dups, j.f.recv_pair, out, first + (p - pos), min(32, stop - p), row_bytes,
+                         j.dedup != 0, j.prefetch != 0, lane);
     pos += rows;
   }
   return true;

@@ -148,15 +148,13 @@ void grouped_mm_segments(const torch::Tensor& a, const torch::Tensor& w, const t
   }
   int run_op = static_cast<int>(op);
   if (comm_job.has_value()) {
-    TORCH_CHECK(ready.has_value(), "grouped_mm_segments: the interleaved dispatch runs beside a GEMM that waits "
-                "for its rows (ready)");
+    TORCH_CHECK(fwd && ready.has_value(), "grouped_mm_segments: the interleaved dispatch runs beside a forward "
+                "that waits for its rows (ready)");
     TORCH_CHECK(!comm_job->is_cuda() && comm_job->scalar_type() == torch::kUInt8 && comm_job->is_contiguous() &&
                     comm_job->numel() == static_cast<int64_t>(sizeof(InterleavedDispatch)),
                 "grouped_mm_segments: comm_job must be interleaved_job's bytes");
     std::memcpy(&args.comm, comm_job->data_ptr(), sizeof(InterleavedDispatch));
-    TORCH_CHECK((args.comm.scale_gates != 0) == !fwd, "grouped_mm_segments: a forward runs interleaved_job's "
-                "bytes, a dgrad interleaved_take_job's");
-    run_op = fwd ? gemm::kFwdInterleaved : gemm::kDgradInterleaved;
+    run_op = gemm::kFwdInterleaved;
   }
   // No rows here: nothing to compute, but an interleaved dispatch still has rows to send.
   TORCH_CHECK(a.size(0) > 0 || !comm_job.has_value(), "grouped_mm_segments: the interleaved dispatch needs rows "

@@ -24,7 +24,6 @@ cudaError_t grouped_gemm(int op, int config, const GroupedGemmArgs& args, cudaSt
     case kDgrad: return run_of<kDgrad>(config, args, stream, status);
     case kWgrad: return run_of<kWgrad>(config, args, stream, status);
     case kFwdInterleaved: return run_of<kFwdInterleaved>(config, args, stream, status);
-    case kDgradInterleaved: return run_of<kDgradInterleaved>(config, args, stream, status);
     default: return cudaErrorInvalidValue;
   }
 }

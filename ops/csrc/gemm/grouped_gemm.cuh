@@ -27,8 +27,6 @@
 // Interleaved dispatch (kFwdInterleaved: kFwd over segments with arrival waits, `comm` set):
 // one spare warp of every CTA's producer warpgroup runs the fused dispatch's job (moves the rows
 // the tiles wait for; InterleavedDispatch in types.h) beside the tiles, so the GEMM has every SM.
-// kDgradInterleaved: kDgrad the same way, its job forming the rows (grad_y) from a dispatch of the
-// output gradient as they arrive.
 // No split-K or stream-K: each output tile is computed by one CTA with a fixed k order
 // (k16 wgmma steps in increasing k), so a row's result never depends on the tile shape, the
 // raster order or how many SMs run the kernel. Tests check this bit for bit.
@@ -50,13 +48,6 @@ constexpr int32_t kSegAltRows = 1 << 30;
 enum GemmOp : int { kFwd = 0, kDgrad = 1, kWgrad = 2, kNumOps = 3 };
 // kFwd with the interleaved dispatch's warps (built for every configuration, not an op of its own).
 constexpr int kFwdInterleaved = 3;
-// kDgrad with them (the backward's form of the job: InterleavedDispatch::scale_gates).
-constexpr int kDgradInterleaved = 4;
-__host__ __device__ constexpr bool is_interleaved(int op) { return op == kFwdInterleaved || op == kDgradInterleaved; }
-// The op an interleaved one computes.
-__host__ __device__ constexpr int base_op(int op) {
-  return op == kFwdInterleaved ? kFwd : op == kDgradInterleaved ? kDgrad : op;
-}
 
 // Tile configurations; every op is built with each. Names are reported by config_name().
 enum GemmConfig : int {
@@ -92,7 +83,7 @@ struct GroupedGemmArgs {
   int layer_id = 0;
   int rank = 0;
   int phase = 0;                      // recorded as the phase waited for
-  // kFwdInterleaved and kDgradInterleaved only: the job their spare warps run (copied into the workspace).
+  // kFwdInterleaved only: the dispatch job its spare warps run (copied into the workspace).
   InterleavedDispatch comm{};
 };
 
@@ -119,7 +110,7 @@ cudaError_t grouped_gemm(int op, int config, const GroupedGemmArgs& args, cudaSt
 const char* config_name(int config);
 
 // One (op, config) pair, defined in grouped_gemm_impl.cuh and instantiated in its own
-// translation unit (grouped_gemm_<op>_<config>.cu), so the fifteen kernels build in parallel.
+// translation unit (grouped_gemm_<op>_<config>.cu), so the twelve kernels build in parallel.
 template <int Op, int Config>
 struct Instance {
   static cudaError_t run(const GroupedGemmArgs& args, cudaStream_t stream, int* cutlass_status);

@@ -2,9 +2,8 @@
 // the device offsets (or segments) into per-group problem shapes, pointers and strides (no host
 // sync), then the ptr-array grouped kernel runs with device-side problem shapes. Its mainloop is
 // CUTLASS's, extended by one step: before a group's first operand load, the producer warp waits
-// for that group's arrival word (when it has one). kFwdInterleaved and kDgradInterleaved add a
-// second: a spare warp of the producer warpgroup runs the interleaved dispatch's job
-// (dispatch/interleaved.cuh).
+// for that group's arrival word (when it has one). kFwdInterleaved adds a second: a spare warp
+// of the producer warpgroup runs the interleaved dispatch's job (dispatch/interleaved.cuh).
 #pragma once
 
 #include "grouped_gemm.cuh"
@@ -43,7 +42,6 @@ template <int Op> struct OpLayouts;
 template <> struct OpLayouts<kFwd> { using A = RowMajor; using B = ColumnMajor; };    // x, w[g] (K contiguous)
 template <> struct OpLayouts<kFwdInterleaved> : OpLayouts<kFwd> {};
 template <> struct OpLayouts<kDgrad> { using A = RowMajor; using B = RowMajor; };     // dy, w[g] (N contiguous)
-template <> struct OpLayouts<kDgradInterleaved> : OpLayouts<kDgrad> {};
 template <> struct OpLayouts<kWgrad> { using A = ColumnMajor; using B = RowMajor; };  // dy^T, x (M, N contiguous)
 
 template <int Config> struct ConfigTraits;
@@ -99,7 +97,7 @@ struct WaitingMainloop : Base {
   struct Arguments : Base::Arguments {
     const uint32_t* const* ready;  // [groups]: the word each group waits for, or null
     const WaitControl* control;
-    const InterleavedDispatch* comm;  // kFwdInterleaved, kDgradInterleaved: the job (in the workspace)
+    const InterleavedDispatch* comm;  // kFwdInterleaved: the job (in the workspace)
   };
   struct Params : Base::Params {
     const uint32_t* const* ready;
@@ -165,7 +163,7 @@ struct Kernel {
       typename Traits::Mainloop>::CollectiveOp;
   using CollectiveMainloop = WaitingMainloop<BaseMainloop>;
   using CutlassKernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-  using GemmKernel = cute::conditional_t<is_interleaved(Op), InterleavedGemmKernel<CutlassKernel>, CutlassKernel>;
+  using GemmKernel = cute::conditional_t<Op == kFwdInterleaved, InterleavedGemmKernel<CutlassKernel>, CutlassKernel>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
   using StrideA = typename GemmKernel::InternalStrideA;
   using StrideB = typename GemmKernel::InternalStrideB;
@@ -221,7 +219,7 @@ struct ArgArrays {
 
 // One thread per group: its problem shape and operand pointers from the row offsets (or its
 // segment), and its arrival word. Every operand is packed, so the strides are the same for all
-// groups and come in by value. Interleaved ops: thread 0 also writes the dispatch's job and
+// groups and come in by value. kFwdInterleaved: thread 0 also writes the dispatch's job and
 // zeroes its item counter (the GEMM runs after this kernel, on the same stream).
 template <int Op, class K>
 __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename K::StrideA sa,
@@ -230,7 +228,7 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
   if (g == 0) {
     *out.control = WaitControl{args.ready,    args.ready_epoch, args.timeout_ns, args.error_record,
                                args.poison,   args.layer_id,    args.rank,       args.phase};
-    if (is_interleaved(Op)) {
+    if (Op == kFwdInterleaved) {
       *out.comm = args.comm;
       status_words(args.comm.s)[kInterleavedClaimWord] = 0;
     }
@@ -247,12 +245,12 @@ __global__ void prepare_groups(GroupedGemmArgs args, ArgArrays<K> out, typename 
   const Bf16* a = static_cast<const Bf16*>(alt ? args.a_alt : args.a);
   const Bf16* b = static_cast<const Bf16*>(args.b);
   Bf16* d = static_cast<Bf16*>(args.d);
-  if (base_op(Op) == kFwd) {
+  if (Op == kFwd || Op == kFwdInterleaved) {
     out.shapes[g] = Shape3{rows, args.n, args.k};
     out.a[g] = a + (alt ? start - args.alt_row0 : start) * k;
     out.b[g] = b + wi * n * k;
     out.d[g] = seg && args.seg_out != nullptr ? reinterpret_cast<Bf16*>(args.seg_out[g]) : d + start * n;
-  } else if (base_op(Op) == kDgrad) {
+  } else if (Op == kDgrad) {
     out.shapes[g] = Shape3{rows, args.k, args.n};
     out.a[g] = a + (alt ? start - args.alt_row0 : start) * n;
     out.b[g] = b + wi * n * k;
@@ -368,12 +366,8 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, cudaStream_t 
   if (args.segs != nullptr && (Op == kWgrad || args.weights <= 0)) return cudaErrorInvalidValue;
   if (args.ready != nullptr && (args.segs == nullptr || args.error_record == nullptr || args.poison == nullptr))
     return cudaErrorInvalidValue;
-  if (is_interleaved(Op) && (args.ready == nullptr || args.comm.f.segs == nullptr || args.comm.tokens_per_item <= 0 ||
-                             args.comm.rows_per_item <= 0))
-    return cudaErrorInvalidValue;
-  // The forward's job sends x's rows; the backward's only takes, scaling by the gates.
-  if (Op == kFwdInterleaved && (args.comm.x == nullptr || args.comm.scale_gates)) return cudaErrorInvalidValue;
-  if (Op == kDgradInterleaved && (!args.comm.scale_gates || args.comm.f.send_begin != args.comm.s.num_ranks))
+  if (Op == kFwdInterleaved && (args.ready == nullptr || args.comm.f.segs == nullptr || args.comm.x == nullptr ||
+                                args.comm.tokens_per_item <= 0 || args.comm.rows_per_item <= 0))
     return cudaErrorInvalidValue;
   if (args.raster_n < 0 || args.raster_n > 1 || !(args.swizzle == 1 || args.swizzle == 2 || args.swizzle == 4 ||
                                                   args.swizzle == 8))
@@ -387,11 +381,11 @@ cudaError_t Instance<Op, Config>::run(const GroupedGemmArgs& args, cudaStream_t 
   typename K::StrideA sa;
   typename K::StrideB sb;
   typename K::StrideD sd;
-  if (base_op(Op) == kFwd) {  // A x (M, K=k), B w[g] (N=n, K=k), D (M, n)
+  if (Op == kFwd || Op == kFwdInterleaved) {  // A x (M, K=k), B w[g] (N=n, K=k), D (M, n)
     sa = detail::packed_stride(typename K::StrideA{}, 1, k);
     sb = detail::packed_stride(typename K::StrideB{}, n, k);
     sd = detail::packed_stride(typename K::StrideD{}, 1, n);
-  } else if (base_op(Op) == kDgrad) {  // A dy (M, K=n), B w[g] (N=k, K=n), D (M, k)
+  } else if (Op == kDgrad) {  // A dy (M, K=n), B w[g] (N=k, K=n), D (M, k)
     sa = detail::packed_stride(typename K::StrideA{}, 1, n);
     sb = detail::packed_stride(typename K::StrideB{}, k, n);
     sd = detail::packed_stride(typename K::StrideD{}, 1, k);
