@@ -391,7 +391,7 @@ class NVLinkDispatcher:
         self.interleaved = config.overlap.roles == "interleaved"
         self.interleaved_items = (16, 64, True, 1)
         #: whether that job sends the other ranks' rows too; False (faster forward on 2 H200s at all
-        #: three shapes of BENCHMARKS.md): every SM sends them, one rank after another, before the GEMM
+        #: three shapes of docs/benchmarks.md): every SM sends them, one rank after another, before the GEMM
         self.interleaved_sends = False
         #: what one wait of the fused schedule's first GEMM covers (``overlap.signal_granularity``; see
         #: _wait_runs)

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "plan, max_tokens_per_rank and the autotune settings (default: built-in defaults)")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--shape", default=None, help="T,M,F,E,k: tokens per rank, hidden, expert FFN, experts, top-k")
-    g.add_argument("--preset", choices=PRESET_NAMES, default=None, help="a shape of BENCHMARKS.md")
+    g.add_argument("--preset", choices=PRESET_NAMES, default=None, help="a shape of docs/benchmarks.md")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activation dtype (default bf16)")
     ap.add_argument("--backend", choices=["auto", "megakernel", "reference", "none"], default="auto",

@@ -32,3 +32,13 @@ def test_changelog_is_keep_a_changelog():
     assert "keepachangelog.com" in text and "## [Unreleased]" in text
     for heading in re.findall(r"^### (.+)$", text, flags=re.M):
         assert heading in {"Added", "Changed", "Deprecated", "Removed", "Fixed", "Security"}, heading
+
+
+def test_benchmark_shapes_doc_is_the_presets():
+    from ds_uniep.hybrid.presets import PRESETS
+    from ds_uniep.tuning.presets import num_experts_at
+    text = _read("docs/benchmarks.md")
+    rows = {m.group(1): tuple(int(v) for v in m.groups()[1:])
+            for m in re.finditer(r"^\| ([\w-]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", text, flags=re.M)}
+    assert rows == {name: (s.hidden, s.ffn, s.num_experts, s.top_k, s.tokens_per_rank) for name, s in PRESETS.items()}
+    assert "At ep 4 the dsv3-like layer runs 32 experts" in text and num_experts_at("dsv3-like", 4) == 32

@@ -83,7 +83,7 @@ def test_each_rejection_reason_is_hit_by_a_plan():
     assert Plan.from_config(UniEPConfig()).roles == "partitioned" and UniEPConfig().overlap.roles == "interleaved"
     assert Plan.from_config({"overlap": {"schedule": "fused"}}).roles == "interleaved"
     assert space.check(Plan(schedule="sequential", num_comm_sms=70)) is None
-    # The default plan of the config is valid at BENCHMARKS.md shapes.
+    # The default plan of the config is valid at docs/benchmarks.md shapes.
     assert space.check(Plan.from_config(UniEPConfig())) is None
 
 

@@ -107,7 +107,7 @@ PRESETS: Dict[str, MoEShape] = {
                               tokens_per_rank=8192),
     "dsv3-like": MoEShape("dsv3-like", hidden=7168, ffn=2048, num_experts=256, top_k=8, tokens_per_rank=4096),
 }
-"""The shapes of BENCHMARKS.md (dsv3-like with its 256 experts of EP 8 and wider)."""
+"""The shapes of docs/benchmarks.md (dsv3-like with its 256 experts of EP 8 and wider)."""
 
 _SHAPE_KEYS = {"hidden": "hidden", "M": "hidden", "ffn": "ffn", "F": "ffn", "experts": "num_experts",
                "E": "num_experts", "topk": "top_k", "k": "top_k", "tokens": "tokens_per_rank", "T": "tokens_per_rank",

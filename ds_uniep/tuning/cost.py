@@ -3,7 +3,7 @@
 It only orders candidates (the likely-fast ones are measured first, so early
 stopping has a good bar early); it never picks the winner and its numbers are
 never reported as measurements. Constants are the ceilings measured on H200
-(../shared/BENCHMARKS.md), scaled by the SM count of the GPU at hand.
+(docs/benchmarks.md), scaled by the SM count of the GPU at hand.
 """
 
 import math

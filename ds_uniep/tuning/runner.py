@@ -119,6 +119,6 @@ def build_layer(shape: Shape, config, backend: str, device: torch.device, seed: 
         layer.set_deepspeed_parallelism()
     dtype = TORCH_DTYPES[shape.dtype]
     layer = layer.to(device=device, dtype=dtype)
-    layer.deepspeed_moe.gate.wg.float()  # fp32 gate, as BENCHMARKS.md runs it
+    layer.deepspeed_moe.gate.wg.float()  # fp32 gate, as docs/benchmarks.md runs it
     x = torch.randn(shape.T, shape.M, device=device, dtype=dtype, requires_grad=True)
     return layer, x

@@ -64,7 +64,7 @@ ROW_ROUNDING = 64
 
 MIN_GEMM_SM_FRACTION = 0.5
 """While communication runs beside the GEMM on whole SMs, the GEMM keeps at least this share of SMs:
-below it the grouped GEMM, not the transfer, sets the layer's time at every shape of BENCHMARKS.md."""
+below it the grouped GEMM, not the transfer, sets the layer's time at every shape of docs/benchmarks.md."""
 
 DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "schedule": SCHEDULES,
