@@ -49,11 +49,13 @@ def _train(engine, rank, steps=3):
 def _zero_stages(rank, world_size):
     from deepspeed.moe.layer import MoE
     from ds_uniep import UniEPConfig, UniEPMoE
+    from moe_models import distinct_experts
     for stage in (0, 1, 2):
-        curves = {}
+        curves, finals = {}, {}
         for cls in (MoE, UniEPMoE):
             torch.manual_seed(0)
             model = Net(cls, ep_size=world_size)
+            distinct_experts(model.moe, rank)  # a row sent to the wrong expert changes the numbers
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             engine = _engine(model, stage)
             assert engine.zero_optimization_stage() == stage
@@ -63,8 +65,13 @@ def _zero_stages(rank, world_size):
             curves[cls.__name__] = _train(engine, rank)
             changed = [n for n, p in engine.module.named_parameters() if not torch.equal(p.detach(), before[n])]
             assert any("deepspeed_experts" in n for n in changed) and any("gate" in n for n in changed), changed
+            finals[cls.__name__] = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         torch.testing.assert_close(torch.tensor(curves["UniEPMoE"]), torch.tensor(curves["MoE"]), rtol=1e-4,
                                    atol=1e-5, msg=f"stage {stage}: {curves}")
+        # every parameter, this rank's experts included, trained to the stock layer's values
+        assert finals["UniEPMoE"].keys() == finals["MoE"].keys()
+        for n, p in finals["MoE"].items():
+            torch.testing.assert_close(finals["UniEPMoE"][n], p, rtol=1e-4, atol=1e-5, msg=f"stage {stage}: {n}")
 
 
 def _checkpoints(rank, world_size, tmp):

@@ -102,7 +102,7 @@ def test_grouped_linear_hands_its_dgrad_to_into(monkeypatch):
     offs = torch.tensor([3, 8], dtype=torch.int32)
     grad = torch.randn(8, 24, generator=g).to(torch.bfloat16)
     into = Into(source)
-    y = gemm._GroupedLinear.apply(rows.detach(), w, offs, dict(gemm.DEFAULT_CONFIGS), 0, None, into, source)
+    y = gemm.grouped_linear(rows, w, offs, into=into)  # rows in source's graph: only into may reach it
     assert calls == ["fwd"]
     y.backward(grad)
     assert calls == ["fwd", "start", "wgrad", "finish"]
@@ -113,6 +113,5 @@ def test_grouped_linear_hands_its_dgrad_to_into(monkeypatch):
     calls.clear()
     frozen = source.detach()
     w.grad = None
-    gemm._GroupedLinear.apply(rows.detach(), w, offs, dict(gemm.DEFAULT_CONFIGS), 0, None, Into(frozen),
-                              frozen).backward(grad)
+    gemm.grouped_linear(rows.detach(), w, offs, into=Into(frozen)).backward(grad)
     assert calls == ["fwd", "wgrad"] and w.grad is not None
