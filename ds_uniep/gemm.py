@@ -19,6 +19,7 @@ them all alone, ``bench_gemm_in_layer.py`` inside the MoE layer).
 """
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
@@ -61,6 +62,11 @@ layer's own rows (ping-pong 128x128) made the layer's forward 4-6% slower than t
 dsv3-like, while ``coop128x256`` made it level, at dsv2lite-like too."""
 
 _TUNED: Dict[Tuple, str] = {}
+
+TILE_RUNS: Counter = Counter()
+"""Calls of ds_uniep's grouped GEMM in this process by ``(op, tile configuration)`` (the plain and
+the segment forms; the automatic choice's timing runs are not counted): which tile the layer's
+GEMMs ran, which their bits cannot show."""
 
 BURST_MS = 8.0
 """Length of each timed burst (and of the untimed one before it) in the automatic choice."""
@@ -105,6 +111,7 @@ def grouped_mm(a: Tensor, b: Tensor, offs: Tensor, op: str, config: Optional[str
     if config == "auto":
         config = _choose(a, b, offs, op, sm_count)
     tile, raster_n, swizzle = parse_config(config)
+    TILE_RUNS[(op, CONFIGS[tile])] += 1
     return _ops().grouped_mm(a, b, offs, OPS[op], tile, int(sm_count), raster_n, swizzle)
 
 
@@ -337,6 +344,7 @@ def grouped_mm_segments(a: Tensor, w: Tensor, segs: Tensor, config: str, waits: 
                               or not 0 <= alt_row0 <= a.shape[0] - a_alt.shape[0]):
         raise ValueError(f"grouped GEMM segments: a_alt must be [R', {a.shape[1]}] {a.dtype} standing for rows "
                          f"{alt_row0}.. of a's {a.shape[0]}, got {a_alt.dtype} {tuple(a_alt.shape)}")
+    TILE_RUNS[(op, CONFIGS[tile])] += 1
     _ops().grouped_mm_segments(a, w, segs, out, tile, int(sms), raster_n, swizzle, *wait_args,
                                None if a_alt is None else a_alt.contiguous(), int(alt_row0), out_ptrs, OPS[op],
                                None if waits is None else waits.comm_job)

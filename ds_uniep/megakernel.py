@@ -375,6 +375,9 @@ class NVLinkDispatcher:
         #: summed the rows the fused schedule's second GEMM stored (epilogue combine); backward
         #: dispatches whose input-gradient rows the first GEMM's dgrad stored (landed_dgrad)
         self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0, "landed_dgrad": 0}
+        #: the pipelined schedule's copy kernels (one per chunk and destination on the copy engines,
+        #: one per chunk by SM stores), forward and backward
+        self.push_stats = {"copy_engines": 0, "sm_stores": 0}
         self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         self._num_recv_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # R of the exact-R form
         # every rank's counts per expert, read with R (the pipelined schedule plans its copies by them)

@@ -169,6 +169,7 @@ class PipelinedCall:
                                                             dev))] if tables else []
         else:  # one stream per destination rank: copies to different ranks run on different copy engines
             jobs = [(dst, lambda t=table: d.ext.copy_segments(t, dev)) for dst, table in tables.items()]
+        d.push_stats["sm_stores" if self.copy_blocks else "copy_engines"] += len(jobs)
         for dst, copy in jobs:
             comm = d.comm_stream(dst)
             comm.wait_event(ready)

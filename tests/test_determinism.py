@@ -51,7 +51,7 @@ def _landing(rank, world_size):
         torch.testing.assert_close(out, x * gates.sum(1, keepdim=True), rtol=1e-6, atol=1e-5)
 
 
-def _repeatable(rank, world_size, device="cpu"):
+def _repeatable(rank, world_size, device="cpu", backend="reference"):
     from ds_uniep import UniEPMoE
     from moe_models import MLP, distinct_experts
 
@@ -62,7 +62,7 @@ def _repeatable(rank, world_size, device="cpu"):
             for _ in range(2):
                 torch.manual_seed(3)
                 layer = UniEPMoE(M, MLP(M, 24), num_experts=2 * world_size, ep_size=world_size, k=2,
-                                 drop_tokens=drop, use_rts=False, config={"backend": "reference"})
+                                 drop_tokens=drop, use_rts=False, config={"backend": backend})
                 distinct_experts(layer, rank)
                 layer = layer.to(device=device, dtype=dtype)
                 layer.set_deepspeed_parallelism()
@@ -70,10 +70,11 @@ def _repeatable(rank, world_size, device="cpu"):
                 x = torch.randn(2, 19, M, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
                 out, l_aux, _ = layer(x)
                 assert out.dtype == dtype
+                assert layer.backend_name(x.device) == backend
                 (out.float().square().sum() + l_aux).backward()
                 runs.append([out, x.grad] + [p.grad for p in layer.parameters()])
             for a, b in zip(*runs):
-                assert torch.equal(a, b), f"rank {rank} {dtype} drop={drop}: not bitwise repeatable"
+                assert torch.equal(a, b), f"rank {rank} {backend} {dtype} drop={drop}: not bitwise repeatable"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -86,8 +87,9 @@ def test_bitwise_repeatable_fp32_and_bf16():
 
 
 @needs_gpus(2)
-def test_bitwise_repeatable_on_gpus_over_nccl():
-    run_distributed(_repeatable, 2, "cuda", backend="nccl")
+@pytest.mark.parametrize("backend", ["reference", "megakernel"])
+def test_bitwise_repeatable_on_gpus_over_nccl(backend):
+    run_distributed(_repeatable, 2, "cuda", backend, backend="nccl")
 
 
 @needs_gpus(2)

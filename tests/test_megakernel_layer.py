@@ -19,9 +19,10 @@ from dist_utils import run_distributed
 def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False,
           max_tokens=4096):
     """A layer with the same weights on every call (bf16 experts, fp32 gate); SwiGLU experts, or
-    GeLU ones with biases (``gelu``); buffers for ``max_tokens`` tokens per rank."""
+    GeLU ones with biases (``gelu``); buffers for ``max_tokens`` tokens per rank. At least 2k
+    experts, so that with every token's first choice on one expert that expert is crowded."""
     from ds_uniep import GeLUExpert, SwiGLUExpert, UniEPMoE
-    E = 4 * world_size
+    E = max(4 * world_size, 2 * k)
     torch.manual_seed(11)
     expert = GeLUExpert(M, F) if gelu else SwiGLUExpert(M, F)
     layer = UniEPMoE(M, expert, num_experts=E, ep_size=world_size, k=k, min_capacity=0,
@@ -74,6 +75,15 @@ def _two_steps(layer, rank):
     outs[1].backward(gys[1])
     outs[0].backward(gys[0])
     return outs + [x.grad for x in xs] + [p.grad for p in layer.parameters()]
+
+
+def _tiles_ran(config):
+    """Assert that every grouped GEMM since the last clear ran ``config`` (the bits cannot show it)."""
+    from ds_uniep.gemm import TILE_RUNS
+    ran = dict(TILE_RUNS)
+    assert ran and {tile for _, tile in ran} == {config}, f"the layer's grouped GEMMs ran {ran}, not only {config}"
+    assert {op for op, _ in ran} >= {"fwd", "dgrad", "wgrad"}, ran
+    TILE_RUNS.clear()
 
 
 def _check_same(layer, rank, cases, want, where):
@@ -151,7 +161,9 @@ def _compare_route_order(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_early_dispatch_is_bitwise_the_late_one(world_size):
     """Outputs, input and every parameter gradient with the dispatch queued before the rest of
-    the gate and the experts' stacking, against it queued after them; k 1-8, 1 to 4096 tokens."""
+    the gate and the experts' stacking, against it queued after them; k 2-8, 1 to 4096 tokens (at
+    k 1 DeepSpeed's top-1 gate is called whole: both paths are one, the test checks that no
+    dispatch was queued early)."""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare_route_order, world_size, backend="nccl")
@@ -183,11 +195,20 @@ def _compare_schedules(rank, world_size):
             if sms is not None:
                 overlap["num_comm_sms"] = sms
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap, max_tokens=big)
-            _check_same(layer, rank, cases, want, f"k={k} chunks={chunks} uniep GEMM, copy SMs {sms}")
+            where = f"k={k} chunks={chunks} uniep GEMM, copy SMs {sms}"
+            _check_same(layer, rank, cases, want, where)
+            d = next(iter(layer._dispatchers.values()))
+            assert d.combine_stats["pipelined"] == len(cases), f"{where}: {d.combine_stats}"
+            used, unused = ("sm_stores", "copy_engines") if sms else ("copy_engines", "sm_stores")
+            assert d.push_stats[used] > 0 and d.push_stats[unused] == 0, f"{where}: copies {d.push_stats}"
         # The block's tile sizes: every chunk's GEMMs run that tile, the same bits.
+        from ds_uniep.gemm import TILE_RUNS
+        TILE_RUNS.clear()
         overlap = {"schedule": "pipelined", "num_chunks": 2, "num_comm_sms": 20, "tile_m": 256, "tile_n": 128}
         layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", overlap=overlap, max_tokens=big)
         _check_same(layer, rank, cases, want, f"k={k} {overlap}")
+        assert next(iter(layer._dispatchers.values())).combine_stats["pipelined"] == len(cases)
+        _tiles_ran("coop256x128")
 
 
 @needs_gpus(2)
@@ -264,11 +285,19 @@ def _compare_fused(rank, world_size):
             with pytest.raises(RuntimeError, match="second backward"):
                 out.float().sum().backward()
         # The block's tile sizes pick ds_uniep's GEMM tile for every expert GEMM: the same bits.
-        for overlap in ({"schedule": "sequential", "tile_m": 256, "tile_n": 128},
-                        {"schedule": "fused", "num_comm_sms": 8, "tile_m": 128, "tile_n": 128}):
+        from ds_uniep.gemm import TILE_RUNS
+        for overlap, tile in (({"schedule": "sequential", "tile_m": 256, "tile_n": 128}, "coop256x128"),
+                              ({"schedule": "fused", "num_comm_sms": 8, "tile_m": 128, "tile_n": 128},
+                               "pingpong128x128")):
+            TILE_RUNS.clear()
             layer = _make(rank, world_size, k, "megakernel", expert_gemm="uniep", M=1024, F=512, overlap=overlap,
                           max_tokens=big)
             _check_same(layer, rank, cases, want, f"k={k} {overlap}")
+            d = next(iter(layer._dispatchers.values()))
+            fused = len(cases) if overlap["schedule"] == "fused" else 0
+            assert d.fused_stats == {"fused": fused, "sequential": 0}, f"k={k} {overlap}: {d.fused_stats}"
+            assert (d.combine_stats["landed"], d.combine_stats["landed_dgrad"]) == (fused, fused), d.combine_stats
+            _tiles_ran(tile)
         if k == 2:  # GeLU experts with biases: the second GEMM's rows go back by the combine kernel, the
             # first GEMM's dgrad still stores into the sources' combine buffers
             seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
@@ -290,6 +319,9 @@ def _compare_fused(rank, world_size):
                 q.data = flat[off:off + q.numel()].view(q.shape)
                 off += q.numel()
             _check_same(layer, rank, cases, want, "k=2 fused, flattened experts")
+            d = next(iter(layer._dispatchers.values()))
+            assert d.fused_stats == {"fused": len(cases), "sequential": 0}, d.fused_stats
+            assert (d.combine_stats["landed"], d.combine_stats["landed_dgrad"]) == (len(cases), len(cases))
 
 
 @needs_gpus(2)

@@ -72,6 +72,7 @@ def _every_timed_plan_body(rank, world_size, gemm):
     assert len({p.num_comm_sms for p in timed}) >= 3, [p.label() for p in timed]
     assert all(p.dispatch_dtype == "activation" for p in timed)
     assert any(p.schedule == "fused" for p in timed) == (gemm == "uniep"), [p.label() for p in timed]
+    assert any(p.schedule == "pipelined" for p in timed), [p.label() for p in timed]
     if gemm == "uniep":  # the fused schedule's two overlaps, each alone and both
         assert {(p.fused_dispatch, p.epilogue_combine) for p in timed if p.schedule == "fused"} == {
             (True, True), (True, False), (False, True)}, [p.label() for p in timed]
@@ -88,7 +89,10 @@ def _every_timed_plan_body(rank, world_size, gemm):
     for plan in timed + odd + [result.winner]:
         layer.set_plan(plan)
         fused_before, landed_before = d.fused_stats["fused"], d.combine_stats["landed"]
+        piped_before = d.combine_stats["pipelined"]
         got = _run(layer, x, gy)
+        piped = d.combine_stats["pipelined"] - piped_before
+        assert piped == int(plan.schedule == "pipelined"), f"{plan.label()}: {piped} pipelined combines"
         if plan.schedule == "fused":
             if plan.fused_dispatch:
                 assert d.fused_comm_blocks == plan.num_comm_sms, "the plan did not reach the fused dispatch"
@@ -97,6 +101,7 @@ def _every_timed_plan_body(rank, world_size, gemm):
             assert ran == (int(plan.fused_dispatch), int(plan.epilogue_combine)), f"{plan.label()} ran {ran}"
         else:
             assert d.num_blocks == plan.num_comm_sms, "the plan did not reach the kernels"
+            assert d.fused_stats["fused"] == fused_before, f"{plan.label()} ran the fused dispatch"
         _assert_same(base, got, f"rank {rank}, plan {plan.label()}")
 
 
