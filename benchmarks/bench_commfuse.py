@@ -251,17 +251,21 @@ def _is_bare(name):
     return name in ("gemm_blocks", "gemm_local_first", "sum_alone", "gemm_alone_uniep")
 
 
-def _collect(timed, device):
+def _collect(timed, device, queued):
     """Per variant: the slowest rank's median, rank 0's runs, and against the unfused and GEMM-alone
-    times of the same mode: speed-up and exposed communication."""
+    times of the same mode: speed-up and exposed communication. ``queued``: the runs were queued
+    behind a GPU spin, so each variant also counts its late runs (most over ranks). Every rank makes
+    the same collectives, whichever variants failed where."""
     res = {}
     for name, r in timed.items():
         err = r.get("error")
         r = None if err else r
         slow = _slowest(None if r is None else r["median_ms"], device)
         res[name] = {"median_ms": slow, "rank0": r, "error": err}
-        if r is not None and "late_runs" in r:
-            res[name]["late_runs"] = int(_slowest(r["late_runs"], device))
+        if queued:
+            late = _slowest(None if r is None else r.get("late_runs", 0), device)
+            if late is not None:
+                res[name]["late_runs"] = int(late)
     t_gemm, t_comm, t_unf = (res[k]["median_ms"] for k in ("gemm_alone", "comm_alone", "unfused"))
     for name, r in res.items():
         t = r["median_ms"]
@@ -349,7 +353,8 @@ def _timeline(op, a, G, group, device, dtype, schedule, num_chunks, transport):
         run = lambda tl: all_gather_matmul_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl,  # noqa
                                                 transport=transport, keep_full=False)
     else:
-        x, w = torch.randn(T, F, device=device, dtype=dtype), torch.randn(F, H, device=device, dtype=dtype)
+        x = torch.randn(T, F, device=device, dtype=dtype)
+        w = _weight(lambda *sh: torch.randn(*sh, device=device, dtype=dtype), F, H, a)
         run = lambda tl: matmul_reduce_scatter_impl(x, w, group, schedule, num_chunks, sizes, timeline=tl,  # noqa
                                                     transport=transport)
     run(None)  # warm
@@ -443,7 +448,7 @@ def main(argv=None):
             timed = bench_interleaved(variants, a.warmup, a.repeats, sync=sync, cuda=device.type == "cuda",
                                       on_error=lambda n, e: rank == 0 and traceback.print_exception(e),
                                       before=before)
-            per_mode[mode] = _collect(timed, device)
+            per_mode[mode] = _collect(timed, device, before is not None)
         res = per_mode["launched"]
         try:
             checks = _checks(op, variants, G, group, gloo, _commfuse_points(a, gloo, op))
@@ -507,7 +512,26 @@ def main(argv=None):
     return results
 
 
+def failed_checks(results):
+    """What the checks of ``main``'s results found wrong: a check run that raised, a variant whose
+    check raised, a bitwise promise not kept. Empty when every check held."""
+    bad = []
+    for op, d in results["ops"].items():
+        checks = d["checks"]
+        if "error" in checks:
+            bad.append(f"{op}: the checks raised {checks['error']}")
+            continue
+        for name, v in checks.items():
+            if isinstance(v, str):
+                bad.append(f"{op} {name}: {v}")
+            elif name.endswith("_bitwise_vs_reference") and not v:
+                bad.append(f"{op} {name[:-len('_bitwise_vs_reference')]}: not bitwise the reference")
+    return bad
+
+
 if __name__ == "__main__":
-    main()
+    failed = failed_checks(main())
     if dist.is_initialized():
         dist.destroy_process_group()
+    if failed:
+        sys.exit("bench_commfuse: checks failed:\n  " + "\n  ".join(failed))

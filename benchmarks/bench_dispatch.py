@@ -23,7 +23,7 @@ pulling combine from source regions with one and two blocks per SM, and the copy
 combine of the pipelined schedule in one chunk (each (expert, source) segment copied into its
 source's combine buffer by cudaMemcpyAsync, one stream per destination, then the slot-order
 sum; it needs the exact-R dispatch, whose host sync comes before it and is not timed), each
-checked bitwise against the default).
+checked bitwise against the default; the script exits non-zero after its table when one is not).
 """
 import argparse
 import json
@@ -300,12 +300,13 @@ def main():
               results[f"{key}_queued_ms"], off_rank) for key, blocks in PULL_VARIANTS]
     table = []
     nccl, nccl_q = results["nccl_a2a_ms"], results["nccl_a2a_queued_ms"]
+    peer = results["peer_copy_GBps"] or None  # 0 where rank 0 sees a single GPU: no ceiling measured
     for label, ms, queued_ms, nbytes in rows:
         bw, bw_q = gbps(ms, nbytes), gbps(queued_ms, nbytes)
-        table.append({"op": label, "ms": ms, "GBps": bw, "of_peer_copy": bw / results["peer_copy_GBps"],
+        table.append({"op": label, "ms": ms, "GBps": bw, "of_peer_copy": bw / peer if peer else None,
                       "vs_nccl": nccl / ms, "vs_nccl_dispatch": results["nccl_dispatch_ms"] / ms,
                       "queued_ms": queued_ms, "queued_GBps": bw_q,
-                      "queued_of_peer_copy": bw_q / results["peer_copy_GBps"], "queued_vs_nccl": nccl_q / queued_ms})
+                      "queued_of_peer_copy": bw_q / peer if peer else None, "queued_vs_nccl": nccl_q / queued_ms})
     results["table"] = table
     if rank == 0:
         with open(a.out, "w") as f:
@@ -324,11 +325,19 @@ def main():
               "launches were queued behind a GPU spin, so the GPU work alone is timed")
         print(f"{'op':48s} {'launched ms':>11s} {'%peer':>6s} {'xNCCL':>6s} {'queued ms':>10s} {'%peer':>6s} "
               f"{'xNCCL':>6s}")
+        def pct(frac):
+            return f"{'-':>6s}" if frac is None else f"{100 * frac:5.0f}%"
+
         for r in table:
-            print(f"{r['op']:48s} {r['ms']:11.3f} {100 * r['of_peer_copy']:5.0f}% {r['vs_nccl']:6.2f} "
-                  f"{r['queued_ms']:10.3f} {100 * r['queued_of_peer_copy']:5.0f}% {r['queued_vs_nccl']:6.2f}")
+            print(f"{r['op']:48s} {r['ms']:11.3f} {pct(r['of_peer_copy'])} {r['vs_nccl']:6.2f} "
+                  f"{r['queued_ms']:10.3f} {pct(r['queued_of_peer_copy'])} {r['queued_vs_nccl']:6.2f}")
     dist.barrier()
     dist.destroy_process_group()
+    failed = [f"combine variant {name}" for name, v in results["combine_variants"].items() if not v["bitwise_equal"]]
+    failed += [what for what, key in (("pulling combine", "combine_pull_bitwise_equal"),
+                                      ("copy-engine combine", "combine_ce_bitwise_equal")) if not results[key]]
+    if failed:
+        raise SystemExit(f"bench_dispatch rank {rank}: not bitwise the default combine: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

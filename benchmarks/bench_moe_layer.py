@@ -2,8 +2,8 @@
 
     torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --shapes mixtral-like dsv2lite-like dsv3-like
 
-Every rank runs the same layer on its own tokens; a run's time is the slowest
-rank's (ranks are lined up by a barrier before each run; gradients are set to
+Every rank runs the same layer on its own tokens; a layer's time is the slowest
+rank's median over the runs (ranks are lined up by a barrier before each run; gradients are set to
 None before each run, untimed, as after a training step's ``zero_grad``).
 fwd+bwd includes the input's gradient, as in a model whose earlier layers train.
 With ``--streamed-steps N`` every layer is also timed as a training loop runs it:
@@ -410,7 +410,8 @@ def gemm_alone(layer, x, mode, args, dist):
     beforehand and nothing else (no gate, communication, activation, weight stacking or gradient
     accumulation). fwd: the two GEMMs (the second on a random input of the activation's shape);
     fwd+bwd: also the four GEMMs of their backward (input and weight gradients of each, as torch's
-    autograd of ``_grouped_mm`` runs them)."""
+    autograd of ``_grouped_mm`` runs them). Returns the slowest rank's median ms and the most rows
+    any rank received (the rank the physical bound's FLOPs are counted for)."""
     from ds_uniep.experts import stack_experts
     recv, counts, experts = _layer_rows(layer, x)
     with torch.no_grad():
@@ -430,7 +431,7 @@ def gemm_alone(layer, x, mode, args, dist):
             torch.autograd.grad([h, y], leaves, [dh, dy])
     with (torch.enable_grad() if bwd else torch.no_grad()):
         r = bench(run, warmup=args.warmup, repeats=args.repeats, sync=dist.barrier)
-    return slowest(r["median_ms"], dist), int(counts.sum())
+    return slowest(r["median_ms"], dist), int(slowest(float(counts.sum()), dist))
 
 
 def experts_alone(layer, x, mode, args, dist):
@@ -685,7 +686,7 @@ def print_times(results, suffix="_ms"):
     back-to-back steps) with the bounds and the best ds_uniep layer's ratios."""
     head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
             "mk fused", "mk fused push", "mk fused epilogue", "mk fused interleaved", "autoep", "gemm alone",
-            "experts alone", "practical", "physical", "best/stock", "best/autoep", "best/practical"]
+            "experts alone", "practical", "physical", "vs stock", "vs autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
     for r in results["rows"]:

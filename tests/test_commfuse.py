@@ -455,6 +455,11 @@ def _body(rank, G, device_kind, bench_out=None):
         bits = {f"{op} {k}": v for op, d in results["ops"].items() for k, v in d["checks"].items()
                 if k.endswith("_bitwise_vs_reference")}
         assert any(k.startswith("matmul_reduce_scatter") for k in bits) and all(bits.values()), bits
+        assert bench_commfuse.failed_checks(results) == []
+        # what the script's exit reports: a check that raised and a broken bitwise promise
+        broken = {"ops": {"x": {"checks": {"error": "RuntimeError: lost"}},
+                          "y": {"checks": {"ring_bitwise_vs_reference": False, "ring": 0.0, "arrival": "error: E"}}}}
+        assert len(bench_commfuse.failed_checks(broken)) == 3
 
 
 class _GemmRows(torch.overrides.TorchFunctionMode):
