@@ -23,7 +23,7 @@ import os
 from typing import Any, Dict, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-from pydantic import ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 UNIEP_KEY = "uniep"
 
@@ -135,8 +135,10 @@ class AutotuneConfig(_Block):
 class CommFuseConfig(_Block):
     """All-gather+GEMM and GEMM+reduce-scatter as peer-to-peer steps (``ds_uniep.commfuse``)."""
 
-    enabled: bool = Field(False, description="For callers choosing between CommFuse's parallel linears and plain "
-                          "ones; ColumnParallelLinear/RowParallelLinear read schedule and num_chunks.")
+    enabled: bool = Field(False, description="Read by no ds_uniep code: for callers choosing between CommFuse's "
+                          "parallel linears and plain ones. ColumnParallelLinear/RowParallelLinear (config=) and "
+                          "UniEPMoE's TP-sharded TPGeLUExpert experts read schedule, num_chunks and transport, "
+                          "whatever enabled says.")
     schedule: Literal["ring", "bidirectional_ring", "local_first", "arrival"] = Field(
         "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
         "round, half the steps; local_first: every block moves in one step while this rank's block is "
@@ -150,7 +152,15 @@ class CommFuseConfig(_Block):
                             "GEMM (one GEMM per chunk, so equal to 1 chunk within the GEMM's rounding).")
     transport: Literal["auto", "p2p", "copy_engine"] = Field(
         "auto", description="p2p: NCCL/gloo send/recv; copy_engine: copies into peers' symmetric buffers (CUDA, "
-        "no SMs taken from the GEMMs); auto: copy_engine where usable, else p2p.")
+        "no SMs taken from the GEMMs); auto: copy_engine where usable, else p2p. The arrival schedule moves blocks "
+        "by the copy engines: not with p2p.")
+
+    @model_validator(mode="after")
+    def _arrival_needs_copy_engines(self):
+        if self.schedule == "arrival" and self.transport == "p2p":
+            raise ValueError("schedule 'arrival' moves blocks by the copy engines; transport 'p2p' does not apply "
+                             "(use 'auto' or 'copy_engine')")
+        return self
 
 
 class HybridCompressionConfig(_Block):

@@ -269,8 +269,9 @@ class UniEPMoE(MoE):
         if self._hybrid is not None:
             y = self._hybrid.run(recv, local_counts, gemm=self._expert_gemm(recv.device))
         elif tp > 1 and self.enable_expert_tensor_parallelism:
+            cf = self.uniep_config.commfuse
             y = run_tp_sharded_experts(moe.experts.deepspeed_experts, recv, local_counts, tp_group, tp_rank, tp,
-                                       self.uniep_config.commfuse.schedule, self.uniep_config.commfuse.transport)
+                                       cf.schedule, cf.transport, cf.num_chunks)
         else:
             y = self._local_experts(dispatcher, recv, local_counts, stacked, False)
         output = dispatcher.combine(y, gates, handle)

@@ -87,13 +87,14 @@ def tp_gather(x: Tensor, sizes: List[int], rank: int, group) -> Tensor:
 
 
 def run_tp_sharded_experts(experts, recv: Tensor, counts: Tensor, group, rank: int, size: int,
-                           schedule: str = "ring", transport: str = "auto") -> Tensor:
+                           schedule: str = "ring", transport: str = "auto", num_chunks: int = 1) -> Tensor:
     """Run TP-sharded experts on the rows of all TP ranks; returns this rank's rows' outputs.
 
-    ``recv [R_r, M]``, ``counts [L]``: this TP rank's rows, expert-major.
+    ``recv [R_r, M]``, ``counts [L]``: this TP rank's rows, expert-major. ``schedule``, ``transport``
+    and ``num_chunks``: CommFuse's, for :class:`TPGeLUExpert` s.
     """
     if experts and all(isinstance(e, TPGeLUExpert) for e in experts):
-        return run_tp_commfuse_experts(experts, recv, counts, group, rank, size, schedule, transport)
+        return run_tp_commfuse_experts(experts, recv, counts, group, rank, size, schedule, transport, num_chunks)
     L = counts.numel()
     all_counts = torch.stack(_all_gather_rows(counts.view(1, L), [1] * size, group)).view(size, L)
     per_rank = all_counts.sum(1).tolist()
@@ -113,8 +114,11 @@ class TPGeLUExpert(nn.Module):
     """This TP rank's shard of ``fc2(gelu(fc1 x))``: ``fc1`` column-parallel (``[F/t, M]`` and
     its bias shard), ``fc2`` row-parallel (``[M, F/t]``, full bias added once).
 
-    Called alone it is a Megatron-style TP MLP on replicated rows (all-reduce at the end);
-    inside ``UniEPMoE(enable_expert_tensor_parallelism=True)`` it runs through CommFuse."""
+    Called alone (on replicated rows, TP group of ``deepspeed.utils.groups.mpu``) each TP rank takes
+    its slice of the rows, runs :meth:`sharded` (CommFuse's ``ring`` schedule) and the slices'
+    outputs are all-gathered: the full MLP's output on every rank. Inside
+    ``UniEPMoE(enable_expert_tensor_parallelism=True)`` :meth:`sharded` runs on each TP rank's
+    dispatched rows, with the ``uniep.commfuse`` block's schedule, transport and chunks."""
 
     def __init__(self, hidden_size: int, ffn_size: int, tp_size: int, bias: bool = True):
         super().__init__()
@@ -133,26 +137,31 @@ class TPGeLUExpert(nn.Module):
         return tp_gather(y, sizes, rank, group)
 
     def sharded(self, x_shard: Tensor, sizes: List[int], group, schedule: str = "ring",
-                transport: str = "auto") -> Tensor:
+                transport: str = "auto", num_chunks: int = 1) -> Tensor:
         """Rows ``x_shard [sizes[rank], M]`` of this TP rank -> their outputs ``[sizes[rank], M]``."""
         from ds_uniep.commfuse import all_gather_matmul, matmul_reduce_scatter
         h = all_gather_matmul(x_shard, self.fc1.weight.t(), group, schedule=schedule, shard_sizes=sizes,
-                              transport=transport)
+                              transport=transport, num_chunks=num_chunks)
         if self.fc1.bias is not None:
             h = h + self.fc1.bias
         y = matmul_reduce_scatter(F.gelu(h), self.fc2.weight.t(), group, schedule=schedule, out_sizes=sizes,
-                                  transport=transport)
-        return y + self.fc2.bias if self.fc2.bias is not None else y
+                                  transport=transport, num_chunks=num_chunks)
+        if self.fc2.bias is None:
+            return y
+        # The whole bias on this rank's rows only: its gradient is summed over the TP ranks, so every
+        # rank's copy gets the gradient of all rows (as RowParallelLinear's bias does).
+        from ds_uniep.commfuse.linear import all_reduce_grad
+        return y + all_reduce_grad(self.fc2.bias, group)
 
 
 def run_tp_commfuse_experts(experts, recv: Tensor, counts: Tensor, group, rank: int, size: int,
-                            schedule: str = "ring", transport: str = "auto") -> Tensor:
+                            schedule: str = "ring", transport: str = "auto", num_chunks: int = 1) -> Tensor:
     """:class:`TPGeLUExpert` s over this TP rank's rows ``recv [R_r, M]`` (``counts [L]``), expert by expert."""
     L = counts.numel()
     all_counts = torch.stack(_all_gather_rows(counts.view(1, L), [1] * size, group)).view(size, L)
     outs = []
     for l, rows in enumerate(recv.split(counts.tolist())):
-        outs.append(experts[l].sharded(rows, all_counts[:, l].tolist(), group, schedule, transport))
+        outs.append(experts[l].sharded(rows, all_counts[:, l].tolist(), group, schedule, transport, num_chunks))
     return torch.cat(outs) if outs else recv
 
 

@@ -111,6 +111,21 @@ def _check_fixed_order(me, G, device, transport="auto"):
                 f"rank-order sum {schedule} {transport} chunks={c}: {out[0, 0]}"
 
 
+def _check_fp64(me, G, device, transport="auto"):
+    """fp64 partials are added in fp64, in rank order: differences an fp32 sum would round away stay."""
+    from ds_uniep.commfuse import matmul_reduce_scatter
+    vals = [1.0 + r * 1e-10 for r in range(G)]
+    x = torch.full((G * 2, 1), vals[me], dtype=torch.float64, device=device)
+    w = torch.ones(1, 3, dtype=torch.float64, device=device)
+    acc = torch.tensor(vals[0], dtype=torch.float64)
+    for v in vals[1:]:
+        acc = acc + v
+    for schedule in ("ring", "bidirectional_ring", "local_first"):
+        out = matmul_reduce_scatter(x, w, schedule=schedule, transport=transport)
+        assert out.dtype == torch.float64 and torch.equal(out.cpu(), torch.full((2, 3), acc.item(), dtype=torch.float64)), \
+            f"fp64 reduce-scatter {schedule}: {out[0, 0].item()!r} against {acc.item()!r}"
+
+
 def _check_back_to_back(me, G, device, calls=12):
     """Copy-engine calls queued back to back (no host sync between them), all-gather and
     reduce-scatter in turn on the one workspace, with the ranks pulled apart by GPU spins of
@@ -411,6 +426,7 @@ def _body(rank, G, device_kind, bench_out=None):
     for i, (dtype, schedule, num_chunks) in enumerate(combos):
         _check_ops(rank, G, device, dtype, schedule, num_chunks, 1000 * (i + 1), transport="p2p")
     _check_fixed_order(rank, G, device, "p2p")
+    _check_fp64(rank, G, device, "p2p")
     if device_kind == "cuda":
         # The copy-engine transport: the same bits as the references (chunks: the reduce-scatter's
         # own partial GEMM in row chunks, each chunk's sum overlapped with the next).
@@ -441,6 +457,9 @@ def _body(rank, G, device_kind, bench_out=None):
             all_gather_matmul(xb, wb, schedule="arrival")
         with pytest.raises(RuntimeError, match="matmul_reduce_scatter: commfuse schedule 'arrival' cannot run here"):
             matmul_reduce_scatter(torch.ones(4, 16, dtype=torch.bfloat16), wb.t(), schedule="arrival")
+        with pytest.raises(ValueError, match="matmul_reduce_scatter: commfuse schedule 'arrival' .* transport 'p2p' "
+                           "does not apply"):  # its backward would refuse it only after the forward ran
+            matmul_reduce_scatter(torch.ones(4, 16, dtype=torch.bfloat16), wb.t(), schedule="arrival", transport="p2p")
     for dtype in (torch.float32, torch.bfloat16):
         _check_linears(rank, G, device, dtype)
     _check_errors(rank, G, device)

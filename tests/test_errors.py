@@ -53,6 +53,8 @@ def test_missing_group_is_explained():
     ({"max_tokens_per_rank": "4096"}, r"uniep\.max_tokens_per_rank: Input should be a valid integer"),
     ({"deterministic": "yes"}, r"uniep\.deterministic: Input should be a valid boolean"),
     ({"autotune": {"budget": 3}}, r"uniep\.autotune\.budget: unknown key; allowed keys here: allow_numerics_change"),
+    ({"commfuse": {"schedule": "arrival", "transport": "p2p"}}, r"uniep\.commfuse: .*schedule 'arrival' moves "
+     r"blocks by the copy engines; transport 'p2p' does not apply"),
 ])
 def test_bad_uniep_blocks(block, pattern, tmp_path):
     with pytest.raises(UniEPConfigError, match=pattern):

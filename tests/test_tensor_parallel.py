@@ -39,7 +39,7 @@ def _tp_equivalence(rank, world_size, expert_tp):
             layer = UniEPMoE(M, expert, num_experts=E, ep_size=2, k=k,
                              min_capacity=4, drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False,
                              enable_expert_tensor_parallelism=sharded,
-                             config={"backend": "reference", "commfuse": {"schedule": "bidirectional_ring"}})
+                             config={"backend": "reference", "commfuse": {"schedule": "bidirectional_ring", "num_chunks": 2}})
             layer.set_deepspeed_parallelism()
             ep_rank = dist.get_rank(layer.ep_group)
             tp_rank = mpu.get_tensor_model_parallel_rank()
@@ -73,6 +73,48 @@ def _tp_equivalence(rank, world_size, expert_tp):
 @pytest.mark.parametrize("expert_tp", [False, "module", "commfuse"])
 def test_tensor_parallel_matches_the_layer_without_it(expert_tp):
     run_distributed(_tp_equivalence, 4, expert_tp)
+
+
+def _tp_expert_alone(rank, world_size):
+    """TPGeLUExpert called alone on replicated rows (2 gloo ranks, TP 2) against the full MLP:
+    output, input gradient and every parameter's gradient (each shard's, and the whole fc2 bias's,
+    which every TP rank must get for all rows, not only its own)."""
+    from deepspeed.utils import groups
+    from ds_uniep.tensor_parallel import TPGeLUExpert
+    from moe_models import TinyMPU
+
+    tp, M, F, T = world_size, 16, 32, 23  # 23 rows: TP slices of 12 and 11
+    groups.mpu = TinyMPU(tp)
+    g = torch.Generator().manual_seed(3)
+    w1, b1, w2, b2 = (torch.randn(F, M, generator=g) * 0.3, torch.randn(F, generator=g),
+                      torch.randn(M, F, generator=g) * 0.3, torch.randn(M, generator=g))
+    x, gy = torch.randn(T, M, generator=g), torch.randn(T, M, generator=g)
+    full = [t.clone().requires_grad_(True) for t in (w1, b1, w2, b2)]
+    xf = x.clone().requires_grad_(True)
+    want = torch.nn.functional.linear(torch.nn.functional.gelu(torch.nn.functional.linear(xf, full[0], full[1])),
+                                      full[2], full[3])
+    (want * gy).sum().backward()
+    expert = TPGeLUExpert(M, F, tp)
+    with torch.no_grad():
+        expert.fc1.weight.copy_(w1.chunk(tp, 0)[rank])
+        expert.fc1.bias.copy_(b1.chunk(tp)[rank])
+        expert.fc2.weight.copy_(w2.chunk(tp, 1)[rank])
+        expert.fc2.bias.copy_(b2)
+    xt = x.clone().requires_grad_(True)
+    out = expert(xt)
+    (out * gy).sum().backward()
+    groups.mpu = None
+    pairs = [("output", out, want), ("x.grad", xt.grad, xf.grad),
+             ("fc1.weight.grad", expert.fc1.weight.grad, full[0].grad.chunk(tp, 0)[rank]),
+             ("fc1.bias.grad", expert.fc1.bias.grad, full[1].grad.chunk(tp)[rank]),
+             ("fc2.weight.grad", expert.fc2.weight.grad, full[2].grad.chunk(tp, 1)[rank]),
+             ("fc2.bias.grad", expert.fc2.bias.grad, full[3].grad)]
+    for name, got, ref in pairs:
+        torch.testing.assert_close(got, ref.detach(), rtol=1e-5, atol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_tp_gelu_expert_alone_matches_the_full_mlp_with_every_gradient():
+    run_distributed(_tp_expert_alone, 2)
 
 
 def _hybrid_beside_tp(rank, world_size):

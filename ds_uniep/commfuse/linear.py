@@ -68,6 +68,11 @@ class _AllReduceGrad(torch.autograd.Function):
         return g, None
 
 
+def all_reduce_grad(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` as it is, with its gradient summed over ``group`` in the backward."""
+    return _AllReduceGrad.apply(t, group)
+
+
 class _ParallelLinear(nn.Module):
 
     def _check_input(self, x: torch.Tensor, name: str, features: int, what: str) -> None:
@@ -198,5 +203,5 @@ class RowParallelLinear(_ParallelLinear):
         y = matmul_reduce_scatter(x.reshape(-1, x.shape[-1]), self.weight.t(), self.group, self.schedule,
                                   self.num_chunks, [s * width for s in seq], self.transport)
         if self.bias is not None:
-            y = y + _AllReduceGrad.apply(self.bias, self.group)
+            y = y + all_reduce_grad(self.bias, self.group)
         return y.view(-1, *inner, self.out_features)

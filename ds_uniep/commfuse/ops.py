@@ -14,7 +14,7 @@ Exactness (the promise every schedule keeps):
   (:func:`ds_uniep.commfuse.reference.ref_all_gather_matmul`).
 * :func:`matmul_reduce_scatter` computes each partial ``x_r[rows_j] @ w_r`` in
   the input dtype and adds the partials of a block in rank order
-  0, 1, ..., G-1 into an fp32 accumulator, cast once at the end, whatever the
+  0, 1, ..., G-1 into an fp32 accumulator (fp64 for fp64 inputs), cast once at the end, whatever the
   schedule, so it is bitwise reproducible and equal to
   :func:`ds_uniep.commfuse.reference.ref_matmul_reduce_scatter`.
 
@@ -364,8 +364,14 @@ def _sum_kernel(n: int):
     return fn
 
 
+def sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype partial sums are added in: fp32, or the partials' own where wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def ordered_sum(parts: List[torch.Tensor]) -> torch.Tensor:
-    """``cast(((float(p0) + p1) + p2) + ...)``: fp32 adds in list order, one cast; the same bits as
+    """``cast(((float(p0) + p1) + p2) + ...)``: fp32 adds in list order (fp64 for fp64 parts,
+    :func:`sum_dtype`), one cast; the same bits as
     ``acc = p0.float(); acc += p1; ...; acc.to(p0.dtype)``, in one pass over the inputs where the
     elementwise compiler is available (else exactly those steps)."""
     dtype = parts[0].dtype
@@ -380,10 +386,10 @@ def ordered_sum(parts: List[torch.Tensor]) -> torch.Tensor:
             _SUM_FALLBACK[0] = True
             warnings.warn(f"ds_uniep.commfuse: fused ordered sum unavailable ({type(e).__name__}: {e}); "
                           "adding partials one by one")
-    acc = parts[0].to(torch.float32, copy=True)
+    acc = parts[0].to(sum_dtype(dtype), copy=True)
     for p in parts[1:]:
         acc.add_(p)
-    return acc if dtype == torch.float32 else acc.to(dtype)
+    return acc if acc.dtype == dtype else acc.to(dtype)
 
 
 # --------------------------------------------------------------------------- all-gather + GEMM
@@ -573,7 +579,7 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
         while next_src < G and partials[next_src] is not None:
             p = partials[next_src]
             if acc is None:
-                acc = gemm("reduce", step, lambda: p.to(torch.float32, copy=True))
+                acc = gemm("reduce", step, lambda: p.to(sum_dtype(dtype), copy=True))
             else:
                 gemm("reduce", step, lambda: acc.add_(p))
             next_src += 1
@@ -607,7 +613,7 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
         partials[me] = partial(me)
     add_ready(len(plan))
     assert next_src == G
-    out = acc if dtype == torch.float32 else acc.to(dtype)
+    out = acc if acc.dtype == dtype else acc.to(dtype)
     ex.finish()
     # to_send must outlive the transfers (recorded on the side stream above).
     del to_send
@@ -723,6 +729,10 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, schedule
     check_schedule(schedule, num_chunks)
     check_transport(transport)
     if schedule == "arrival":  # its backward is an arrival all-gather of d out with w^T
+        if transport == "p2p":
+            raise ValueError("matmul_reduce_scatter: commfuse schedule 'arrival' (its backward's all-gather) moves "
+                             "blocks by the copy engines; transport 'p2p' does not apply (use 'auto' or "
+                             "'copy_engine')")
         check_arrival("matmul_reduce_scatter", x, w.t(), _resolve_group(group)[0])
     return _MatmulReduceScatter.apply(x, w, group, schedule, num_chunks,
                                       None if out_sizes is None else tuple(int(s) for s in out_sizes), transport)

@@ -87,7 +87,7 @@ def ref_matmul_reduce_scatter(xs: Sequence[torch.Tensor], ws: Sequence[torch.Ten
             return xs[r][offs[j]:offs[j] + sizes[j]] @ ws[r]
     out = []
     for j in range(G):
-        acc = partial(0, j).to(torch.float32, copy=True)
+        acc = partial(0, j).to(torch.promote_types(xs[0].dtype, torch.float32), copy=True)
         for r in range(1, G):
             acc.add_(partial(r, j))
         out.append(acc.to(xs[0].dtype))
