@@ -166,7 +166,9 @@ class CommFuseConfig(_Block):
 class HybridCompressionConfig(_Block):
     """Parameter-efficient expert migration: a shared base once, then sparse residuals."""
 
-    enabled: bool = Field(False, description="Send experts as base + top-k residual (changes numerics).")
+    enabled: bool = Field(False, description="Give migrated experts the numbers of a shared base + top-k residual "
+                          "(changes numerics). The runtime still gathers the dense weights and compresses them "
+                          "where they land, so the bytes moved are dense (and domain_size auto charges those).")
     ratio: float = Field(0.1, gt=0, le=1, description="Fraction of residual values kept per expert.")
 
 

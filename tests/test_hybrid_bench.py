@@ -150,6 +150,9 @@ def _bench_body(rank, world_size, out_dir):
         for name, o in p["options"].items():
             for key in ("measured_ms", "predicted_ms", "ratio", "inter_bytes_measured", "inter_bytes_model"):
                 assert o[key] > 0, (name, key, o[key])
+            if name == "EP":  # the reference the others are checked against
+                assert o["rel_err_out"] is None and o["rel_err_dx"] is None and o["outputs_match"] is None, o
+                continue
             assert o["rel_err_out"] <= 1e-5 and o["rel_err_dx"] <= 1e-5, (name, o)
             assert o["outputs_match"], (name, o)
         # Expert gather and gradient return are deterministic: paced bytes are the model's exactly.

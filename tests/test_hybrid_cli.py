@@ -1,4 +1,5 @@
 """``python -m ds_uniep.hybrid`` and the site sweep behind ``simulate``."""
+import json
 import os
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from ds_uniep.hybrid.__main__ import main
+from ds_uniep.hybrid.__main__ import build_parser, main
 from ds_uniep.hybrid.model import GBPS
 from ds_uniep.hybrid.presets import PRESETS, parse_shape
 from ds_uniep.hybrid.simulate import default_site_counts, sweep
@@ -94,13 +95,38 @@ def test_thousand_site_sweep_is_fast_and_shows_the_trend():
 def test_simulate_writes_png(tmp_path, capsys):
     out = tmp_path / "sweep.png"
     js = tmp_path / "sweep.json"
-    rc = main(["simulate", "--max-domains", "1000", "--model", "dsv2lite-like", "--microbatches", "8",
+    rc = main(["simulate", "--max-sites", "1000", "--model", "dsv2lite-like", "--microbatches", "8",
                "--out", str(out), "--json", str(js), "--no-progress"])
     text = capsys.readouterr().out
     assert rc == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert js.stat().st_size > 0
     assert "up to 1000" in text and "speedup" in text
+    assert json.loads(js.read_text())["num_sites"][-1] == 1000
+    # the older spelling of the flag still sets the same number
+    assert build_parser().parse_args(["simulate", "--max-domains", "24"]).max_sites == 24
+
+
+def test_sweep_shows_progress_on_stderr(capsys):
+    r = sweep(PRESETS["dsv2lite-like"].workload(8), 8, 4e11, num_sites=[2, 4, 8], progress=True)  # 0/41 shown
+    assert r.ep_s.shape[1] == 3
+    assert "bandwidths:" in capsys.readouterr().err  # a bar over the 41 bandwidths (cleared when done)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--gpus", "16", "--inter-bw", "10Gbps", "--tflops", "0"], "--tflops: must be a positive number"),
+    (["plan", "--gpus", "16", "--inter-bw", "10Gbps", "--microbatches", "0"], "--microbatches: must be a positive"),
+    (["simulate", "--max-sites", "0"], "--max-sites/--max-domains: must be a positive integer"),
+])
+def test_cli_refuses_non_positive_numbers(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sweep_refuses_fractions_outside_zero_one():
+    with pytest.raises(ValueError, match=r"fractions: every fraction must be in \[0, 1\]"):
+        sweep(PRESETS["dsv2lite-like"].workload(8), 8, 4e11, num_sites=[2, 4], fractions=[0, 5.0], progress=False)
 
 
 def test_module_entry_point():

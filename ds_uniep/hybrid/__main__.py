@@ -4,7 +4,7 @@ Examples::
 
     python -m ds_uniep.hybrid plan --model dsv2lite-like --gpus 16 --site-size 8 \\
         --domain-size auto --inter-bw 10Gbps --intra-bw 400GB/s --microbatches 8
-    python -m ds_uniep.hybrid simulate --max-domains 1000 --out hybrid_sweep.png
+    python -m ds_uniep.hybrid simulate --max-sites 1000 --out hybrid_sweep.png
 """
 
 import argparse
@@ -55,15 +55,32 @@ def _ratio(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=_shape, default=PRESETS["mixtral-like"],
                    help=f"preset ({', '.join(PRESETS)}) or hidden=..,ffn=..,experts=..,topk=..,tokens=..")
     p.add_argument("--intra-bw", type=_bandwidth, default=parse_bandwidth("400GB/s"),
                    help="per-rank bandwidth inside a site, with a unit (default 400GB/s)")
-    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="compute rate for estimated times")
+    p.add_argument("--microbatches", type=_positive_int, default=1,
+                   help="micro-batches per optimizer step, over which the model spreads one gather of the replicas "
+                   "(ds_uniep's runtime gathers at every forward: what 1 models)")
+    p.add_argument("--tflops", type=_positive_float, default=DEFAULT_TFLOPS, help="compute rate for estimated times")
     p.add_argument("--compression-ratio", type=_ratio, default=None,
-                   help="send experts as base + top-k residual keeping this fraction (changes numerics)")
+                   help="model experts sent as base + top-k residual keeping this fraction (ds_uniep's runtime "
+                   "gives replicas those numbers but moves them dense)")
 
 
 def _row(name: str, t: LayerTime) -> str:
@@ -100,7 +117,7 @@ def cmd_simulate(args) -> int:
     shape = args.model
     wl = shape.workload(8, args.tflops, args.microbatches,
                         experts_per_rank=args.experts_per_rank if args.experts_per_rank is not None else 1.0)
-    sites = default_site_counts(args.max_domains)
+    sites = default_site_counts(args.max_sites)
     t0 = time.perf_counter()
     r = sweep(wl, args.site_size, args.intra_bw, num_sites=sites, sites_per_domain=args.sites_per_domain,
               compression_ratio=args.compression_ratio, bytes_per_value=shape.bytes_per_value,
@@ -149,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="sweep sites, bandwidth and domain size; write the plot")
     _common(s)
-    s.add_argument("--max-domains", type=int, default=1000, help="largest number of sites")
+    s.add_argument("--max-sites", "--max-domains", dest="max_sites", type=_positive_int, default=1000,
+                   help="largest number of sites (fast-link domains of --site-size ranks, joined by the slow "
+                   "links) swept; HybridEP's migration domains are groups of --sites-per-domain of them")
     s.add_argument("--site-size", type=int, default=8, help="ranks per site")
     s.add_argument("--sites-per-domain", type=lambda t: [int(x) for x in t.split(",")],
                    default=list(DEFAULT_SITES_PER_DOMAIN), help="HybridEP domain sizes in sites, e.g. 2,4,8")

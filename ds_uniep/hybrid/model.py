@@ -21,7 +21,8 @@ P    wire bytes of one migrated expert (dense, or compressed: see
      :func:`compressed_expert_bytes`); P_g the bytes of one expert's gradient
      (always dense).
 M    micro-batches per optimizer step: replicas are gathered once per step
-     and their gradients returned once per step.
+     and their gradients returned once per step. (ds_uniep's runtime gathers at
+     every forward and returns at every backward: what the model gives at M = 1.)
 t_pre, t_exp  forward pre-expert and expert compute; backward takes
      ``c_b`` times as long (``backward_compute_factor``, default 2).
 

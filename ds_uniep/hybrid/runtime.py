@@ -573,6 +573,8 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
                   expert_compute_s=flops / (DEFAULT_TFLOPS * 1e12))
     cl = Cluster(num_ranks=ep_size, site_size=site, intra_site_bandwidth_bytes_per_s=intra,
                  inter_site_bandwidth_bytes_per_s=inter)
-    ratio = hybrid_cfg.compression.ratio if hybrid_cfg.compression.enabled else None
-    p = plan(wl, cl, "auto", compression_ratio=ratio, fractions=(0.0, 1.0))
+    # The runtime gathers the dense weights whether or not they are then compressed
+    # (_compressed_replicas gives replicas the compressed numbers where they land), so the plan
+    # charges the dense bytes it moves.
+    p = plan(wl, cl, "auto", compression_ratio=None, fractions=(0.0, 1.0))
     return (p.domain_size if p.migrated_fraction > 0 else 1), p

@@ -86,6 +86,8 @@ def sweep(workload: Workload, site_size: int, intra_site_bandwidth_bytes_per_s: 
     if n.min() < 1 or m.min() < 1 or not (bws > 0).all():
         raise ValueError("num_sites, sites_per_domain and bandwidths must be positive")
     phis = np.asarray(sorted(set(float(f) for f in fractions) | {0.0}), dtype=np.float64)
+    if phis.min() < 0 or phis.max() > 1:
+        raise ValueError(f"fractions: every fraction must be in [0, 1], got {list(fractions)}")
     pe_wire, base = migration_bytes(workload, compression_ratio, bytes_per_value)
     l = site_size
     g = (n * l).astype(np.float64)[:, None, None]  # [N, 1, 1]
