@@ -68,6 +68,9 @@ class UniEPMoE(MoE):
         # the layer (set_deepspeed_parallelism), so swapping the class is the only change a model needs.
         self._config_from_engine = config is None
         self.uniep_config = UniEPConfig.coerce(config)
+        #: the block as configured; ``uniep_config`` is it with the applied plan's knobs (set_plan),
+        #: and tuning a new shape starts from this one, not from the last shape's winner
+        self.configured_config = self.uniep_config
         backend_mod.check_requested(self.uniep_config.backend)
         super().__init__(hidden_size, expert, num_experts, ep_size, k, capacity_factor, eval_capacity_factor,
                          min_capacity, use_residual, noisy_gate_policy, drop_tokens, use_rts, use_tutel,
@@ -110,7 +113,7 @@ class UniEPMoE(MoE):
         if self._config_from_engine:
             engine = _calling_engine()
             if engine is not None:
-                self.uniep_config = UniEPConfig.from_engine(engine)
+                self.uniep_config = self.configured_config = UniEPConfig.from_engine(engine)
                 backend_mod.check_requested(self.uniep_config.backend)
         super().set_deepspeed_parallelism(use_data_before_expert_parallel_)
         self._dispatchers.clear()
@@ -143,6 +146,9 @@ class UniEPMoE(MoE):
                                          pacing=self._pacing)
             logger.info(f"{self.layer_name}: HybridEP with domains of {S} ranks "
                         f"(reference transport{', compressed migration' if ratio else ''})")
+            if self.uniep_config.autotune.enabled:  # nothing in HybridEP's path is a tuning knob
+                logger.warning(f"{self.layer_name}: uniep.autotune is not run under HybridEP (its reference "
+                               "transport has no overlap or kernel knobs); the configured plan runs")
 
     def set_inter_site_pacing(self, pacing) -> None:
         """Send this layer's traffic between sites through ``pacing`` (a
@@ -505,12 +511,18 @@ class UniEPMoE(MoE):
         backward = not torch.is_inference_mode_enabled()
         cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []
+        if rank0:  # the progress bar shows only on a terminal: say that tuning runs, and for how long at most
+            logger.info(f"{self.layer_name}: autotune {shape} on the {backend} backend: measuring plans "
+                        f"(budget {self.uniep_config.autotune.budget_s:g} s after the configured and baseline plans, "
+                        "unless the plan cache has this shape)")
         self._autotuning = True
         try:
             # The gate (noisy policies, random token selection) and experts (dropout) may draw
             # random numbers: the caller's RNG streams continue as if tuning never ran.
             with torch.random.fork_rng(devices=cuda_devices):
-                result = tune_from_config(self.uniep_config, shape, live_runner(self, hidden_states, backward=backward),
+                # From the configured plan (not the last shape's winner), with the autotune settings in force.
+                start = self.configured_config.model_copy(update={"autotune": self.uniep_config.autotune})
+                result = tune_from_config(start, shape, live_runner(self, hidden_states, backward=backward),
                                           gpu=gpu, group=group, backend=backend, local=local,
                                           progress=rank0 and sys.stderr.isatty())
         finally:

@@ -7,9 +7,11 @@ Examples::
     python -m ds_uniep.tune --shape 256,128,256,8,2 --backend reference --out tune_out
 
 With the megakernel backend (CUDA, Hopper, launched on ``ep`` ranks) the
-plans of the knobs it acts on (num_comm_sms, and dispatch_dtype when numerics
-may change) are timed with CUDA events; the other knobs are fixed until the
-fused schedule lands. Without it the tool enumerates and validates the whole
+plans of the knobs it acts on (``ds_uniep.tuning.space.ACTING_KNOBS``: schedule,
+num_chunks, num_comm_sms, roles, fused_dispatch, epilogue_combine, and
+dispatch_dtype when numerics may change) are timed with CUDA events; the tile
+sizes and signal granularity are kept as configured (``KEPT_KNOBS``) and stages
+is read by nothing. Without it the tool enumerates and validates the whole
 design space (``--backend none``), or times the reference backend's layer
 (``--backend reference``), whose plans differ only in dispatch_dtype.
 """
@@ -26,7 +28,14 @@ from .config import UniEPConfig, UniEPConfigError
 from .tuning import GPUInfo, Plan, Space, estimate_ms, tune
 from .tuning.plot import plot_space, reason_counts
 from .tuning.presets import PRESET_NAMES, parse_shape, preset_shape
-from .tuning.space import DTYPES
+from .tuning.space import DTYPES, KEPT_KNOBS
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU limits for the space: auto = this machine's GPU, or an H100-sized stand-in without one")
     ap.add_argument("--allow-numerics-change", action="store_true", default=None,
                     help="explore FP8 dispatch (default: the config's autotune.allow_numerics_change)")
-    ap.add_argument("--budget-s", type=float, default=None, help="tuning budget (default: the config's)")
+    ap.add_argument("--budget-s", type=_positive_float, default=None,
+                    help="seconds of measuring after the configured and baseline plans (default: the config's)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs per plan (default: the config's)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per plan (default: the config's)")
     ap.add_argument("--cache", action="store_true", help="read and write the plan cache in autotune.cache_dir")
@@ -105,7 +115,8 @@ def _run(args) -> int:
                 "space; no plan is timed (--backend reference times the reference layer)")
         mk = space.for_backend("megakernel")
         say(f"design space of every knob; the megakernel backend acts on {', '.join(ACTING_KNOBS['megakernel'])} "
-            f"today, so it would time {len(mk.enumerate())} plans (the others wait for the fused schedule)")
+            f"(tiles and signal granularity kept as configured, stages read by nothing), so it would time "
+            f"{len(mk.enumerate())} plans")
         return _space_only(args, space, cfg, stem, say)
     return _measure(args, space, cfg, mode, stem, say, rank0)
 
@@ -156,16 +167,18 @@ def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, ra
     if mode == "reference":
         say("reference backend: only dispatch_dtype changes its path (schedule, chunks, SMs, tiles, stages and "
             "signals are megakernel settings), so one plan per dispatch dtype is timed; the default plan and "
-            "the sequential baseline run the same reference path, and any difference between them is noise")
+            "the sequential baseline run the same reference path (one timing when their dispatch dtypes match)")
         space = reference_paths(space)
     else:
         space = space.for_backend(mode)
-        fixed = ", ".join(f"{k}={v}" for k, v in space.fixed_knobs().items())
-        say(f"{mode} backend: timing {', '.join(space.acting_knobs())}; fixed until the fused schedule lands: "
-            f"{fixed}")
+        fixed = ", ".join(f"{k}={v}" for k, v in space.fixed_knobs().items() if k not in KEPT_KNOBS)
+        kept = ", ".join(f"{k}={getattr(cfg.overlap, k)}" if k in cfg.overlap.model_fields_set else f"{k} unset"
+                         for k in KEPT_KNOBS)
+        say(f"{mode} backend: timing {', '.join(space.acting_knobs())}; kept as configured: {kept}"
+            + (f"; fixed: {fixed}" if fixed else ""))
     default = space.project(Plan.from_config(cfg))
     layer, x = build_layer(space.shape, cfg, mode, device)
-    result = tune(space, layer_runner(layer, x), budget_s=args.budget_s or at.budget_s,
+    result = tune(space, layer_runner(layer, x), budget_s=at.budget_s if args.budget_s is None else args.budget_s,
                   warmup=at.warmup if args.warmup is None else args.warmup,
                   repeats=at.repeats if args.repeats is None else args.repeats,
                   progress=not args.no_progress, default_plan=default,

@@ -118,15 +118,18 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     assert len(seq) + len(pipe) == len(plans)  # never the fused schedule on torch's grouped GEMM
     # Every SM count up to the whole GPU (the sequential copy kernels run alone), exact dispatch only.
     assert [p.num_comm_sms for p in seq] == [8, 16, 24, 32, 48, 64, 80, 96, 132]
-    # Pipelined: 2 and 4 chunks, every SM count but the whole GPU (its copy kernels share the GPU).
-    assert sorted((p.num_chunks, p.num_comm_sms) for p in pipe) == [(c, n) for c in (2, 4) for n in
-                                                                     (8, 16, 24, 32, 48, 64, 80, 96)]
+    # Pipelined: 2 chunks (4 would be more than the 2 local experts: rejected), every SM count but the
+    # whole GPU (its copy kernels share the GPU).
+    assert sorted((p.num_chunks, p.num_comm_sms) for p in pipe) == [(2, n) for n in (8, 16, 24, 32, 48, 64, 80, 96)]
+    four = [r for p, r in mk.table() if p.schedule == "pipelined" and p.num_chunks == 4]
+    assert four and all("more chunks than local experts: num_chunks=4 > E/ep=2" in r for r in four), four
     assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1)
                == mk.baseline() for p in plans)
     # the FP8 plans are rejected (roles outside the fused schedule are the partitioned ones) ...
     assert mk.baseline() in plans and len(mk.table()) == 2 * (9 + 2 * 9)
     assert all(p.roles == "partitioned" for p in plans)
-    assert all("numerics change not allowed" in r or "SM budget" in r for _, r in mk.table() if r)
+    assert all("numerics change not allowed" in r or "SM budget" in r or "more chunks than local experts" in r
+               for _, r in mk.table() if r)
     allowed = Space(shape, h200, 4, allow_numerics_change=True, backend="megakernel")
     assert len(allowed.enumerate()) == 2 * len(plans)  # ... unless numerics may change
     # Capped by the GPU's SM count; FP8 rows need M divisible by 128 on the megakernel only.
@@ -335,6 +338,21 @@ def test_early_stopping_prunes_a_slow_plan_and_picks_the_fastest():
     assert r.winner == fused and r.default_ms == pytest.approx(4.0, abs=2.0)
     assert r.speedup is not None and r.speedup > 1.5
     assert "fused" in r.table() and "speedup" in r.summary()
+    # A fast configured plan does not get the sequential baseline pruned: both are always timed whole.
+    calls.clear()
+    r = _tune(space, _fake_runner(ms, calls), warmup=1, repeats=8, default_plan=fused, cost_model=lambda p, s: 0.0)
+    base = next(x for x in r.records if x.plan == seq)
+    assert space.baseline() == seq and base.status == "measured" and calls.count(seq) == 1 + 8
+    assert r.baseline_ms == pytest.approx(4.0, abs=2.0)
+
+
+def test_a_space_with_no_valid_plan_says_why():
+    # FP8 configured (no numerics change allowed) at a hidden size FP8 rows cannot take: nothing runs.
+    space = Space(Shape(T=64, M=96, F=128, E=4, k=2, dtype="bf16", ep=2), GPUInfo.preset("h200"), 2, 64, False,
+                  backend="megakernel", dispatch_dtype="fp8_e4m3")
+    assert not space.enumerate()
+    with pytest.raises(ValueError, match=r"tune: no valid plan for .* FP8 rows need the hidden size divisible by 128"):
+        _tune(space, lambda p: None)
 
 
 def test_tie_goes_to_the_earlier_plan_and_budget_skips(monkeypatch):
@@ -347,10 +365,16 @@ def test_tie_goes_to_the_earlier_plan_and_budget_skips(monkeypatch):
         r = _tune(space, lambda p: None, default_plan=order[-1], cost_model=lambda p, s: -order.index(p))
     assert [x.status for x in r.records] == ["measured"] * 4
     assert r.winner == order[0] and r.best_ms == 1.0
+    # The budget counts from the end of the two mandatory plans: the first plan after them starts
+    # within it (and, started, is finished); the last one is skipped.
     r2 = _tune(space, lambda p: time.sleep(0.002), budget_s=1e-9, default_plan=order[-1])
     statuses = {x.plan: x.status for x in r2.records}
     assert statuses[order[-1]] == "measured" and statuses[space.baseline()] == "measured"
-    assert list(statuses.values()).count("skipped") == 2
+    assert list(statuses.values()).count("skipped") == 1 and list(statuses.values()).count("measured") == 3
+    # ... and mandatory plans that take longer than the budget do not use it up
+    r3 = _tune(space, lambda p: time.sleep(0.05 if p in (order[-1], space.baseline()) else 0.001), budget_s=0.2,
+               default_plan=order[-1], warmup=0, repeats=3)
+    assert [x.status for x in r3.records].count("measured") == 4, r3.table()
 
 
 def _rank_agreement_body(rank, world_size, result_path):
@@ -421,6 +445,11 @@ def test_cli_help():
         assert opt in p.stdout
 
 
+def test_cli_refuses_a_budget_that_is_not_positive(tmp_path):
+    p = _cli("--shape", "64,32,64,4,2", "--backend", "reference", "--budget-s", "0", "--out", str(tmp_path))
+    assert p.returncode == 2 and "--budget-s: must be a positive number, got '0'" in p.stderr, p.stderr
+
+
 def test_cli_space_only_writes_the_plot(tmp_path):
     ds = tmp_path / "ds_config.json"
     ds.write_text(json.dumps({"train_batch_size": 8, "uniep": {"overlap": {"schedule": "fused"}}}))
@@ -446,6 +475,8 @@ def test_cli_reference_backend_says_the_knobs_do_not_matter(tmp_path):
     # One plan per dispatch dtype; fp8's quantisation may make it slow enough to be pruned on CPU.
     assert sorted((r["plan"]["dispatch_dtype"], r["status"] in ("measured", "pruned")) for r in data["records"]) \
         == [("activation", True), ("fp8_e4m3", True)]
+    # the configured plan and the baseline project onto the same reference path: one record, one timing
+    assert data["default_plan"] == data["baseline_plan"]
     assert data["default_ms"] is not None and data["default_ms"] == data["baseline_ms"]
     assert (tmp_path / "tune-shape-64x32x64x4x2-ep1-reference.png").exists()
 

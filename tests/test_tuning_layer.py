@@ -148,3 +148,22 @@ def test_layer_tunes_itself_once_then_reads_the_cache(tmp_path):
     # The reference backend acts on dispatch_dtype only: its space is one plan without numerics change.
     assert data["measured"] == 1 and Plan.from_dict(data["winner"]).schedule == "sequential"
     assert len(list((tmp_path / "cache").glob("plan-*.json"))) == 3  # ep 2 at T=19 and T=7, ep 1 at T=19
+
+
+def test_a_new_shape_tunes_from_the_configured_plan_not_the_last_winner(tmp_path, monkeypatch):
+    from ds_uniep.tuning import tuner
+    seen = []
+    real = tuner.tune_from_config
+    monkeypatch.setattr(tuner, "tune_from_config", lambda cfg, *a, **kw: (seen.append(cfg), real(cfg, *a, **kw))[1])
+    layer = _build(1, str(tmp_path), True)
+    layer(torch.randn(19, M))
+    assert len(seen) == 1 and seen[0].compression.dispatch_dtype == "activation"
+    # as if that shape's winner had changed the dispatch dtype (allowed numerics change)
+    first = layer.autotune_results[(19, torch.float32, torch.device("cpu"))].winner
+    layer.set_plan(first.replace(dispatch_dtype="fp8_e4m3"))
+    assert layer.uniep_config.compression.dispatch_dtype == "fp8_e4m3"
+    layer(torch.randn(7, M))
+    assert len(seen) == 2
+    assert seen[1].compression == layer.configured_config.compression and seen[1].overlap == \
+        layer.configured_config.overlap, "the second shape was tuned from the first shape's winner"
+    assert seen[1].autotune == layer.uniep_config.autotune

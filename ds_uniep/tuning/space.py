@@ -458,6 +458,9 @@ class Space:
             reasons.append("pipelined with 1 chunk: the sequential schedule with extra launches (num_chunks >= 2)")
         if plan.schedule == "pipelined" and plan.num_chunks > s.T:
             reasons.append(f"more chunks than tokens: num_chunks={plan.num_chunks} > T={s.T}")
+        if plan.schedule == "pipelined" and plan.num_chunks > s.num_local_experts:
+            reasons.append(f"more chunks than local experts: num_chunks={plan.num_chunks} > E/ep="
+                           f"{s.num_local_experts} (a chunk is whole experts; the schedule would run fewer)")
         if plan.schedule == "fused" and not (plan.fused_dispatch or plan.epilogue_combine):
             reasons.append("the fused schedule with neither its dispatch nor its combine fused runs the sequential "
                            "one (fused_dispatch or epilogue_combine)")

@@ -218,7 +218,10 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     if local:
         group = _LOCAL
     rank = _rank(group)
-    default_plan = space.project(default_plan if default_plan is not None else Plan())
+    if default_plan is None:
+        from ..config import UniEPConfig
+        default_plan = Plan.from_config(UniEPConfig())
+    default_plan = space.project(default_plan)
     baseline = space.baseline()
     cost_model = cost_model if cost_model is not None else estimate_ms
 
@@ -253,10 +256,16 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     mandatory = [p for p in dict.fromkeys((default_plan, baseline)) if p in index]
     rest = sorted((p for p in index if p not in mandatory), key=lambda p: (estimates[p], index[p]))
     order = mandatory + rest
+    if not order:
+        reasons = sorted({r.reason for r in records.values() if r.reason})
+        raise ValueError(f"tune: no valid plan for {space.shape} in this space; rejected because: "
+                         + "; ".join(reasons[:5]) + (f" (and {len(reasons) - 5} more reasons)" if len(reasons) > 5
+                                                     else ""))
 
     # 3-4. Measure.
     clock = _Timer(timer)
     best: Optional[float] = None
+    t_budget = t0  # the budget counts from the end of the mandatory plans
     bar = _progress(len(order), f"tuning {space.shape}", progress and rank == 0)
     try:
         for pos, plan in enumerate(order):
@@ -266,20 +275,23 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
             n_probe = min(probe_runs, repeats)
             times = clock.run(lambda p=plan: run_plan(p), n_probe)
             rec = PlanRecord(plan, "measured", index[plan], estimate_ms=estimates[plan])
-            if best is not None and n_probe < repeats:
-                probe_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t0], group)
+            if best is not None and n_probe < repeats and pos >= len(mandatory):  # the mandatory plans are timed whole
+                probe_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t_budget], group)
                 if probe_ms > prune_ratio * best:
                     rec.status, rec.median_ms = "pruned", probe_ms
                     rec.reason = f"first {n_probe} runs {probe_ms:.3f} ms > {prune_ratio:g} x best {best:.3f} ms"
             if rec.status == "measured":
                 times += clock.run(lambda p=plan: run_plan(p), repeats - n_probe)
-                rec.median_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t0], group)
+                rec.median_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t_budget],
+                                                        group)
                 if best is None or rec.median_ms < best:
                     best = rec.median_ms
             records[plan] = rec
             bar.update(1)
             bar.set_postfix_str(f"best {best:.3f} ms")
-            if pos + 1 >= len(mandatory) and elapsed > budget_s and pos + 1 < len(order):
+            if pos + 1 == len(mandatory):
+                t_budget = time.perf_counter()
+            elif pos + 1 > len(mandatory) and elapsed > budget_s and pos + 1 < len(order):
                 for p in order[pos + 1:]:
                     records[p] = PlanRecord(p, "skipped", index[p], estimate_ms=estimates[p],
                                             reason=f"budget of {budget_s:g} s spent")
