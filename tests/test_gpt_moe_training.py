@@ -108,3 +108,20 @@ def test_expert_type_picks_the_expert_module():
     assert type(model.expert_module(args)) is SwiGLUExpert
     args.expert_type = "mlp"
     assert type(model.expert_module(args)) is model.MLP
+
+
+def test_flags_that_would_do_nothing_are_refused(capsys):
+    import importlib.util
+    sys.path.insert(0, os.path.dirname(TRAIN))  # train.py imports its model module
+    try:
+        spec = importlib.util.spec_from_file_location("gpt_moe_train", TRAIN)
+        train = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(train)
+    finally:
+        sys.path.remove(os.path.dirname(TRAIN))
+    for argv, message in ((["--backend", "deepspeed", "--expert-gemm", "uniep"], "--expert-gemm picks ds_uniep's"),
+                          (["--save-interval", "5"], "--save-interval needs --save")):
+        with pytest.raises(SystemExit) as e:
+            train.get_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    assert train.get_args(["--backend", "reference", "--expert-gemm", "uniep"]).expert_gemm == "uniep"

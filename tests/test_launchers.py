@@ -17,6 +17,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(REPO, "examples", "gpt_moe", "train.py")
 CIFAR = os.path.join(REPO, "examples", "cifar10_moe", "train.py")
@@ -96,6 +98,23 @@ def test_cifar_under_deepspeed_launcher():
     assert "training on scikit-learn's bundled digits" in proc.stdout or "CIFAR-10 from" in proc.stdout, log
     line = _final_line(proc.stdout, "[cifar10_moe] final:")
     assert "backend=reference steps=8" in line and "test_accuracy=" in line, line
+    assert "dtype=fp32 zero=2 batch=16" in proc.stdout, log  # what the engine runs
+
+
+def test_cifar_refuses_flags_its_config_file_would_override(capsys):
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("cifar_train", CIFAR)
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    cfg = os.path.join(REPO, "configs", "ds_config_cpu_zero2.json")
+    with pytest.raises(SystemExit) as e:
+        train.add_argument(["--deepspeed_config", cfg, "--stage", "0", "--batch_size", "4"])
+    assert e.value.code == 2
+    assert "--batch_size, --stage cannot be combined with --deepspeed_config" in capsys.readouterr().err
+    args = train.add_argument(["--deepspeed_config", cfg])
+    assert train.get_ds_config(args)["zero_optimization"]["stage"] == 2
+    args = train.add_argument([])
+    assert (args.batch_size, args.stage) == (16, 0)
 
 
 def test_megakernel_backend_on_cpu_fails_with_the_layer_error():

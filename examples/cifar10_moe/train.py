@@ -38,7 +38,8 @@ FINAL_TAG = "[cifar10_moe] final:"
 
 def add_argument(argv=None):
     p = argparse.ArgumentParser(description="CIFAR-10 (or sklearn digits) with DeepSpeed MoE")
-    p.add_argument("-b", "--batch_size", default=16, type=int, help="micro-batch size per rank")
+    p.add_argument("-b", "--batch_size", default=None, type=int,
+                   help="micro-batch size per rank (default 16; with --deepspeed_config: the file's)")
     p.add_argument("-e", "--epochs", default=2, type=int)
     p.add_argument("--steps", default=None, type=int, help="stop after this many optimizer steps")
     p.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
@@ -47,8 +48,9 @@ def add_argument(argv=None):
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="default: bf16 on GPUs, fp32 on CPU")
-    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
+                   help="default: bf16 on GPUs, fp32 on CPU (with --deepspeed_config: the file's)")
+    p.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="ZeRO stage (default 0; with --deepspeed_config: the file's)")
     p.add_argument("--moe", action="store_true", help="use mixture of experts")
     p.add_argument("--ep-world-size", default=1, type=int, help="expert parallel world size")
     p.add_argument("--num-experts", type=int, nargs="+", default=[1],
@@ -64,6 +66,14 @@ def add_argument(argv=None):
                    help="deepspeed: stock deepspeed.moe.layer.MoE; reference/megakernel: UniEPMoE's backend")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
+    if args.deepspeed_config:
+        given = [f"--{n}" for n in ("batch_size", "stage", "dtype") if getattr(args, n) is not None]
+        if given:  # the file says these; two sources would disagree silently
+            p.error(f"{', '.join(given)} cannot be combined with --deepspeed_config: set them in "
+                    f"{args.deepspeed_config} (train_micro_batch_size_per_gpu, zero_optimization.stage, bf16/fp16)")
+        return args
+    args.batch_size = 16 if args.batch_size is None else args.batch_size
+    args.stage = 0 if args.stage is None else args.stage
     if args.dtype is None:
         args.dtype = "fp32" if get_accelerator().device_name() == "cpu" else "bf16"
     return args
@@ -97,7 +107,11 @@ def load_data(args, rank):
         train = torchvision.datasets.CIFAR10(root=args.data_dir, train=True, download=False, transform=tf)
         test = torchvision.datasets.CIFAR10(root=args.data_dir, train=False, download=False, transform=tf)
         return train, test, 3, 32, f"CIFAR-10 from {cifar}"
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise SystemExit("cifar10_moe: no CIFAR-10 here and scikit-learn (its digits fallback) is not installed: "
+                         'pip install -e ".[examples]", or put CIFAR-10 under --data-dir with torchvision') from None
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 8.0 - 1.0  # [N, 1, 8, 8] in [-1, 1]
     y = torch.tensor(digits.target, dtype=torch.long)
@@ -195,11 +209,15 @@ def main(argv=None):
     model_engine, optimizer, trainloader, _ = deepspeed.initialize(args=args, model=net, optimizer=optimizer,
                                                                    training_data=trainset, config=ds_config)
     device = get_accelerator().device_name(model_engine.local_rank)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype) \
-        if (model_engine.bfloat16_enabled() or model_engine.fp16_enabled()) else None
+    # What the engine runs (the flags, or the --deepspeed_config file)
+    dtype = torch.bfloat16 if model_engine.bfloat16_enabled() else torch.float16 if model_engine.fp16_enabled() \
+        else None
     if rank == 0:
+        dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[dtype]
         print(f"[cifar10_moe] backend={args.backend} moe={args.moe} experts={args.num_experts} "
-              f"ep={args.ep_world_size} top_k={args.top_k} dtype={args.dtype} zero={args.stage} "
+              f"ep={args.ep_world_size} top_k={args.top_k} dtype={dtype_name} "
+              f"zero={model_engine.zero_optimization_stage()} "
+              f"batch={model_engine.train_micro_batch_size_per_gpu()} "
               f"ranks={torch.distributed.get_world_size()}", flush=True)
 
     criterion = nn.CrossEntropyLoss()

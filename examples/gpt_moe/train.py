@@ -92,6 +92,11 @@ def get_args(argv=None):
     g.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
+    if args.expert_gemm is not None and args.backend == "deepspeed":
+        p.error("--expert-gemm picks ds_uniep's expert GEMM; --backend deepspeed runs stock DeepSpeed MoE, which "
+                "has none")
+    if args.save_interval is not None and not args.save:
+        p.error("--save-interval needs --save (the checkpoint directory)")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     if args.deepspeed_config is None:
