@@ -74,10 +74,10 @@ def fp8_roundtrip(x: Tensor) -> Tensor:
     """
     N, M = x.shape
     pad = (-M) % FP8_BLOCK
-    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(N, -1, FP8_BLOCK)
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(N, (M + pad) // FP8_BLOCK, FP8_BLOCK)
     scale = xf.abs().amax(-1, keepdim=True).clamp_min(1e-12) / FP8_E4M3_MAX
     q = (xf / scale).to(torch.float8_e4m3fn)
-    return (q.float() * scale).view(N, -1)[:, :M].to(x.dtype)
+    return (q.float() * scale).view(N, M + pad)[:, :M].to(x.dtype)
 
 
 class _FP8Dispatch(torch.autograd.Function):
@@ -110,7 +110,7 @@ class _GatherPairs(torch.autograd.Function):
         (pairs, ) = ctx.saved_tensors
         per_pair = grad.new_zeros(ctx.T * ctx.k, grad.shape[1]).index_copy(0, pairs, grad)
         ones = grad.new_ones(ctx.T, ctx.k, dtype=torch.float32)
-        return weighted_slot_sum(per_pair.view(ctx.T, ctx.k, -1), ones, grad.dtype), None, None
+        return weighted_slot_sum(per_pair.view(ctx.T, ctx.k, grad.shape[1]), ones, grad.dtype), None, None
 
 
 class DispatchHandle:
@@ -203,7 +203,7 @@ class ReferenceDispatcher:
         else:
             returned = self._padded_return(back, handle, handle.capacity)
         pair_rows = y.new_zeros(T * k, y.shape[1]).index_copy(0, layout.send_pairs, returned)
-        return weighted_slot_sum(pair_rows.view(T, k, -1), gates, y.dtype)
+        return weighted_slot_sum(pair_rows.view(T, k, y.shape[1]), gates, y.dtype)
 
     def _padded_return(self, back: Tensor, handle: DispatchHandle, C: int) -> Tensor:
         G, L = self.ep_size, self.num_local_experts

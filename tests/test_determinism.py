@@ -100,3 +100,44 @@ def test_rows_land_in_layout_order_over_nccl():
 def _landing_gpu(rank, world_size):
     torch.set_default_device("cuda")
     _landing(rank, world_size)
+
+
+def _empty_rank(rank, world_size, device="cpu", backend="reference"):
+    """A rank with no tokens neither fails nor holds up the others, forward and backward (dropless,
+    so the other ranks' outputs do not depend on its tokens: those of the run where it has some, up
+    to the experts' GEMMs seeing other row counts)."""
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, distinct_experts
+
+    M = 128  # FP8 rows of the megakernel take multiples of 128
+    for k, fp8 in ((1, False), (2, False), (2, True)):
+        outs = []
+        for T0 in (3, 0):
+            torch.manual_seed(3)
+            cfg = {"backend": backend, "compression": {"dispatch_dtype": "fp8_e4m3" if fp8 else "activation"}}
+            layer = UniEPMoE(M, MLP(M, 24), num_experts=2 * world_size, ep_size=world_size, k=k, min_capacity=0,
+                             drop_tokens=False, use_rts=False, config=cfg)
+            distinct_experts(layer, rank)
+            layer = layer.to(device)
+            layer.set_deepspeed_parallelism()
+            T = T0 if rank == 0 else 7
+            x = torch.randn(T, M, generator=torch.Generator().manual_seed(10 + rank)).to(device).requires_grad_(True)
+            out, _, counts = layer(x)
+            out.square().sum().backward()
+            assert layer.backend_name(x.device) == backend
+            assert out.shape == (T, M) and x.grad.shape == (T, M)
+            outs.append((out.detach(), x.grad))
+        if rank != 0:
+            for a, b in zip(*outs):
+                rel = ((a - b).norm() / a.norm()).item()  # the experts' GEMMs block other row counts otherwise
+                assert rel < 1e-5, f"rank {rank} k={k} fp8={fp8}: a peer without tokens changed the results ({rel:.2e})"
+
+
+def test_a_rank_without_tokens_takes_part():
+    run_distributed(_empty_rank, 2)
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("backend", ["reference", "megakernel"])
+def test_a_rank_without_tokens_takes_part_on_gpus(backend):
+    run_distributed(_empty_rank, 2, "cuda", backend, backend="nccl")
