@@ -275,16 +275,25 @@ class UniEPConfig(_Block):
 
     @classmethod
     def coerce(cls, config: Union["UniEPConfig", str, os.PathLike, Mapping[str, Any], None]) -> "UniEPConfig":
-        """Accept a UniEPConfig, a ds_config path or dict (with a ``"uniep"`` key), or a bare block."""
+        """Accept a UniEPConfig, a ds_config path or dict (with a ``"uniep"`` key), or a bare block
+        (a dict, or a JSON file holding one: no ``"uniep"`` key and none of DeepSpeed's usual
+        top-level keys; its keys are then checked as the block's, so a typo is an error, not the
+        defaults)."""
         if isinstance(config, UniEPConfig):
             return config
+        if isinstance(config, (str, os.PathLike)):
+            with open(config) as f:
+                config = json.load(f)
         if isinstance(config, Mapping) and UNIEP_KEY not in config and not _looks_like_ds_config(config):
             return cls.from_dict(config)
         return cls.from_ds_config(config)
 
 
 _DS_TOP_LEVEL_HINTS = ("train_batch_size", "train_micro_batch_size_per_gpu", "optimizer", "zero_optimization",
-                       "bf16", "fp16", "gradient_accumulation_steps")
+                       "bf16", "fp16", "gradient_accumulation_steps", "gradient_clipping", "steps_per_print",
+                       "scheduler", "wall_clock_breakdown", "zero_allow_untested_optimizer", "prescale_gradients",
+                       "communication_data_type", "activation_checkpointing", "flops_profiler", "amp",
+                       "data_types", "checkpoint", "tensorboard", "wandb", "csv_monitor", "comms_logger")
 
 
 def _looks_like_ds_config(d: Mapping[str, Any]) -> bool:

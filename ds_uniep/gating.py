@@ -95,9 +95,10 @@ def route_split(gate, x: Tensor, used_token: Optional[Tensor] = None
     """The dropless top-2 and top-k paths of :func:`route` in two steps, so that a dispatch can
     start between them: ``(expert_idx [T, k] int32, rest)`` with the routes first, then
     ``rest() -> (l_aux, gates [T, k] fp32, exp_counts [E])``, the same operations on the same
-    tensors as :func:`route` (so the same bits), token-major. None for every other gate, with
-    ``used_token`` (call :func:`route`, which then calls the gate itself) and with the gate's
-    ``wall_clock_breakdown`` timer on."""
+    tensors as :func:`route` (so the same bits), token-major. None for every other gate (call
+    :func:`route`, which then calls the gate itself) and with the gate's ``wall_clock_breakdown``
+    timer on. ``used_token`` is passed on as the gate takes it: DeepSpeed's top-2 and top-k gates
+    do not read it."""
     if getattr(gate, "wall_clock_breakdown", False):
         return None  # the gate's timer would time the dispatch queued between the two steps
     return _route_split(gate, x, used_token)
@@ -106,7 +107,7 @@ def route_split(gate, x: Tensor, used_token: Optional[Tensor] = None
 def _route_split(gate, x: Tensor, used_token: Optional[Tensor] = None):
     """:func:`route_split`'s two steps, the gate's timer (``wall_clock_breakdown``) around both."""
     kind = _dropless_kind(gate)
-    if kind is None or used_token is not None:  # DeepSpeed's top-2 masks the first routes by used_token
+    if kind is None:  # (only DeepSpeed's top-1 gate reads used_token, and it is never split)
         return None
     from deepspeed.moe import sharded_moe as sm
     if gate.wall_clock_breakdown:

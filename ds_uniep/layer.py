@@ -206,6 +206,8 @@ class UniEPMoE(MoE):
         forward, as with a fixed micro-batch."""
         if not self.uniep_config.enabled:
             return super().forward(hidden_states, used_token)
+        if used_token is not None:
+            self._check_used_token(hidden_states, used_token)
         if hidden_states.shape[-1] != self.hidden_size:
             raise ValueError(f"{self.layer_name}: input hidden size {hidden_states.shape[-1]} does not match "
                              f"hidden_size={self.hidden_size} (input shape {tuple(hidden_states.shape)})")
@@ -282,6 +284,18 @@ class UniEPMoE(MoE):
             y = self._local_experts(dispatcher, recv, local_counts, stacked, False)
         output = dispatcher.combine(y, gates, handle)
         return self._finish(output, hidden_states, sizes if tp > 1 else None, tp_rank, tp_group, l_aux, exp_counts)
+
+    def _check_used_token(self, hidden_states: Tensor, used_token: Tensor) -> None:
+        """``used_token`` must hold one value per token; only the top-1 gate reads it (as in DeepSpeed):
+        said once at k >= 2."""
+        T = hidden_states.numel() // max(hidden_states.shape[-1], 1)
+        if used_token.numel() != T:
+            raise ValueError(f"{self.layer_name}: used_token has {used_token.numel()} values (shape "
+                             f"{tuple(used_token.shape)}) for {T} tokens; it needs one per token")
+        if self.k > 1 and not getattr(self, "_said_used_token", False):
+            self._said_used_token = True
+            logger.warning(f"{self.layer_name}: used_token is read only by DeepSpeed's top-1 gate; with k = "
+                           f"{self.k} it has no effect (as in deepspeed.moe.layer.MoE)")
 
     def _forward_dispatch_early(self, hidden_states: Tensor, x: Tensor, used_token: Optional[Tensor]):
         """The megakernel's sequential and fused schedules with the dispatch queued as soon as the

@@ -286,3 +286,69 @@ def test_tile_sizes_choose_the_uniep_gemm_tile_and_others_are_refused():
     with pytest.raises(ValueError, match=r"sm_count, waits, configs and into apply to ds_uniep's grouped GEMM"):
         run_grouped(experts, torch.zeros(2, 8, dtype=torch.bfloat16), torch.tensor([2]), "torch",
                     configs=configs_for_tiles(128, 128))
+
+
+def test_convert_refuses_layers_it_cannot_rebuild_and_keeps_hooks_and_packing():
+    from deepspeed.moe.layer import MoE
+    from ds_uniep import SwiGLUExpert, convert_moe_layers
+
+    class Doubled(MoE):
+        def forward(self, *a, **kw):
+            out, l_aux, counts = super().forward(*a, **kw)
+            return 2 * out, l_aux, counts
+
+    mixed = MoE(8, MLP(8, 8), num_experts=2, k=1)
+    mixed.deepspeed_moe.experts.deepspeed_experts[1] = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    for bad, why in ((Doubled(8, MLP(8, 8), num_experts=2, k=1), "Doubled overrides MoE.forward"),
+                     (mixed, "local expert 1 .*Sequential.* differs from expert 0")):
+        holder = torch.nn.ModuleDict({"ok": MoE(8, MLP(8, 8), num_experts=2, k=1), "bad": bad})
+        with pytest.raises(ValueError, match=f"convert_moe_layers cannot convert bad: {why}"):
+            convert_moe_layers(holder, {"backend": "reference"})
+        assert type(holder["ok"]) is MoE, "nothing is replaced when one layer cannot be"
+    # A convertible layer: same values, its forward hook still fires (and its handle removes it),
+    # and bf16 SwiGLU experts are packed as UniEPMoE packs its own.
+    stock = MoE(16, SwiGLUExpert(16, 32), num_experts=4, k=2).to(torch.bfloat16)
+    calls = []
+    handle = stock.register_forward_hook(lambda *a: calls.append(1))
+    holder = torch.nn.ModuleDict({"moe": stock})
+    want = {n: p.detach().clone() for n, p in stock.named_parameters()}
+    assert convert_moe_layers(holder, {"backend": "reference"}) == 1
+    new = holder["moe"]
+    assert type(new) is UniEPMoE
+    assert all(torch.equal(p, want[n]) and p.dtype == torch.bfloat16 for n, p in new.named_parameters())
+    experts = new.deepspeed_moe.experts.deepspeed_experts
+    w1 = [e.w1.weight for e in experts]
+    assert len({w.untyped_storage().data_ptr() for w in w1}) == 1, "converted experts not packed"
+    new.deepspeed_moe.gate.wg.float()
+    new(torch.randn(5, 16, dtype=torch.bfloat16))
+    assert calls == [1]
+    handle.remove()
+    new(torch.randn(5, 16, dtype=torch.bfloat16))
+    assert calls == [1]
+
+
+def test_used_token_needs_one_value_per_token_and_is_said_to_do_nothing_past_top1(caplog):
+    layer = UniEPMoE(8, MLP(8, 8), num_experts=2, k=1, min_capacity=0, config={"backend": "reference"})
+    with pytest.raises(ValueError, match=r"used_token has 7 values \(shape \(7,\)\) for 12 tokens"):
+        layer(torch.randn(3, 4, 8), torch.ones(7))
+    layer(torch.randn(3, 4, 8), torch.ones(12))
+    top2 = UniEPMoE(8, MLP(8, 8), num_experts=2, k=2, min_capacity=0, config={"backend": "reference"})
+    with caplog.at_level(logging.WARNING, logger="ds_uniep"):
+        top2(torch.randn(5, 8), torch.ones(5))
+        top2(torch.randn(5, 8), torch.ones(5))
+    said = [r for r in caplog.records if "used_token is read only by DeepSpeed's top-1 gate" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_config_file_with_a_bare_block_is_read_as_the_block(tmp_path):
+    path = tmp_path / "uniep.json"
+    path.write_text(json.dumps({"backend": "reference", "deterministic": False}))
+    cfg = UniEPConfig.coerce(str(path))
+    assert cfg.backend == "reference" and cfg.deterministic is False
+    path.write_text(json.dumps({"backnd": "reference"}))  # a typo is an error, not the defaults
+    with pytest.raises(UniEPConfigError, match=r"uniep\.backnd: unknown key"):
+        UniEPConfig.coerce(str(path))
+    # a ds_config without the block gives the defaults, also when only less common keys say so
+    path.write_text(json.dumps({"gradient_clipping": 1.0, "steps_per_print": 10}))
+    assert UniEPConfig.coerce(str(path)) == UniEPConfig()
+    assert UniEPConfig.coerce({"gradient_clipping": 1.0, "steps_per_print": 10}) == UniEPConfig()
