@@ -123,10 +123,10 @@ class UniEPBuilder(CUDAOpBuilder):
 def build_requirements(device=None):
     """(ok, reason): CUDA, a Hopper GPU and nvcc, as needed to build and run the ops."""
     import torch
-    if not torch.cuda.is_available():
-        return False, "CUDA is not available (torch.cuda.is_available() is False)"
     if torch.version.cuda is None:
-        return False, "this torch build has no CUDA"
+        return False, f"this torch build ({torch.__version__}) has no CUDA"
+    if not torch.cuda.is_available():
+        return False, "CUDA is not available (torch.cuda.is_available() is False: no GPU or driver visible)"
     index = torch.cuda.current_device() if device is None else torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     major, minor = torch.cuda.get_device_capability(index)
