@@ -7,7 +7,7 @@ once (local rank 0 builds, every rank then loads it) and caches the module.
 
 import functools
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .builder import UniEPBuilder, build_requirements, cutlass_include, find_nvcc
 
@@ -41,16 +41,23 @@ def _local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def _barrier():
+def _agree(error: Optional[str]) -> Optional[str]:
+    """The builds' outcome on every rank, gathered where a barrier would stand: the first rank's
+    error (``"rank r: ..."``), else None. Without torch.distributed, this process's own."""
     import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+    if not (dist.is_available() and dist.is_initialized()):
+        return None if error is None else f"this process: {error}"
+    outcomes = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, (dist.get_rank(), error))
+    return next((f"rank {r}: {e}" for r, e in outcomes if e), None)
 
 
 @functools.lru_cache(maxsize=None)
 def load_uniep_ops(verbose: bool = False):
-    """The compiled extension module. Local rank 0 builds first, behind a barrier, so
-    ranks never race on one build directory; the others then load the finished build."""
+    """The compiled extension module. Local rank 0 builds first, and every rank then learns
+    whether the builds succeeded (one collective, in place of a barrier), so ranks never race on
+    one build directory; the others then load the finished build, or, where a build failed, raise
+    an error naming the rank whose build failed instead of building again themselves."""
     ok, reason = build_requirements()
     if not ok:
         raise RuntimeError(f"cannot build the UniEP ops: {reason}")
@@ -58,8 +65,15 @@ def load_uniep_ops(verbose: bool = False):
     if _local_rank() == 0:
         try:
             module = builder.jit_load(verbose=verbose)
-        finally:
-            _barrier()  # also on failure: the other ranks must not wait forever
+        except Exception as err:
+            _agree(f"{type(err).__name__}: {str(err)[-2000:]}")  # the other ranks must not wait forever
+            raise
+        failed = _agree(None)
+        if failed is not None:  # another node's build
+            raise RuntimeError(f"building the UniEP ops failed on {failed}")
         return module
-    _barrier()
+    failed = _agree(None)
+    if failed is not None:
+        raise RuntimeError(f"building the UniEP ops failed on {failed} (local rank 0 builds; this rank does not "
+                           "build again)")
     return builder.jit_load(verbose=verbose)

@@ -187,3 +187,34 @@ def test_builder_flags():
     if torch.version.cuda is None:  # a CPU build of torch is named as such, not as "no GPU"
         ok, reason = ops.build_requirements()
         assert not ok and "has no CUDA" in reason, reason
+
+
+def _build_outcome_body(rank, world_size, fail_rank0):
+    """load_uniep_ops on 2 gloo ranks with a stand-in builder: local rank 0 builds, the other loads
+    after it; where rank 0's build fails every rank gets an error and nobody builds again."""
+    os.environ["LOCAL_RANK"] = str(rank)
+    ops = _builder_module()
+    calls = []
+
+    class Builder:
+        def jit_load(self, verbose=False):
+            calls.append(rank)
+            if rank == 0 and fail_rank0:
+                raise RuntimeError("nvcc exploded")
+            return f"module on rank {rank}"
+
+    ops.UniEPBuilder, ops.build_requirements = Builder, lambda *a: (True, "")
+    ops.load_uniep_ops.cache_clear()
+    if not fail_rank0:
+        assert ops.load_uniep_ops() == f"module on rank {rank}" and calls == [rank]
+        return
+    with pytest.raises(RuntimeError, match="nvcc exploded" if rank == 0 else
+                       r"building the UniEP ops failed on rank 0: RuntimeError: nvcc exploded"):
+        ops.load_uniep_ops()
+    assert calls == ([0] if rank == 0 else []), "a rank built after local rank 0's build failed"
+
+
+@pytest.mark.parametrize("fail_rank0", [False, True])
+def test_a_failed_build_on_local_rank_0_reaches_every_rank(fail_rank0):
+    from dist_utils import run_distributed
+    run_distributed(_build_outcome_body, 2, fail_rank0)
