@@ -83,6 +83,7 @@ class UniEPMoE(MoE):
         self._dispatchers = {}
         self._backend_by_device = {}
         self._hybrid = None
+        self._said_used_token = False  # the k >= 2 used_token warning, once
         self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
         self._uniep_gemm_ok = set()  # devices where expert_gemm "uniep" was found usable
         self._stack_cache = {}  # how this layer's expert parameters stack (ds_uniep.experts.stack_experts)
@@ -292,7 +293,7 @@ class UniEPMoE(MoE):
         if used_token.numel() != T:
             raise ValueError(f"{self.layer_name}: used_token has {used_token.numel()} values (shape "
                              f"{tuple(used_token.shape)}) for {T} tokens; it needs one per token")
-        if self.k > 1 and not getattr(self, "_said_used_token", False):
+        if self.k > 1 and not self._said_used_token:
             self._said_used_token = True
             logger.warning(f"{self.layer_name}: used_token is read only by DeepSpeed's top-1 gate; with k = "
                            f"{self.k} it has no effect (as in deepspeed.moe.layer.MoE)")

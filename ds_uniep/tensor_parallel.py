@@ -140,6 +140,7 @@ class TPGeLUExpert(nn.Module):
                 transport: str = "auto", num_chunks: int = 1) -> Tensor:
         """Rows ``x_shard [sizes[rank], M]`` of this TP rank -> their outputs ``[sizes[rank], M]``."""
         from ds_uniep.commfuse import all_gather_matmul, matmul_reduce_scatter
+        from ds_uniep.commfuse.linear import all_reduce_grad
         h = all_gather_matmul(x_shard, self.fc1.weight.t(), group, schedule=schedule, shard_sizes=sizes,
                               transport=transport, num_chunks=num_chunks)
         if self.fc1.bias is not None:
@@ -150,7 +151,6 @@ class TPGeLUExpert(nn.Module):
             return y
         # The whole bias on this rank's rows only: its gradient is summed over the TP ranks, so every
         # rank's copy gets the gradient of all rows (as RowParallelLinear's bias does).
-        from ds_uniep.commfuse.linear import all_reduce_grad
         return y + all_reduce_grad(self.fc2.bias, group)
 
 

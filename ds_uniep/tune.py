@@ -28,14 +28,8 @@ from .config import UniEPConfig, UniEPConfigError
 from .tuning import GPUInfo, Plan, Space, estimate_ms, tune
 from .tuning.plot import plot_space, reason_counts
 from .tuning.presets import PRESET_NAMES, parse_shape, preset_shape
+from .argtypes import positive_float
 from .tuning.space import DTYPES, KEPT_KNOBS
-
-
-def _positive_float(text: str) -> float:
-    v = float(text)
-    if not v > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="GPU limits for the space: auto = this machine's GPU, or an H100-sized stand-in without one")
     ap.add_argument("--allow-numerics-change", action="store_true", default=None,
                     help="explore FP8 dispatch (default: the config's autotune.allow_numerics_change)")
-    ap.add_argument("--budget-s", type=_positive_float, default=None,
+    ap.add_argument("--budget-s", type=positive_float, default=None,
                     help="seconds of measuring after the configured and baseline plans (default: the config's)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed runs per plan (default: the config's)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per plan (default: the config's)")

@@ -15,6 +15,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from ..argtypes import positive_float, positive_int
 from .model import GBPS, Cluster, LayerTime, plan
 from .presets import DEFAULT_TFLOPS, PRESETS, format_bandwidth, parse_bandwidth, parse_shape
 from .simulate import DEFAULT_SITES_PER_DOMAIN, default_site_counts, plot, sweep
@@ -55,29 +56,15 @@ def _ratio(text: str) -> float:
     return v
 
 
-def _positive_float(text: str) -> float:
-    v = float(text)
-    if not v > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = int(text)
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return v
-
-
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=_shape, default=PRESETS["mixtral-like"],
                    help=f"preset ({', '.join(PRESETS)}) or hidden=..,ffn=..,experts=..,topk=..,tokens=..")
     p.add_argument("--intra-bw", type=_bandwidth, default=parse_bandwidth("400GB/s"),
                    help="per-rank bandwidth inside a site, with a unit (default 400GB/s)")
-    p.add_argument("--microbatches", type=_positive_int, default=1,
+    p.add_argument("--microbatches", type=positive_int, default=1,
                    help="micro-batches per optimizer step, over which the model spreads one gather of the replicas "
                    "(ds_uniep's runtime gathers at every forward: what 1 models)")
-    p.add_argument("--tflops", type=_positive_float, default=DEFAULT_TFLOPS, help="compute rate for estimated times")
+    p.add_argument("--tflops", type=positive_float, default=DEFAULT_TFLOPS, help="compute rate for estimated times")
     p.add_argument("--compression-ratio", type=_ratio, default=None,
                    help="model experts sent as base + top-k residual keeping this fraction (ds_uniep's runtime "
                    "gives replicas those numbers but moves them dense)")
@@ -166,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="sweep sites, bandwidth and domain size; write the plot")
     _common(s)
-    s.add_argument("--max-sites", "--max-domains", dest="max_sites", type=_positive_int, default=1000,
+    s.add_argument("--max-sites", "--max-domains", dest="max_sites", type=positive_int, default=1000,
                    help="largest number of sites (fast-link domains of --site-size ranks, joined by the slow "
                    "links) swept; HybridEP's migration domains are groups of --sites-per-domain of them")
     s.add_argument("--site-size", type=int, default=8, help="ranks per site")
