@@ -15,7 +15,8 @@ queued behind a GPU spin and a GPU-side barrier first, so the GPU work alone is 
 common start, as in a training step whose launches run ahead of the GPU; each run checks that
 the spin outlasted the launches).
 Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
-order first); the megakernel dispatch receiving in place (its direct region) and
+order first); the megakernel dispatch receiving in place (its direct region; again with this
+rank's own rows deduplicated like the others', i.e. copied after the wait, checked bitwise) and
 through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
 default, chunked push+reduce in one kernel, then the variants of COMBINE_VARIANTS (or of
 --combine-variants) and the
@@ -209,12 +210,24 @@ def main():
 
         put(f"{name}_dispatch", do_dispatch)
         h = state["handle"]
+        if name == "bf16":
+            # The same dispatch with this rank's own rows deduplicated too (copied after the wait).
+            rows = int(h.num_recv.item())
+            first = state["recv"][:rows].clone()
+            disp.own_rows_whole = False
+            put("bf16_dispatch_own_dedup", do_dispatch)
+            results["own_dedup_bitwise_equal"] = bool(torch.equal(state["recv"][:rows], first))
+            disp.own_rows_whole = True
+            do_dispatch()
+            results["own_dedup_bitwise_equal"] &= bool(torch.equal(state["recv"][:rows], first))
+            h, first = state["handle"], None
+        own_whole = disp.dedup and disp.own_rows_whole and direct
 
         def stores_only():
             # The NVLink stores alone: no counts exchange and no copy-out (nobody waits on them).
             disp.ext.dispatch_rows(x, h.expert_idx, h.dest_row, None, disp.fp8, E, disp.bufs.descriptor,
                                    disp.direct_descriptor(True, disp._epochs[0]), disp._next_epoch(1),
-                                   disp.num_blocks, None, None, disp.dedup)
+                                   disp.num_blocks, None, None, disp.dedup, own_whole)
 
         put(f"{name}_dispatch_stores", stores_only)
         do_dispatch()  # leave buffers and epochs in step on every rank
@@ -281,6 +294,7 @@ def main():
     rows = [("NCCL all_to_all_single", "nccl_a2a", nccl_off_rank),
             ("NCCL dispatch (permute+all_to_all)", "nccl_dispatch", nccl_off_rank),
             ("dispatch bf16 (layout+stores, in place)", "bf16_dispatch", dedup_off_rank),
+            ("dispatch bf16 (in place, own rows deduplicated)", "bf16_dispatch_own_dedup", dedup_off_rank),
             ("dispatch bf16 (layout+stores+copy-out)", "bf16_staging_dispatch", dedup_off_rank),
             ("dispatch bf16 stores only", "bf16_dispatch_stores", dedup_off_rank),
             ("dispatch fp8 (layout+stores+copy-out)", "fp8_dispatch", off_rank),
@@ -319,6 +333,8 @@ def main():
               "; pulling combine:", results["combine_pull_bitwise_equal"], results["combine_stats"],
               "; copy-engine combine:", results["combine_ce_bitwise_equal"],
               f"({results['combine_ce_segments']} segment copies)")
+        print("in-place dispatch with own rows deduplicated, bitwise equal to the default:",
+              results["own_dedup_bitwise_equal"])
         print("forward dispatches received in place / copied out:",
               {n: results[f"{n}_direct_stats"] for n in ("bf16", "bf16_staging", "fp8")})
         print("launched: timing starts with the first launch (host launch time included); queued: the "
@@ -334,10 +350,11 @@ def main():
     dist.barrier()
     dist.destroy_process_group()
     failed = [f"combine variant {name}" for name, v in results["combine_variants"].items() if not v["bitwise_equal"]]
-    failed += [what for what, key in (("pulling combine", "combine_pull_bitwise_equal"),
+    failed += [what for what, key in (("own-rows-deduplicated dispatch", "own_dedup_bitwise_equal"),
+                                      ("pulling combine", "combine_pull_bitwise_equal"),
                                       ("copy-engine combine", "combine_ce_bitwise_equal")) if not results[key]]
     if failed:
-        raise SystemExit(f"bench_dispatch rank {rank}: not bitwise the default combine: {', '.join(failed)}")
+        raise SystemExit(f"bench_dispatch rank {rank}: not bitwise the default: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

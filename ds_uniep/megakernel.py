@@ -345,6 +345,10 @@ class NVLinkDispatcher:
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
         self.fused_dedup = fused_dedup and self.dedup
+        #: the forward dispatch received in place stores the rows bound for this rank whole (none
+        #: deduplicated): they are local stores beside the NVLink ones instead of copies after the
+        #: wait (the same bits); False: deduplicated like the others' (kept to measure the difference)
+        self.own_rows_whole = True
         # The rows the last epilogue combine left in this rank's combine buffer, while a backward
         # may still read them (a weak reference to ds_uniep.epilogue_combine's record of them).
         self._landed = None
@@ -583,7 +587,7 @@ class NVLinkDispatcher:
         elif not fused:
             self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
                                    self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
-                                   self.dedup)
+                                   self.dedup, self.dedup and in_place and self.own_rows_whole)
         if row_out is not None:
             dest_row = row_out
         st.update(counted=counted, e_disp=e_disp, local_counts=local_counts, num_recv=num_recv,
@@ -853,7 +857,7 @@ class NVLinkDispatcher:
         self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup, False)
         e = self._next_epoch(2)
         chunks = y if isinstance(y, list) else [(0, y)]  # pipelines() holds gate_grad_on_experts for chunks
         rows = chunks[-1][0] + chunks[-1][1].shape[0]
@@ -880,7 +884,7 @@ class NVLinkDispatcher:
                            *self._wait_args(), self.num_blocks)
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, gates, False, self.num_experts, self.bufs.descriptor,
-                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, False)
+                               self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, False, False)
         grad_y = y.new_empty(y.shape)
         scratch_pair = torch.empty(y.shape[0], dtype=torch.int32, device=y.device)
         self.ext.recv_copyout(num_recv, False, grad_y, scratch_pair, self.bufs.descriptor, e_disp,

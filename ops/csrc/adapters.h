@@ -28,7 +28,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup);
+                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool own_whole);
 // The fused schedule's dispatch (FusedArrive in types.h): segs [G * L, 4] int32 (the (source,
 // expert) blocks), out the direct region [R_max, M], recv_pair [R_max] int32 (every received
 // row's source pair, written as its source arrives), started [1] int32 on the device or in pinned

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
     DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out, bool dedup,
-    FusedArrive fused, WaitPolicy w) {
+    bool own_whole, FusedArrive fused, WaitPolicy w) {
   const bool by_destination = fused.segs != nullptr;
   // Announced even when poisoned: the stream that queues the GEMM waits for this word.
   if (by_destination && fused.started != nullptr) announce_start(s, fused.started, epoch);
@@ -103,10 +103,11 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
           const int d = expert_idx[pair] / experts_per_rank;
           // Deduplicated: a token travels once per destination rank; its later slots there name
           // the row of its first one, and the receiver copies it locally (the same bits).
-          // The fused dispatch keeps this rank's own rows whole: their copies would be local either way,
-          // and storing them at once spares the arrival pass copies on few SMs.
+          // The fused dispatch (and, with own_whole, the forward's in-place one) keeps this rank's own
+          // rows whole: their copies would be local either way, and storing them here, beside the
+          // NVLink stores, spares the receiver copies after the wait (on few SMs, when fused).
           int first = -1;
-          if (!kWeighted && dedup && !(by_destination && d == s.rank)) {
+          if (!kWeighted && dedup && !((by_destination || own_whole) && d == s.rank)) {
 #pragma unroll
             for (int i = 0; i < j; ++i)
               if (first < 0 && dest_rank[i] == d) first = dest_at[i];
@@ -289,11 +290,11 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
                             cudaStream_t stream, const int* seg_base, int* row_out, bool dedup,
-                            const FusedArrive* fused, const WaitPolicy* wait) {
+                            const FusedArrive* fused, const WaitPolicy* wait, bool own_whole) {
   const bool by_destination = fused != nullptr;
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
       (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)) ||
-      (dedup && (fp8 || weights)) || (by_destination && (fp8 || seg_base != nullptr || weights || wait == nullptr)))
+      (dedup && (fp8 || weights)) || (own_whole && !dedup) || (by_destination && (fp8 || seg_base != nullptr || weights || wait == nullptr)))
     return cudaErrorInvalidValue;
   const int experts_per_rank = num_experts / sym.num_ranks;
   UNIEP_SWITCH_DTYPE(dtype, T, {
@@ -306,7 +307,7 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
       UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
         dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
-            direct, epoch, seg_base, row_out, dedup, fused ? *fused : FusedArrive{},
+            direct, epoch, seg_base, row_out, dedup, own_whole, fused ? *fused : FusedArrive{},
             wait ? *wait : WaitPolicy{});
       });
     }

@@ -24,6 +24,8 @@ namespace uniep {
 // of the token on that rank stores only its meta word and, in the dup region, the row of the
 // token's first slot there (-1 in the dup word of a row that was stored). launch_recv_copyout
 // (with dedup) or launch_combine_bwd_rows then reads that row in its place: the same bits.
+// own_whole (with dedup): rows bound for this rank itself are all stored, none deduplicated (the
+// forward's in-place receive, where a deduplicated row would be copied after the wait anyway).
 // fused (the fused schedule; not fp8, unweighted, layout ordering, this rank's rows in place,
 // `wait` set): the rows go out one destination at a time, this rank first, each destination
 // signalled as soon as its rows are stored, and (with fused->take) between rounds the same grid
@@ -35,7 +37,7 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
                             cudaStream_t stream, const int* seg_base = nullptr, int* row_out = nullptr,
                             bool dedup = false, const FusedArrive* fused = nullptr,
-                            const WaitPolicy* wait = nullptr);
+                            const WaitPolicy* wait = nullptr, bool own_whole = false);
 
 // Waits for kPhaseDispatch of every rank, then copies the first R = *num_recv rows of the
 // receive buffer into out [out_rows, M] (dtype; e4m3 rows are scaled back) and their meta

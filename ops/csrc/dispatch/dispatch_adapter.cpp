@@ -11,7 +11,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
                    int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup) {
+                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool own_whole) {
   UNIEP_CHECK_INPUT(x);
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_INPUT(dest_row);
@@ -32,6 +32,7 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
               " pairs, the buffers hold ", s.pairs_per_rank);
   const float* w = optional_weights(weights, expert_idx);
   TORCH_CHECK(!(dedup && (fp8 || w)), "a deduplicated dispatch moves unweighted rows in the activation dtype");
+  TORCH_CHECK(!own_whole || dedup, "own_whole is a form of the deduplicated dispatch");
   TORCH_CHECK(seg_base.has_value() == row_out.has_value(), "seg_base and row_out come together (arrival ordering)");
   const int* seg = nullptr;
   int* rows_taken = nullptr;
@@ -51,7 +52,8 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
                                      dest_row.data_ptr<int>(), w, static_cast<int>(x.size(0)),
                                      static_cast<int>(expert_idx.size(1)), hidden, static_cast<int>(num_experts), s,
                                      dv, static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
-                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup));
+                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup, nullptr, nullptr,
+                                     own_whole));
 }
 
 namespace {
