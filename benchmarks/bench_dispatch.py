@@ -235,6 +235,7 @@ def main():
         if name == "bf16":
             y = state["recv"]
             put("combine", lambda: disp.combine(y, gates, h))
+            results["combine_default_chunking"] = list(disp.combine_chunking())  # (tokens per chunk, chunks)
             default = (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
                        disp.combine_push_blocks)
             first = combine_first = disp.combine(y, gates, h)
@@ -299,7 +300,8 @@ def main():
             ("dispatch bf16 stores only", "bf16_dispatch_stores", dedup_off_rank),
             ("dispatch fp8 (layout+stores+copy-out)", "fp8_dispatch", off_rank),
             ("dispatch fp8 stores only", "fp8_dispatch_stores", off_rank),
-            ("combine bf16 (chunked push+reduce)", "combine", off_rank),
+            ("combine bf16 (chunked push+reduce, {} chunks)".format(results["combine_default_chunking"][1]), "combine",
+             off_rank),
             ("combine bf16 (copy engines, then reduce)", "combine_ce", off_rank)]
     rows = [(label, results[f"{key}_ms"], results[f"{key}_queued_ms"], nbytes) for label, key, nbytes in rows]
     print(f"rank {rank}: host ms to launch: dispatch bf16 {results['bf16_dispatch_host_ms']:.3f}, combine "
