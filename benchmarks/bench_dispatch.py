@@ -240,6 +240,8 @@ def main():
                        disp.combine_push_blocks)
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
+            min_chunk = disp.combine_min_chunk_tokens
+            disp.combine_min_chunk_tokens = 1  # a variant's chunk count is what it says
             for chunks, reducers, lead, share in variants:
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
                 disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
@@ -251,6 +253,7 @@ def main():
                     "queued_ms": queued_ms, "bitwise_equal": same}
             (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
              disp.combine_push_blocks) = default
+            disp.combine_min_chunk_tokens = min_chunk
             # Pulling: the expert outputs sit in every rank's source region, each source reads its rows.
             src = disp.combine_source(y.shape[0])
             src.copy_(y)

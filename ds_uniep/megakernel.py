@@ -241,14 +241,15 @@ class NVLinkDispatcher:
         direct_receive: allocate the direct receive region (a second ``[R_max, M]``
             buffer) so forward dispatches need no copy-out (ignored with FP8 dispatch).
         combine_chunks: combine (and the backward of dispatch) as one kernel pipelined over
-            chunks of source tokens: a source sums a chunk's rows while later chunks are still
-            being pushed. None (the default): chunks of ``combine_chunk_tokens`` tokens (more where
-            ``max_tokens_per_rank`` would need over 64 chunks); n: ``max_tokens_per_rank`` split
-            evenly into n chunks; 0: push, then reduce, as two kernels. The output bits are the
-            same either way (:meth:`combine_chunking`).
-        combine_chunk_tokens: source tokens per chunk when ``combine_chunks`` is None (default 256:
-            in ``bench_dispatch.py`` at ep 4 on H100s, 256-token chunks were faster than 128 at
-            2048 tokens and than 512 at 4096).
+            this many chunks of source tokens (``max_tokens_per_rank`` split evenly, but no chunk
+            under ``combine_min_chunk_tokens``, so fewer chunks where the buffers are small): a
+            source sums a chunk's rows while later chunks are still being pushed. 0: push, then
+            reduce, as two kernels. The output bits are the same either way
+            (:meth:`combine_chunking`).
+        combine_min_chunk_tokens: the fewest source tokens per chunk (default 256: in
+            ``bench_dispatch.py`` at ep 4 with 2048 tokens, 8 chunks of 256 were faster than 16 of
+            128 on H100s and on H200s; at 8192 tokens 32 chunks of 256 were not faster than 16 of
+            512, and slower in the layer).
         combine_reduce_blocks: blocks of the chunked combine that reduce, beside its pushing
             blocks; default ``num_blocks`` (two blocks fit on an SM, so with one per SM the
             reducing role has every SM).
@@ -290,9 +291,9 @@ class NVLinkDispatcher:
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
-                 num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: Optional[int] = None,
+                 num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
                  combine_reduce_blocks: Optional[int] = None, combine_push_lead: int = 2,
-                 combine_push_blocks: Optional[int] = None, combine_chunk_tokens: int = 256,
+                 combine_push_blocks: Optional[int] = None, combine_min_chunk_tokens: int = 256,
                  pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
                  dedup: bool = True, fused_dedup: bool = True):
@@ -317,10 +318,10 @@ class NVLinkDispatcher:
                              f"{ep_size} ranks")
         if not 1 <= k <= MAX_TOP_K:
             raise ValueError(f"{where}: k = {k} outside 1..{MAX_TOP_K}")
-        if combine_chunks is not None and not 0 <= combine_chunks <= MAX_COMBINE_CHUNKS:
-            raise ValueError(f"{where}: combine_chunks = {combine_chunks} outside 0..{MAX_COMBINE_CHUNKS} (or None)")
-        if combine_chunk_tokens < 1:
-            raise ValueError(f"{where}: combine_chunk_tokens = {combine_chunk_tokens} must be at least 1")
+        if not 0 <= combine_chunks <= MAX_COMBINE_CHUNKS:
+            raise ValueError(f"{where}: combine_chunks = {combine_chunks} outside 0..{MAX_COMBINE_CHUNKS}")
+        if combine_min_chunk_tokens < 1:
+            raise ValueError(f"{where}: combine_min_chunk_tokens = {combine_min_chunk_tokens} must be at least 1")
         if combine_push_lead < 0:
             raise ValueError(f"{where}: combine_push_lead = {combine_push_lead} must be at least 0")
         if combine_push_blocks is not None and combine_push_blocks < 1:
@@ -348,7 +349,7 @@ class NVLinkDispatcher:
                                 group, self.device)
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self.combine_chunks = combine_chunks
-        self.combine_chunk_tokens = combine_chunk_tokens
+        self.combine_min_chunk_tokens = combine_min_chunk_tokens
         self.gate_grad_on_experts = gate_grad_on_experts
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
@@ -740,11 +741,11 @@ class NVLinkDispatcher:
 
     def combine_chunking(self) -> Tuple[int, int]:
         """(source tokens per chunk, chunks) of the chunked combine: the same on every rank, since
-        they depend on ``max_tokens_per_rank`` only, not on this call's tokens."""
-        if self.combine_chunks:
-            chunk_tokens = -(-self.max_tokens // self.combine_chunks)
-        else:
-            chunk_tokens = max(self.combine_chunk_tokens, -(-self.max_tokens // MAX_COMBINE_CHUNKS))
+        they depend on ``max_tokens_per_rank`` only, not on this call's tokens. (0, 0) with
+        ``combine_chunks`` 0 (push, then reduce)."""
+        if not self.combine_chunks:
+            return 0, 0
+        chunk_tokens = max(-(-self.max_tokens // self.combine_chunks), self.combine_min_chunk_tokens)
         return chunk_tokens, -(-self.max_tokens // chunk_tokens)
 
     def combine_pushers(self) -> int:
@@ -761,7 +762,7 @@ class NVLinkDispatcher:
                                     self.bufs.descriptor, e, nb)
             self.ext.acc_cast(self.acc.rows, out, self.bufs.descriptor, e, *self._wait_args(), nb)
             return out
-        if self.combine_chunks != 0:
+        if self.combine_chunks:
             reduce_blocks = self.combine_reduce_blocks or nb
             chunk_tokens, num_chunks = self.combine_chunking()
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
