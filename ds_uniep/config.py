@@ -166,9 +166,9 @@ class CommFuseConfig(_Block):
 class HybridCompressionConfig(_Block):
     """Parameter-efficient expert migration: a shared base once, then sparse residuals."""
 
-    enabled: bool = Field(False, description="Give migrated experts the numbers of a shared base + top-k residual "
-                          "(changes numerics). The runtime still gathers the dense weights and compresses them "
-                          "where they land, so the bytes moved are dense (and domain_size auto charges those).")
+    enabled: bool = Field(False, description="Migrate experts as a shared base (the domain's mean expert, "
+                          "all-reduced once) plus each expert's top-ratio residual positions, which are all the "
+                          "gather moves (changes numerics; domain_size auto charges these bytes).")
     ratio: float = Field(0.1, gt=0, le=1, description="Fraction of residual values kept per expert.")
 
 

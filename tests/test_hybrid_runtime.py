@@ -90,6 +90,106 @@ def test_hybrid_grouped_replicas_match_plain_ep():
     run_distributed(_grouped_replicas, 4)
 
 
+def _compressed(rank, world_size):
+    """Compressed migration (4 gloo ranks, 2 domains of 2, 2 experts per rank): ratio 1 gives the
+    dense gather's outputs and gradients bit for bit; at ratio 0.1 each other owner's replica holds
+    that owner's weights at its kept positions and the shared base (the mean of the domain's
+    experts) elsewhere, the same bits on both ranks of the domain, this rank's own copies exact;
+    the bytes moved are the encoded tensors and the base all-reduce; a step trains."""
+    from ds_uniep import UniEPMoE
+    from ds_uniep.hybrid.compress import num_kept
+    from moe_models import MLP, distinct_experts
+    S, M, F, ratio = 2, 16, 24, 0.1
+    layers = {}
+    for name, comp in (("dense", None), ("ratio 1", 1.0), ("ratio", ratio)):
+        torch.manual_seed(5)
+        hyb = {"enabled": True, "domain_size": S}
+        if comp is not None:
+            hyb["compression"] = {"enabled": True, "ratio": comp}
+        layer = UniEPMoE(M, MLP(M, F), num_experts=2 * world_size, ep_size=world_size, k=2, min_capacity=4,
+                         drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                         config={"backend": "reference", "hybrid": hyb})
+        distinct_experts(layer, rank)
+        layer.set_deepspeed_parallelism()
+        layers[name] = layer
+    where = f"rank {rank}"
+    dense, full = _fwd_bwd_pair((layers["dense"], layers["ratio 1"]), rank, torch.float32)
+    for i, (a, b) in enumerate(zip(dense, full)):
+        assert torch.equal(a, b), f"{where}: ratio 1 differs from the dense gather in tensor {i}"
+
+    h = layers["ratio"]._hybrid
+    h.prefetch()
+    params = h.gather()  # [S * L] dicts, domain expert order (owner offset, then local index)
+    gathered = h.last_gather
+    experts = layers["ratio"].deepspeed_moe.experts.deepspeed_experts
+    L, group, me = len(experts), h.groups.domain_group, h.groups.offset
+    encoded = base_bytes = 0
+    for name in h.names:
+        mine = torch.stack([dict(e.named_parameters())[name].detach() for e in experts])  # [L, ...]
+        true = [torch.empty_like(mine) for _ in range(S)]
+        torch.distributed.all_gather(true, mine, group=group)
+        true = torch.stack(true).reshape(S, L, -1)
+        reps = torch.stack([params[s * L + l][name].detach() for s in range(S) for l in range(L)]).reshape(S, L, -1)
+        mean = true.reshape(S * L, -1).double().mean(0)
+        base = gathered.bases[h.names.index(name)].reshape(-1)
+        torch.testing.assert_close(base.double(), mean, rtol=1e-6, atol=1e-6, msg=f"{where} {name}: base not the mean")
+        bases = [torch.empty_like(base) for _ in range(S)]
+        torch.distributed.all_gather(bases, base, group=group)
+        assert all(torch.equal(b, base) for b in bases), f"{where} {name}: the base differs across the domain"
+        n, k = true.shape[-1], num_kept(true.shape[-1], ratio)
+        for s in range(S):
+            for l in range(L):
+                r, w = reps[s, l], true[s, l]
+                if s == me:
+                    assert torch.equal(r, w), f"{where} {name}: own expert {l} not exact"
+                    continue
+                kept = r == w
+                # k positions kept (more only where the weight happens to equal the base)
+                assert k <= int(kept.sum()) <= k + int((w == base).sum()), \
+                    f"{where} {name} owner {s} expert {l}: {int(kept.sum())} exact positions, {k} kept"
+                assert torch.equal(r[~kept], base[~kept]), f"{where} {name} owner {s} expert {l}: not the base"
+                # Every dropped residual is at most the smallest kept one.
+                res = (w.double() - mean).abs()
+                order = torch.sort(res, descending=True, stable=True).indices
+                assert res[~kept].max() <= res[order[k - 1]] + 1e-6, f"{where} {name}: a larger residual dropped"
+        encoded += L * k * (4 + 4)
+        base_bytes += n * 4
+    want = (S - 1) * (encoded + 2 * base_bytes // S)
+    assert gathered.wire_bytes == want, (gathered.wire_bytes, want)
+    assert layers["dense"]._hybrid.last_gather.wire_bytes == (S - 1) * L * sum(
+        p.numel() * 4 for p in experts[0].parameters())
+
+    # A step: gradients reach the owners once, finite.
+    layer = layers["ratio"]
+    layer.zero_grad()
+    x = torch.randn(24, M, generator=torch.Generator().manual_seed(rank))
+    out, l_aux, _ = layer(x)
+    (out.square().sum() + l_aux).backward()
+    assert h.counter["owner_reductions"] == 1
+    for p in layer.parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all()
+
+
+def test_compressed_migration_moves_encoded_experts_and_gives_their_numbers():
+    run_distributed(_compressed, 4)
+
+
+def test_auto_domain_size_charges_compressed_bytes():
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.hybrid.runtime import choose_domain_size
+    from moe_models import MLP
+    plans = {}
+    for enabled in (False, True):  # small experts, many tokens, slow links: migration pays either way
+        cfg = UniEPConfig.from_dict({"hybrid": {"enabled": True, "site_size": 1, "intra_site_bandwidth": 4e11,
+                                                "inter_site_bandwidth": 1.25e6,
+                                                "compression": {"enabled": enabled, "ratio": 0.05}}}).hybrid
+        S, plans[enabled] = choose_domain_size(cfg, 4, MLP(16, 24), 16, 2, 4096, 2, 4)
+        assert S > 1, enabled
+    assert plans[False].compression_ratio is None and plans[True].compression_ratio == 0.05
+    # The same layer and links: the plan charges the compressed gather's bytes.
+    assert 0 < plans[True].hybrid.gather_bytes_inter < plans[False].hybrid.gather_bytes_inter
+
+
 class _Net(torch.nn.Module):
 
     def __init__(self, world_size, rank, cfg, k, drop):

@@ -36,6 +36,11 @@ its own tensor in the graph, so its gradient goes into the all-to-all's send
 buffer without an ``[S, ...]`` zero-filled intermediate.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
+Compressed migration (``compression.enabled``, :class:`CompressedGather`) replaces step 1's
+all-gather: an asynchronous all-reduce of the domain's fp32 expert sums (the shared base), then
+each owner's experts encoded against it (:mod:`.compress`) and all-gathered, decoded where they
+land. The backward is the dense one (straight through the compression).
+
 :class:`InterSitePacing` (opt-in, off by default) holds a rank for the bytes it
 exchanged with other sites over a given bandwidth: slow links between sites,
 emulated on one host, so HybridEP and plain EP can be measured against the cost
@@ -290,6 +295,7 @@ class DomainGather:
             self.outs.append(out)
             nbytes += flat.numel() * flat.element_size()
         self.device = self.local[0].device
+        self.wire_bytes = (S - 1) * nbytes  # this rank's tensors, to each of S - 1 peers
         self.transfer = pacing.start(group, [nbytes] * S, [nbytes] * S, self.device) if pacing is not None \
             else None
 
@@ -299,6 +305,96 @@ class DomainGather:
             w.wait()
         if self.pacing is not None:
             self.pacing.finish(self.transfer, self.device)
+
+
+class CompressedGather:
+    """Compressed migration in flight: what :class:`DomainGather` delivers, with each other owner's
+    tensors as the domain's shared base plus that owner's top-``ratio`` residual positions
+    (:mod:`.compress`), and only those bytes on the links.
+
+    Issued on construction: the fp32 sum of this rank's experts, per parameter (local experts in
+    order), all-reduced over the domain group asynchronously; the base is that sum over the S * L
+    experts divided by S * L, cast to the parameter's dtype, the same bits on every rank. In
+    :meth:`wait`: each of this rank's tensors encoded against its parameter's base (the values at
+    the kept positions, in the tensor's dtype, and their int32 indices), those all-gathered (one
+    collective per dtype and one for the indices), and every other owner's tensors decoded into
+    ``outs`` (``[S, n]`` per dtype, as :class:`DomainGather`'s); this rank's own copies are its
+    exact tensors. ``ratio`` 1 keeps every position: the replicas are then the dense ones, bit for
+    bit. Gradients go back to the owners as with the dense gather (straight through the
+    compression, dense bytes). ``wire_bytes``: what one rank puts on the links for it (the base
+    all-reduce counted as a ring's ``2 (S - 1) / S`` of the fp32 sums, then the encoded tensors
+    to each of S - 1 peers)."""
+
+    def __init__(self, local: Sequence[Tensor], group, S: int, pacing: Optional[InterSitePacing],
+                 num_params: int, offset: int, ratio: float):
+        from .compress import num_kept
+        self.local, self.group, self.S, self.pacing = list(local), group, S, pacing
+        self.num_params, self.offset, self.ratio = num_params, offset, ratio
+        self.buckets = _buckets(self.local)
+        self.device = self.local[0].device
+        self.experts = len(self.local) // num_params  # L
+        sums = []
+        for i in range(num_params):
+            acc = self.local[i].detach().to(torch.float32).clone()
+            for l in range(1, self.experts):
+                acc += self.local[l * num_params + i].detach().to(torch.float32)
+            sums.append(acc.reshape(-1))
+        self.base_sum = torch.cat(sums)
+        self.base_work = torch_dist.all_reduce(self.base_sum, group=group, async_op=True)
+        self.outs = [torch.empty(S, sum(self.local[i].numel() for i in idx), dtype=self.local[idx[0]].dtype,
+                                 device=self.device) for idx in self.buckets]
+        self.kept = [num_kept(t.numel(), ratio) for t in self.local]
+        encoded = sum(k * (t.element_size() + 4) for k, t in zip(self.kept, self.local))
+        base_share = 2 * self.base_sum.numel() * 4 // S  # per peer: a ring moves 2 (S - 1) / S of it in all
+        self.wire_bytes = (S - 1) * (encoded + base_share)
+        per_peer = [encoded + base_share] * S
+        self.transfer = pacing.start(group, per_peer, per_peer, self.device) if pacing is not None else None
+        self._done = False
+
+    def wait(self) -> None:
+        """Until ``outs`` hold the domain's copies (this rank's exact, the others' decoded)."""
+        if self._done:
+            return
+        from .compress import SparseExpert, decode, encode
+        self.base_work.wait()
+        P, S, n_exp = self.num_params, self.S, self.experts * self.S
+        bases, off = [], 0
+        for i in range(P):
+            t = self.local[i]
+            bases.append((self.base_sum[off:off + t.numel()] / n_exp).to(t.dtype).view(t.shape))
+            off += t.numel()
+        self.bases = bases  # per parameter of an expert, the domain's shared base
+        encs = [encode(t.detach(), bases[j % P], self.ratio) for j, t in enumerate(self.local)]
+        indices = torch.cat([e.indices for e in encs])
+        all_indices = indices.new_empty(S, indices.numel())
+        works = [_all_gather_flat(all_indices.view(-1), indices, self.group)]
+        all_values = []
+        for idx in self.buckets:
+            values = torch.cat([encs[i].values for i in idx])
+            all_values.append(values.new_empty(S, values.numel()))
+            works.append(_all_gather_flat(all_values[-1].view(-1), values, self.group))
+        for w in works:
+            w.wait()
+        starts, at = [], 0  # where tensor i's indices start in a rank's row of all_indices
+        for k in self.kept:
+            starts.append(at)
+            at += k
+        for idx, out, vals in zip(self.buckets, self.outs, all_values):
+            for s in range(S):
+                col = voff = 0
+                for i in idx:
+                    t, k = self.local[i], self.kept[i]
+                    if s == self.offset:
+                        out[s, col:col + t.numel()] = t.detach().reshape(-1)
+                    else:
+                        enc = SparseExpert(values=vals[s, voff:voff + k], indices=all_indices[s, starts[i]:starts[i] + k],
+                                           shape=tuple(t.shape))
+                        out[s, col:col + t.numel()] = decode(enc, bases[i % P]).reshape(-1)
+                    col += t.numel()
+                    voff += k
+        if self.pacing is not None:
+            self.pacing.finish(self.transfer, self.device)
+        self._done = True
 
 
 def _buckets(tensors: Sequence[Tensor]) -> List[List[int]]:
@@ -399,24 +495,6 @@ class _ReplicaViews(torch.autograd.Function):
         return (None, ) + tuple(parts)
 
 
-def _compressed_replicas(stacked: Sequence[Tensor], num_params: int, offset: int, ratio: float) -> List[Tensor]:
-    """What compressed migration delivers: for each parameter, the domain's shared base (the mean of
-    all S * L experts' copies) with each *other* owner's top-``ratio`` positions restored; this
-    rank's own experts stay exact. ``stacked[l * P + i]``: ``[S, ...]`` replicas of local expert l,
-    parameter i. The gradient passes straight through to the owners."""
-    from .compress import decode, encode, shared_base
-    out = list(stacked)
-    L = len(stacked) // num_params
-    for i in range(num_params):
-        replicas = [stacked[l * num_params + i] for l in range(L)]  # L x [S, ...]
-        base = shared_base(torch.cat([r.detach() for r in replicas]))
-        for l, r in enumerate(replicas):
-            approx = torch.stack([r[s].detach() if s == offset else decode(encode(r[s].detach(), base, ratio), base)
-                                  for s in range(r.shape[0])])
-            out[l * num_params + i] = r + (approx - r).detach()
-    return out
-
-
 class HybridExperts:
     """Runs the domain's S * L experts on this rank from gathered weights."""
 
@@ -430,7 +508,9 @@ class HybridExperts:
                                               groups.offset_group, rank=groups.domain)
         self.pacing = None
         self.set_pacing(pacing)
-        self._inflight: Optional[tuple] = None  # (DomainGather, its _OwnerSum outputs)
+        self._inflight: Optional[tuple] = None  # (DomainGather or CompressedGather, its _OwnerSum outputs)
+        #: the last gather issued (its ``wire_bytes``: what this rank put on the links for it)
+        self.last_gather = None
         #: Backward passes that reduced replica gradients to their owners (tests count them).
         self.counter: Dict[str, int] = {}
 
@@ -447,8 +527,13 @@ class HybridExperts:
         g = self.groups
         if self._inflight is not None:  # issued and never used (a forward that stopped early)
             self._inflight[0].wait()
-        gathered = DomainGather([p for e in self.experts for p in e.parameters()], g.domain_group,
-                                g.domain_size, self.pacing)
+        local = [p for e in self.experts for p in e.parameters()]
+        if self.compression_ratio is None:
+            gathered = DomainGather(local, g.domain_group, g.domain_size, self.pacing)
+        else:
+            gathered = CompressedGather(local, g.domain_group, g.domain_size, self.pacing, len(self.names),
+                                        g.offset, self.compression_ratio)
+        self.last_gather = gathered
         self._inflight = (gathered, _OwnerSum.apply(gathered, self.counter, *gathered.local))
 
     def gather(self) -> List[Dict[str, Tensor]]:
@@ -460,10 +545,6 @@ class HybridExperts:
         replicas = _ReplicaViews.apply(gathered, *buffers)  # [s * n + t]: rank s's copy of local tensor t
         P, L, S = len(self.names), len(self.experts), g.domain_size
         n = P * L
-        if self.compression_ratio is not None:
-            joined = [torch.stack([replicas[s * n + t] for s in range(S)]) for t in range(n)]
-            joined = _compressed_replicas(joined, P, g.offset, self.compression_ratio)
-            replicas = [joined[t][s] for s in range(S) for t in range(n)]
         return [{name: replicas[s * n + l * P + i] for i, name in enumerate(self.names)}
                 for s in range(S) for l in range(L)]
 
@@ -573,8 +654,8 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
                   expert_compute_s=flops / (DEFAULT_TFLOPS * 1e12))
     cl = Cluster(num_ranks=ep_size, site_size=site, intra_site_bandwidth_bytes_per_s=intra,
                  inter_site_bandwidth_bytes_per_s=inter)
-    # The runtime gathers the dense weights whether or not they are then compressed
-    # (_compressed_replicas gives replicas the compressed numbers where they land), so the plan
-    # charges the dense bytes it moves.
-    p = plan(wl, cl, "auto", compression_ratio=None, fractions=(0.0, 1.0))
+    # Compressed migration moves the encoded experts and all-reduces the shared base
+    # (CompressedGather), the bytes the model charges for a compression ratio.
+    ratio = hybrid_cfg.compression.ratio if hybrid_cfg.compression.enabled else None
+    p = plan(wl, cl, "auto", compression_ratio=ratio, fractions=(0.0, 1.0), bytes_per_value=elsize)
     return (p.domain_size if p.migrated_fraction > 0 else 1), p
