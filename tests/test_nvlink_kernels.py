@@ -285,3 +285,23 @@ def _direct_body(rank, G):
 @needs_gpus(2)
 def test_direct_receive_never_overwrites_held_rows():
     run_distributed(_direct_body, 2, backend="nccl")
+
+
+def test_combine_chunks_hold_at_least_the_minimum_tokens():
+    """The chunked combine's (tokens per chunk, chunks), which every rank derives from
+    max_tokens_per_rank alone: 16 chunks, none under combine_min_chunk_tokens (CPU: arithmetic only)."""
+    from types import SimpleNamespace
+
+    from ds_uniep.megakernel import NVLinkDispatcher
+
+    def chunking(max_tokens, chunks=16, min_tokens=256):
+        d = SimpleNamespace(max_tokens=max_tokens, combine_chunks=chunks, combine_min_chunk_tokens=min_tokens)
+        return NVLinkDispatcher.combine_chunking(d)
+
+    assert chunking(19) == (256, 1)
+    assert chunking(2048) == (256, 8)  # 16 chunks of 128 were slower
+    assert chunking(4096) == (256, 16)
+    assert chunking(8192) == (512, 16)
+    assert chunking(4096, chunks=7) == (586, 7)
+    assert chunking(2048, min_tokens=1) == (128, 16)
+    assert chunking(4096, chunks=0) == (0, 0)  # push, then reduce
