@@ -120,7 +120,7 @@ def _compressed(rank, world_size):
     h = layers["ratio"]._hybrid
     h.prefetch()
     params = h.gather()  # [S * L] dicts, domain expert order (owner offset, then local index)
-    gathered = h.last_gather
+    gathered = h.last_gather()  # alive: the replicas' graph holds it
     experts = layers["ratio"].deepspeed_moe.experts.deepspeed_experts
     L, group, me = len(experts), h.groups.domain_group, h.groups.offset
     encoded = base_bytes = 0
@@ -155,9 +155,8 @@ def _compressed(rank, world_size):
         encoded += L * k * (4 + 4)
         base_bytes += n * 4
     want = (S - 1) * (encoded + 2 * base_bytes // S)
-    assert gathered.wire_bytes == want, (gathered.wire_bytes, want)
-    assert layers["dense"]._hybrid.last_gather.wire_bytes == (S - 1) * L * sum(
-        p.numel() * 4 for p in experts[0].parameters())
+    assert gathered.wire_bytes == h.last_wire_bytes == want, (gathered.wire_bytes, want)
+    assert layers["dense"]._hybrid.last_wire_bytes == (S - 1) * L * sum(p.numel() * 4 for p in experts[0].parameters())
 
     # A step: gradients reach the owners once, finite.
     layer = layers["ratio"]

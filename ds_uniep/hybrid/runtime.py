@@ -50,6 +50,7 @@ model of :mod:`.model`.
 import math
 import statistics
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -509,8 +510,10 @@ class HybridExperts:
         self.pacing = None
         self.set_pacing(pacing)
         self._inflight: Optional[tuple] = None  # (DomainGather or CompressedGather, its _OwnerSum outputs)
-        #: the last gather issued (its ``wire_bytes``: what this rank put on the links for it)
-        self.last_gather = None
+        #: bytes this rank put on the links for the last gather it issued (``wire_bytes``)
+        self.last_wire_bytes = 0
+        #: that gather, weakly (alive while a forward's graph holds it; its buffers are not kept here)
+        self.last_gather = lambda: None
         #: Backward passes that reduced replica gradients to their owners (tests count them).
         self.counter: Dict[str, int] = {}
 
@@ -533,7 +536,7 @@ class HybridExperts:
         else:
             gathered = CompressedGather(local, g.domain_group, g.domain_size, self.pacing, len(self.names),
                                         g.offset, self.compression_ratio)
-        self.last_gather = gathered
+        self.last_wire_bytes, self.last_gather = gathered.wire_bytes, weakref.ref(gathered)
         self._inflight = (gathered, _OwnerSum.apply(gathered, self.counter, *gathered.local))
 
     def gather(self) -> List[Dict[str, Tensor]]:

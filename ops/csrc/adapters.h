@@ -23,7 +23,8 @@ torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank, int6
 // dispatch_adapter.cpp
 // direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
 // seg_base [E] int32 and row_out [T, k] int32 (both or neither): arrival ordering, rows
-// claimed by atomics (see launch_dispatch).
+// claimed by atomics (see launch_dispatch). own_whole (with dedup): this rank's own rows are
+// stored whole, not deduplicated (launch_dispatch).
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,

@@ -294,7 +294,8 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
   const bool by_destination = fused != nullptr;
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
       (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)) ||
-      (dedup && (fp8 || weights)) || (own_whole && !dedup) || (by_destination && (fp8 || seg_base != nullptr || weights || wait == nullptr)))
+      (dedup && (fp8 || weights)) || (own_whole && !dedup) ||
+      (by_destination && (fp8 || seg_base != nullptr || weights || wait == nullptr)))
     return cudaErrorInvalidValue;
   const int experts_per_rank = num_experts / sym.num_ranks;
   UNIEP_SWITCH_DTYPE(dtype, T, {
