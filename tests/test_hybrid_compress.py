@@ -65,6 +65,24 @@ def test_ties_broken_by_index_and_deterministic():
     assert torch.equal(enc.indices, again.indices) and torch.equal(enc.values, again.values)
 
 
+@pytest.mark.parametrize("numel, ratio", [(2, 0.5), (19, 0.1), (111, 0.25), (989, 0.03), (4096, 0.3)])
+@pytest.mark.parametrize("levels", [None, 3, 16])
+def test_selection_is_the_stable_sort_rule(numel, ratio, levels):
+    """The kept positions are the first k of a stable descending sort of |w - base| (ties to the
+    smaller index), with many ties (values on a few levels) or none."""
+    g = torch.Generator().manual_seed(numel)
+    w = torch.randn(numel, generator=g)
+    if levels is not None:
+        w = torch.randint(-levels, levels + 1, (numel, ), generator=g).float()
+    base = torch.zeros(numel) if levels is not None else torch.randn(numel, generator=g) * 0.1
+    k = num_kept(numel, ratio)
+    mag = (w - base).abs()
+    want = torch.sort(torch.sort(mag, descending=True, stable=True).indices[:k]).values
+    enc = encode(w, base, ratio)
+    assert enc.indices.tolist() == want.tolist()
+    assert torch.equal(enc.values, w[want])
+
+
 @pytest.mark.parametrize("dtype, itemsize", [(torch.float32, 4), (torch.bfloat16, 2), (torch.float16, 2)])
 @pytest.mark.parametrize("numel, ratio", [(1, 0.1), (19, 0.1), (111, 0.25), (989, 0.03), (989, 1.0)])
 def test_wire_bytes_exact(dtype, itemsize, numel, ratio):

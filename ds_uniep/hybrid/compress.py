@@ -84,9 +84,12 @@ def encode(weight: torch.Tensor, base: torch.Tensor, ratio: float) -> SparseExpe
         idx = torch.arange(n, device=weight.device)
     else:
         mag = (flat_w.to(torch.float32) - base.reshape(-1).to(torch.float32)).abs()
-        # A stable descending sort keeps equal magnitudes in index order: ties go to the smaller index.
-        order = torch.sort(mag, descending=True, stable=True).indices
-        idx = torch.sort(order[:k]).values
+        # The k-th largest magnitude by selection (no full sort): every larger one is kept, then
+        # as many of those equal to it as fit, smallest index first.
+        t = torch.kthvalue(mag, n - k + 1).values
+        above = (mag > t).nonzero().flatten()
+        ties = (mag == t).nonzero().flatten()[:k - above.numel()]
+        idx = torch.sort(torch.cat([above, ties])).values
     return SparseExpert(values=flat_w[idx].clone(), indices=idx.to(INDEX_DTYPE), shape=tuple(weight.shape))
 
 
