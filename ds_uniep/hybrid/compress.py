@@ -84,9 +84,10 @@ def encode(weight: torch.Tensor, base: torch.Tensor, ratio: float) -> SparseExpe
         idx = torch.arange(n, device=weight.device)
     else:
         mag = (flat_w.to(torch.float32) - base.reshape(-1).to(torch.float32)).abs()
-        # The k-th largest magnitude by selection (no full sort): every larger one is kept, then
-        # as many of those equal to it as fit, smallest index first.
-        t = torch.kthvalue(mag, n - k + 1).values
+        # The k-th largest magnitude by selection (no full sort; torch.topk, whose values are exact
+        # whatever order it leaves ties in): every larger one is kept, then as many of those equal
+        # to it as fit, smallest index first.
+        t = torch.topk(mag, k, sorted=False).values.min()
         above = (mag > t).nonzero().flatten()
         ties = (mag == t).nonzero().flatten()[:k - above.numel()]
         idx = torch.sort(torch.cat([above, ties])).values
