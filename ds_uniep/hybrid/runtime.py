@@ -37,9 +37,11 @@ buffer without an ``[S, ...]`` zero-filled intermediate.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
 Compressed migration (``compression.enabled``, :class:`CompressedGather`) replaces step 1's
-all-gather: an asynchronous all-reduce of the domain's fp32 expert sums (the shared base), then
-each owner's experts encoded against it (:mod:`.compress`) and all-gathered, decoded where they
-land. The backward is the dense one (straight through the compression).
+all-gather: an asynchronous all-reduce of the domain's fp32 expert sums (the shared base), issued
+where the dense gather is; the encoding of each owner's experts against it (:mod:`.compress`), the
+all-gather of the encoded experts and the decoding follow when the experts need the replicas, so
+only the base all-reduce runs beside the router. The backward is the dense one (straight through
+the compression).
 
 :class:`InterSitePacing` (opt-in, off by default) holds a rank for the bytes it
 exchanged with other sites over a given bandwidth: slow links between sites,
