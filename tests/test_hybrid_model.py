@@ -70,10 +70,11 @@ def test_half_migrated_two_microbatches_by_hand():
 def test_compressed_gather_by_hand():
     # 100 B of 2-byte values: n = 50, ratio 0.1 keeps 5 values of 2 + 4 bytes = 30 B per expert.
     assert compressed_expert_bytes(100.0, 2, 0.1) == 30.0
-    # Base all-reduce over S = 4: 2 * 3/4 * 100 = 150 B, on the slow level since S > L.
+    # Base all-reduce over S = 4 of the 50 values in fp32 (200 B): 2 * 3/4 * 200 = 300 B, on the
+    # slow level since S > L.
     t = predict(_wl(), HAND, domain_size=4, migrated_fraction=1.0, compression_ratio=0.1)
     assert t.gather_bytes_intra == 30.0
-    assert t.gather_bytes_inter == 2 * 30.0 + 150.0
+    assert t.gather_bytes_inter == 2 * 30.0 + 300.0
     assert t.grad_return_bytes_inter == 200.0  # gradients stay dense
 
 
@@ -111,11 +112,11 @@ def test_backward_at_least_forward(cluster):
 
 
 def test_compressed_gather_can_outweigh_the_return():
-    # The documented exception: slow gather = base all-reduce 150 B + 2 * 30 B = 210 B (21 s) with no
-    # tokens moving, so fwd = max(1, 21) + 2 = 23 s; gradients of 10 B return 20 B slow (2 s), so
-    # bwd = 4 + max(2, 2) = 6 s.
+    # The documented exception: slow gather = base all-reduce 300 B (fp32) + 2 * 30 B = 360 B (36 s)
+    # with no tokens moving, so fwd = max(1, 36) + 2 = 38 s; gradients of 10 B return 20 B slow
+    # (2 s), so bwd = 4 + max(2, 2) = 6 s.
     t = predict(_wl(grad_bytes_per_expert=10.0), HAND, 4, 1.0, compression_ratio=0.1)
-    assert t.forward_s == 2 + 210 / 10
+    assert t.forward_s == 2 + 360 / 10
     assert t.backward_s == 4 + max(2, 20 / 10)
     assert t.forward_s > t.backward_s
 

@@ -56,8 +56,9 @@ Replica traffic, once per step
     r_s = phi * E_r * P_g * p_s
 
 With compression, the domain's shared base expert is all-reduced once per
-step (ring: ``2 (S - 1)/S * P_base`` bytes per rank), charged to the slow
-level when S > L, else to the fast level.
+step (ring: ``2 (S - 1)/S * P_base`` bytes per rank, ``P_base`` one expert's
+values in fp32, as the runtime sums them), charged to the slow level when
+S > L, else to the fast level.
 
 Streams and the layer time
 --------------------------
@@ -122,6 +123,8 @@ DEFAULT_FRACTIONS = tuple(i / 10 for i in range(11))
 
 INDEX_BYTES = 4
 """Bytes per index of a compressed residual (int32)."""
+BASE_BYTES_PER_VALUE = 4
+"""Bytes per value of the shared base on the wire (its fp32 sum is what is all-reduced)."""
 
 
 def _positive(owner: str, name: str, value, allow_inf: bool = False) -> None:
@@ -285,10 +288,13 @@ def layer_times(d, pe_wire, pe_grad, base_bytes, e_r, g, s, l, b_f, b_s, t_pre, 
 
 
 def migration_bytes(workload: Workload, compression_ratio: Optional[float], bytes_per_value: int):
-    """(wire bytes per migrated expert, shared base bytes all-reduced per step) for a compression choice."""
+    """(wire bytes per migrated expert, shared base bytes all-reduced per step) for a compression choice.
+    The base is one expert's values summed in fp32 (``BASE_BYTES_PER_VALUE`` each), as
+    :class:`ds_uniep.hybrid.runtime.CompressedGather` all-reduces it."""
     if compression_ratio is None:
         return workload.expert_bytes, 0.0
-    return compressed_expert_bytes(workload.expert_bytes, bytes_per_value, compression_ratio), workload.expert_bytes
+    base = workload.expert_bytes / bytes_per_value * BASE_BYTES_PER_VALUE
+    return compressed_expert_bytes(workload.expert_bytes, bytes_per_value, compression_ratio), base
 
 
 def predict(workload: Workload, cluster: Cluster, domain_size: int = 1, migrated_fraction: float = 1.0,
