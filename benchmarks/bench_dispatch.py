@@ -221,7 +221,7 @@ def main():
             do_dispatch()
             results["own_dedup_bitwise_equal"] &= bool(torch.equal(state["recv"][:rows], first))
             h, first = state["handle"], None
-        own_whole = disp.dedup and disp.own_rows_whole and direct
+        own_whole = disp.stores_own_rows_whole(direct)
 
         def stores_only():
             # The NVLink stores alone: no counts exchange and no copy-out (nobody waits on them).

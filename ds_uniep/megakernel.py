@@ -596,7 +596,7 @@ class NVLinkDispatcher:
         elif not fused:
             self.ext.dispatch_rows(x, expert_idx, dest_row, None, self.fp8, self.num_experts, self.bufs.descriptor,
                                    self.direct_descriptor(True, e_counts), e_disp, self.num_blocks, seg_base, row_out,
-                                   self.dedup, self.dedup and in_place and self.own_rows_whole)
+                                   self.dedup, self.stores_own_rows_whole(in_place))
         if row_out is not None:
             dest_row = row_out
         st.update(counted=counted, e_disp=e_disp, local_counts=local_counts, num_recv=num_recv,
@@ -738,6 +738,11 @@ class NVLinkDispatcher:
                             poison=self.bufs.buffer[o["status"]:o["status"] + 4].view(torch.int32),
                             layer_id=self.layer_id, rank=self.rank, phase=5, sm_count=self._fused_gemm_sms(),
                             done=self._fused_done)
+
+    def stores_own_rows_whole(self, in_place: bool) -> bool:
+        """Whether a forward dispatch received ``in_place`` stores this rank's own rows whole (the
+        dispatch kernel's ``own_whole``): deduplicated dispatches with ``own_rows_whole`` set."""
+        return self.dedup and in_place and self.own_rows_whole
 
     def combine_chunking(self) -> Tuple[int, int]:
         """(source tokens per chunk, chunks) of the chunked combine: the same on every rank, since

@@ -335,11 +335,11 @@ class CompressedGather:
         self.num_params, self.offset, self.ratio = num_params, offset, ratio
         self.buckets = _buckets(self.local)
         self.device = self.local[0].device
-        self.experts = len(self.local) // num_params  # L
+        self.local_experts = len(self.local) // num_params  # L
         sums = []
         for i in range(num_params):
             acc = self.local[i].detach().to(torch.float32).clone()
-            for l in range(1, self.experts):
+            for l in range(1, self.local_experts):
                 acc += self.local[l * num_params + i].detach().to(torch.float32)
             sums.append(acc.reshape(-1))
         self.base_sum = torch.cat(sums)
@@ -360,7 +360,7 @@ class CompressedGather:
             return
         from .compress import SparseExpert, decode, encode
         self.base_work.wait()
-        P, S, n_exp = self.num_params, self.S, self.experts * self.S
+        P, S, n_exp = self.num_params, self.S, self.local_experts * self.S
         bases, off = [], 0
         for i in range(P):
             t = self.local[i]
