@@ -8,7 +8,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script", ["bench_moe_layer.py", "bench_host.py"])
+@pytest.mark.parametrize("script", ["bench_moe_layer.py", "bench_host.py", "bench_dispatcher_settings.py"])
 def test_help(script):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"], capture_output=True,
                          text=True, timeout=120)
@@ -40,3 +40,20 @@ def test_bench_host_refuses_no_steps():
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_host.py"), "--steps", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--steps and --rounds must be at least 1" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("setting, said", [("own_rows_whole=False", "expected NAME:attr=value"),
+                                           ("x:no_such_knob=1", "is not attr=value"),
+                                           ("x:combine_chunks=sixteen", "is not a Python literal"),
+                                           ("default:combine_chunks=8", "expected NAME:attr=value")])
+def test_bench_dispatcher_settings_refuses_bad_settings(setting, said):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_dispatcher_settings.py"),
+                          "--setting", setting], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and said in out.stderr, out.stderr
+
+
+def test_bench_dispatcher_settings_parses_literals():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_dispatcher_settings import parse_setting
+    assert parse_setting("a:own_rows_whole=False,combine_chunks=16,combine_push_blocks=None") == (
+        "a", {"own_rows_whole": False, "combine_chunks": 16, "combine_push_blocks": None})
