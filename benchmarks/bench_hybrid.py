@@ -34,8 +34,11 @@ Cost model inputs (:mod:`ds_uniep.hybrid.model`), all measured in this run, at e
 - t_exp: the experts' forward alone (``run_experts`` over the point's rows, all E experts);
 - t_pre: the rest of the layer's forward compute: the same layer at ep 1 (all experts local, no
   communication) minus t_exp; c_b: that layer's backward over its forward;
-- D = T * k * M * bytes, P = one expert's bytes, E_r = E / G, one micro-batch per step (the
-  runtime gathers replicas at every forward).
+- D = T * k * M * bytes, P = one expert's bytes, E_r = E / G, ``--microbatches`` micro-batches
+  per step (default 1: the runtime gathers replicas at every forward; more: every option is timed
+  over whole steps, HybridEP with ``"reuse_replicas"`` and the step's last micro-batch marked by
+  ``UniEPMoE.set_accumulation_boundary``, so one gather and one gradient return per step, and
+  times are per micro-batch).
 
 Reported per point: measured and predicted ms per option (ratio, within 15%?), inter-site
 bytes per forward+backward as paced against the model's, the paced collectives per
@@ -90,6 +93,10 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--probe-bytes", type=int, default=None, help="bytes of each bandwidth probe exchange")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="micro-batches per optimizer step: every option is timed over whole steps of this many "
+                   "forward+backward passes (per micro-batch reported), HybridEP with \"reuse_replicas\" (one gather "
+                   "and one gradient return per step), against the model at this M")
     p.add_argument("--quick", action="store_true", help="a short sweep (GPU: 2 points; CPU: 4 tiny points)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default="bench_out/hybrid", help="directory for bench_hybrid.json and .png")
@@ -102,6 +109,8 @@ def parse_args(argv=None):
     for key, value in fill.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.microbatches < 1:
+        p.error(f"--microbatches: must be a positive integer, got {args.microbatches}")
     args.expert_sizes = [parse_expert(s) for s in args.experts]
     return args
 
@@ -131,6 +140,27 @@ def fwd_bwd(layer):
         torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
         return out
     return run
+
+
+LAST_MICROBATCH = [True]
+"""Whether the micro-batch running now is its step's last (the layers' accumulation boundary)."""
+
+
+def step(layer, micro):
+    """One optimizer step's ``micro`` forward+backward passes (the weights do not change, but the kept
+    replicas are dropped first, as a step's update would; the last pass returns the replica
+    gradients). ``micro`` 1: one pass."""
+    run = fwd_bwd(layer)
+    if micro == 1:
+        return run
+
+    def fn(x, gy):
+        layer.refresh_replicas()
+        for i in range(micro):
+            LAST_MICROBATCH[0] = i == micro - 1
+            out = run(x, gy)
+        return out
+    return fn
 
 
 class Timer:
@@ -182,9 +212,12 @@ def make_layer(M, F, args, ep, hybrid=None, max_tokens=None):
     torch.manual_seed(0)  # the gate is replicated: the same initial weights on every rank
     cfg = {"backend": "reference", "max_tokens_per_rank": max_tokens or max(args.tokens)}
     if hybrid is not None:
-        cfg["hybrid"] = hybrid
-    return UniEPMoE(M, SwiGLUExpert(M, F), num_experts=args.num_experts, ep_size=ep, k=args.top_k, min_capacity=0,
-                    drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+        cfg["hybrid"] = dict(hybrid, reuse_replicas=args.microbatches > 1)
+    layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=args.num_experts, ep_size=ep, k=args.top_k, min_capacity=0,
+                     drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+    if args.microbatches > 1:
+        layer.set_accumulation_boundary(lambda: LAST_MICROBATCH[0])
+    return layer
 
 
 def finish(layer, state, device, dtype, pacing):
@@ -242,7 +275,9 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     #    (forward + backward).
     checks = {}
     ref = None
+    LAST_MICROBATCH[0] = True  # a step of one micro-batch: one gather, one gradient return
     for name, layer in layers.items():
+        layer.refresh_replicas()
         x = pool(0)[0].detach().clone().requires_grad_(True)
         before, transfers = pacing.paced_bytes, pacing.paced_transfers
         out = fwd_bwd(layer)(x, pool(0)[1])
@@ -256,6 +291,17 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
                         "inter_transfers_measured": int(slowest(transfers, device)),
                         "rel_err_out": None if is_ref else slowest(rel_err(out.detach(), ref[0]), device),
                         "rel_err_dx": None if is_ref else slowest(rel_err(x.grad, ref[1]), device)}
+        if args.microbatches > 1:  # one whole step: its inter-site bytes, gathers and gradient returns
+            h = layer._hybrid
+            counts = dict(h.counter) if h is not None else {}
+            before = pacing.paced_bytes
+            step(layer, args.microbatches)(x.detach().requires_grad_(True), pool(0)[1])
+            layer.zero_grad(set_to_none=True)
+            checks[name]["step_inter_bytes_measured"] = slowest(pacing.paced_bytes - before, device)
+            if h is not None:
+                checks[name]["gathers_per_step"] = h.counter.get("gathers", 0) - counts.get("gathers", 0)
+                checks[name]["returns_per_step"] = (h.counter.get("owner_reductions", 0)
+                                                    - counts.get("owner_reductions", 0))
 
     # 2. Compute: the layer at ep 1 (no communication), forward and forward+backward, and the
     #    experts' forward alone over the same rows.
@@ -275,15 +321,16 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     # 3. Bandwidths, through the same pacing as the layers' traffic.
     b_f, b_s = measure_bandwidths(dist.group.WORLD, L, nbytes=args.probe_bytes, repeats=3, pacing=pacing)
 
-    # 4. Every option, forward+backward.
-    measured = {name: timer(fwd_bwd(layer), pool, [layer]) for name, layer in layers.items()}
+    # 4. Every option, forward+backward, per micro-batch over whole steps.
+    mb = args.microbatches
+    measured = {name: timer(step(layer, mb), pool, [layer]) / mb for name, layer in layers.items()}
 
     # 5. The model at the measured inputs, and the two planners.
     expert0 = layers["EP"].deepspeed_moe.experts.deepspeed_experts[0]
     P = float(sum(p.numel() * p.element_size() for p in expert0.parameters()))
     D = float(T * k * M * elsize)
     wl = Workload(token_bytes=D, expert_bytes=P, experts_per_rank=E / G, pre_expert_compute_s=t_pre,
-                  expert_compute_s=t_exp, backward_compute_factor=c_b, num_microbatches=1)
+                  expert_compute_s=t_exp, backward_compute_factor=c_b, num_microbatches=mb)
     cl = Cluster(num_ranks=G, site_size=L, intra_site_bandwidth_bytes_per_s=b_f, inter_site_bandwidth_bytes_per_s=b_s)
     options = {}
     for name in layers:
@@ -291,6 +338,9 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
         lt = predict(wl, cl, S, 0.0 if S == 1 else 1.0)
         pred_ms = lt.total_s * 1e3
         model_bytes = 4 * lt.token_bytes_inter + lt.gather_bytes_inter + lt.grad_return_bytes_inter
+        if mb > 1:  # a whole step: 4 token all-to-alls per micro-batch, one gather, one return
+            checks[name]["step_inter_bytes_model"] = (4 * mb * lt.token_bytes_inter + lt.gather_bytes_inter
+                                                      + lt.grad_return_bytes_inter)
         ratio = measured[name] / pred_ms
         options[name] = {"S": S, "measured_ms": measured[name], "predicted_ms": pred_ms, "ratio": ratio,
                          "within_15pct": abs(ratio - 1) <= 0.15, "inter_bytes_model": model_bytes, **checks[name],
@@ -300,7 +350,7 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     auto_cfg = {"enabled": True, "domain_size": "auto", "site_size": L, "intra_site_bandwidth": float(b_f),
                 "inter_site_bandwidth": float(b_s)}
     hyb = UniEPConfig.from_dict({"hybrid": auto_cfg}).hybrid
-    s_rt, rt_plan = choose_domain_size(hyb, G, expert0, M, k, T, E // G, L, dist.group.WORLD)
+    s_rt, rt_plan = choose_domain_size(hyb, G, expert0, M, k, T, E // G, L, dist.group.WORLD, num_microbatches=mb)
     mp = plan(wl, cl, "auto", fractions=(0.0, 1.0))
     s_model = mp.domain_size if mp.migrated_fraction > 0 else 1
 
@@ -313,7 +363,8 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     if s_rt == 1:
         auto = finish(make_layer(M, F, args, G, auto_cfg, T), state, device, dtype, pacing)
         assert auto.hybrid_domain_size == 1 and auto._hybrid is None, auto.hybrid_domain_size
-        pair = timer.paired({"EP": fwd_bwd(layers["EP"]), "auto": fwd_bwd(auto)}, pool, [layers["EP"], auto])
+        pair = timer.paired({"EP": step(layers["EP"], mb), "auto": step(auto, mb)}, pool, [layers["EP"], auto])
+        pair = {name: ms / mb for name, ms in pair.items()}
         auto_ms = pair["auto"]
         overhead = pair["auto"] / pair["EP"] - 1
         del auto
@@ -322,7 +373,7 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     hybrid_names = [n for n in measured if n != "EP"]
     best_hybrid = min(hybrid_names, key=measured.get)
     return {
-        "M": M, "F": F, "T": T, "E": E, "k": k, "G": G, "site_size": L, "dtype": args.dtype,
+        "M": M, "F": F, "T": T, "E": E, "k": k, "G": G, "site_size": L, "dtype": args.dtype, "microbatches": mb,
         "token_bytes": D, "expert_bytes": P,
         "bandwidth_bytes_per_s": {"intra_site": b_f, "inter_site": b_s},
         "compute": {"ep1_fwd_ms": ep1_fwd, "ep1_fwdbwd_ms": ep1_fwdbwd, "experts_fwd_ms": exp_fwd,
@@ -431,7 +482,8 @@ def print_table(results):
     print(f"\nHybridEP vs plain EP, {results['G']} ranks in sites of {results['config']['site_size']}, "
           f"inter-site {results['inter_bw_set_bytes_per_s'] / 1e9:g} GB/s set, "
           f"{results['bandwidth_at_start_bytes_per_s']['inter_site_paced'] / 1e9:.3g} GB/s measured; "
-          "fwd+bwd ms, slowest rank's median (model's prediction); x = measured/model")
+          f"fwd+bwd ms per micro-batch (steps of {results['config']['microbatches']}), slowest rank's median "
+          "(model's prediction); x = measured/model")
     head = ["MxF", "T", "D MiB", "P MiB"] + names + ["planner", "plan/best", "speedup", "auto ovh", "max err"]
     print(" | ".join(head))
     for p in results["points"]:

@@ -193,6 +193,15 @@ class HybridConfig(_Block):
         "exchanges at start-up.")
     compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
                                                  description="Compressed expert migration.")
+    reuse_replicas: bool = Field(
+        False, description="Migrate once per optimizer step: the gathered replicas serve later forwards while the "
+        "experts' weights are unchanged (a forward gathers again after an optimizer step in the process, seen "
+        "through torch.optim step hooks, which DeepSpeed's optimizers run, or an in-place change of an expert "
+        "parameter; weights changed otherwise, through .data or a buffer the parameters view, need "
+        "UniEPMoE.refresh_replicas() on every rank), and under a DeepSpeed engine the replica gradients are "
+        "summed over the step's micro-batches and returned at its last one (the engine's accumulation "
+        "boundary; without an engine, the one UniEPMoE.set_accumulation_boundary marks, else every backward). "
+        "domain_size auto then plans with M = gradient_accumulation_steps.")
 
     @field_validator("site_size", "domain_size")
     @classmethod

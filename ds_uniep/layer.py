@@ -16,6 +16,7 @@ import inspect
 import itertools
 import os
 import sys
+import weakref
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import torch
@@ -85,6 +86,7 @@ class UniEPMoE(MoE):
         self._hybrid = None
         self._said_used_token = False  # the k >= 2 used_token warning, once
         self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
+        self._accumulation_boundary = None  # set_accumulation_boundary; None: the engine's, if any
         self._uniep_gemm_ok = set()  # devices where expert_gemm "uniep" was found usable
         self._stack_cache = {}  # how this layer's expert parameters stack (ds_uniep.experts.stack_experts)
         #: the megakernel's sequential and fused schedules queue their dispatch between the gate's routes
@@ -131,12 +133,23 @@ class UniEPMoE(MoE):
                              "on every rank: it cannot run with enable_expert_tensor_parallelism=True beside a "
                              "tensor-parallel mpu (replicated experts work: each TP rank runs HybridEP on its "
                              "slice of the tokens)")
+        # Under a DeepSpeed engine, kept replicas serve a step's micro-batches: one gather and one
+        # gradient return per gradient_accumulation_steps forwards (at the engine's boundary).
+        engine = _calling_engine() if hyb.reuse_replicas else None
+        micro, boundary = 1, self._accumulation_boundary
+        if engine is not None and boundary is None:
+            micro, engine_ref = engine.gradient_accumulation_steps(), weakref.ref(engine)
+
+            def boundary():
+                e = engine_ref()
+                return e is None or e.is_gradient_accumulation_boundary()
         S = hyb.domain_size
         if S == "auto":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
             S, plan = choose_domain_size(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
                                          self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank,
-                                         self.num_local_experts, local_world, self.ep_group, pacing=self._pacing)
+                                         self.num_local_experts, local_world, self.ep_group, pacing=self._pacing,
+                                         num_microbatches=micro)
             logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S} (predicted speedup "
                         f"{plan.speedup:.2f}x over plain EP)")
         self.hybrid_domain_size = S
@@ -144,12 +157,41 @@ class UniEPMoE(MoE):
             ratio = hyb.compression.ratio if hyb.compression.enabled else None
             self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts,
                                          HybridGroups(self.ep_group, S), self.num_experts, ratio,
-                                         pacing=self._pacing)
+                                         pacing=self._pacing, reuse_replicas=hyb.reuse_replicas,
+                                         boundary=boundary, name=self.layer_name)
+            reuse = ""
+            if hyb.reuse_replicas:
+                reuse = (", replicas gathered and their gradients returned once per optimizer step" if boundary
+                         else ", replicas kept while the weights are unchanged (gradients returned every backward: "
+                         "no DeepSpeed engine tells the accumulation boundary)")
             logger.info(f"{self.layer_name}: HybridEP with domains of {S} ranks "
-                        f"(reference transport{', compressed migration' if ratio else ''})")
+                        f"(reference transport{', compressed migration' if ratio else ''}{reuse})")
             if self.uniep_config.autotune.enabled:  # nothing in HybridEP's path is a tuning knob
                 logger.warning(f"{self.layer_name}: uniep.autotune is not run under HybridEP (its reference "
                                "transport has no overlap or kernel knobs); the configured plan runs")
+
+    def set_accumulation_boundary(self, boundary) -> None:
+        """With ``"hybrid": {"reuse_replicas": true}`` in a training loop without a DeepSpeed engine:
+        ``boundary()`` says whether the backward running now is the last micro-batch of the optimizer
+        step, so that the replica gradients are summed over the step and returned once, there (None:
+        returned at every backward). Under a DeepSpeed engine its accumulation boundary is used
+        unless this was set. ``domain_size: "auto"`` plans with one micro-batch per step here (no
+        engine tells how many)."""
+        if boundary is not None and not callable(boundary):
+            raise TypeError(f"{self.layer_name}: set_accumulation_boundary takes a function returning bool "
+                            f"or None, got {boundary!r}")
+        self._accumulation_boundary = boundary
+        h = self._hybrid
+        if h is not None and h.reuse_replicas:
+            h.set_boundary(boundary)
+
+    def refresh_replicas(self) -> None:
+        """With ``"hybrid": {"reuse_replicas": true}``: gather the domain's experts again at the next
+        forward. Call it on every rank after changing expert weights without an optimizer step and
+        without an in-place operation on the parameters themselves (through ``.data``, or a buffer
+        they view), which the reuse check does not see. Nothing to do otherwise."""
+        if self._hybrid is not None:
+            self._hybrid.refresh_replicas()
 
     def set_inter_site_pacing(self, pacing) -> None:
         """Send this layer's traffic between sites through ``pacing`` (a

@@ -172,6 +172,31 @@ def _bench_body(rank, world_size, out_dir):
         bench_hybrid.print_table(results)
 
 
+def _bench_steps(rank, world_size):
+    """--microbatches 3: HybridEP gathers and returns once per step; the step's paced bytes are the model's."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_hybrid
+    args = bench_hybrid.parse_args(["--device", "cpu", "--tokens", "32", "--experts", "16x16", "--inter-bw",
+                                    "20MB/s", "--warmup", "0", "--repeats", "1", "--probe-bytes", str(64 << 10),
+                                    "--microbatches", "3", "--out", "unused"])
+    results = bench_hybrid.run(args, log=lambda *a, **k: None)
+    (p, ) = results["points"]
+    assert p["microbatches"] == 3
+    for name, o in p["options"].items():
+        assert o["measured_ms"] > 0 and o["predicted_ms"] > 0 and o["step_inter_bytes_measured"] > 0, (name, o)
+        if name != "EP":
+            assert (o["gathers_per_step"], o["returns_per_step"]) == (1, 1), (name, o)
+            assert o["outputs_match"], (name, o)
+    # S = 4 (one domain: no tokens cross sites, so no routing enters): one gather and one return of
+    # 2 experts per peer per step, the model's bytes exactly (the token bytes follow the routing).
+    s4 = p["options"]["S=4"]
+    assert s4["step_inter_bytes_measured"] == s4["step_inter_bytes_model"] == 4 * 2 * p["expert_bytes"], s4
+
+
+def test_bench_hybrid_times_whole_steps_of_micro_batches():
+    run_distributed(_bench_steps, 4)
+
+
 def test_bench_hybrid_core_reports_every_option_and_matches_plain_ep(tmp_path, capsys):
     run_distributed(_bench_body, 4, str(tmp_path))
     with open(tmp_path / "bench_hybrid.json") as f:

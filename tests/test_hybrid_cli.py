@@ -27,6 +27,20 @@ def test_plan_prints_hybrid_choice(capsys):
     assert speedup > 2  # 192 MiB of tokens per rank against 66 MiB of experts per rank
 
 
+def test_plan_with_returns_every_microbatch(capsys):
+    argv = ["plan", "--model", "dsv2lite-like", "--gpus", "16", "--site-size", "8", "--domain-size", "16",
+            "--inter-bw", "10Gbps", "--microbatches", "8"]
+    kept = {}
+    for extra in ([], ["--returns-every-microbatch"]):
+        assert main(argv + extra) == 0
+        out = capsys.readouterr().out
+        assert ("replica gradients returned every micro-batch" in out) == bool(extra)
+        kept[bool(extra)] = out.split("plan: ")[1].split(";")[0]
+    # 10 Gbps between sites: migration pays when 8 micro-batches share one gather and one gradient
+    # return (66 MiB each per rank), not when every micro-batch returns the gradients.
+    assert kept == {False: "HybridEP", True: "plain EP kept"}, kept
+
+
 def test_plan_keeps_ep_when_links_are_fast(capsys):
     rc = main(["plan", "--model", "mixtral-like", "--gpus", "8", "--site-size", "1", "--inter-bw", "inf",
                "--intra-bw", "inf"])

@@ -67,6 +67,18 @@ def test_half_migrated_two_microbatches_by_hand():
     assert t.backward_s == pytest.approx(30.0, rel=1e-12)
 
 
+def test_returns_every_microbatch_by_hand():
+    # The case above with the replica gradients returned after both micro-batches: bwd = bwd_M = 34.
+    t = predict(_wl(num_microbatches=2, returns_every_microbatch=True), HAND, domain_size=4, migrated_fraction=0.5)
+    assert t.forward_s == pytest.approx(27.5, rel=1e-12)
+    assert t.backward_s == pytest.approx(34.0, rel=1e-12)
+    # One micro-batch: returning every micro-batch is returning once per step.
+    for phi in (0.0, 0.5, 1.0):
+        a = predict(_wl(returns_every_microbatch=True), HAND, domain_size=4, migrated_fraction=phi)
+        b = predict(_wl(), HAND, domain_size=4, migrated_fraction=phi)
+        assert (a.forward_s, a.backward_s) == (b.forward_s, b.backward_s)
+
+
 def test_compressed_gather_by_hand():
     # 100 B of 2-byte values: n = 50, ratio 0.1 keeps 5 values of 2 + 4 bytes = 30 B per expert.
     assert compressed_expert_bytes(100.0, 2, 0.1) == 30.0

@@ -1,9 +1,11 @@
-"""HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains: exact against plain EP, replica gradients reduced once."""
+"""HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains (the compressed migration also over NCCL on 2 GPUs): exact against plain EP, replica gradients reduced once."""
 import itertools
+import re
 
 import pytest
 import torch
 
+from conftest import cuda_gpus, needs_gpus
 from dist_utils import run_distributed
 
 CASES = list(itertools.product((1, 2, 4), (True, False)))
@@ -32,11 +34,11 @@ def _layer_pair(world_size, k, drop, dtype, domain_size, rank, expert=None):
     return layers
 
 
-def _fwd_bwd_pair(layers, rank, dtype):
+def _fwd_bwd_pair(layers, rank, dtype, device="cpu"):
     """Each layer's output, input gradient and parameter gradients on the same rank-seeded input."""
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(24, 16, generator=g).to(dtype)
-    gy = torch.randn(24, 16, generator=g).to(dtype)
+    x = torch.randn(24, 16, generator=g).to(device, dtype)
+    gy = torch.randn(24, 16, generator=g).to(device, dtype)
     res = []
     for layer in layers:
         xi = x.clone().requires_grad_(True)
@@ -90,8 +92,8 @@ def test_hybrid_grouped_replicas_match_plain_ep():
     run_distributed(_grouped_replicas, 4)
 
 
-def _compressed(rank, world_size):
-    """Compressed migration (4 gloo ranks, 2 domains of 2, 2 experts per rank): ratio 1 gives the
+def _compressed(rank, world_size, device="cpu"):
+    """Compressed migration (domains of 2 ranks, 2 experts per rank): ratio 1 gives the
     dense gather's outputs and gradients bit for bit; at ratio 0.1 each other owner's replica holds
     that owner's weights at its kept positions and the shared base (the mean of the domain's
     experts) elsewhere, the same bits on both ranks of the domain, this rank's own copies exact;
@@ -110,10 +112,11 @@ def _compressed(rank, world_size):
                          drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                          config={"backend": "reference", "hybrid": hyb})
         distinct_experts(layer, rank)
+        layer = layer.to(device)
         layer.set_deepspeed_parallelism()
         layers[name] = layer
-    where = f"rank {rank}"
-    dense, full = _fwd_bwd_pair((layers["dense"], layers["ratio 1"]), rank, torch.float32)
+    where = f"rank {rank} ({device})"
+    dense, full = _fwd_bwd_pair((layers["dense"], layers["ratio 1"]), rank, torch.float32, device)
     for i, (a, b) in enumerate(zip(dense, full)):
         assert torch.equal(a, b), f"{where}: ratio 1 differs from the dense gather in tensor {i}"
 
@@ -161,7 +164,7 @@ def _compressed(rank, world_size):
     # A step: gradients reach the owners once, finite.
     layer = layers["ratio"]
     layer.zero_grad()
-    x = torch.randn(24, M, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(24, M, generator=torch.Generator().manual_seed(rank)).to(device)
     out, l_aux, _ = layer(x)
     (out.square().sum() + l_aux).backward()
     assert h.counter["owner_reductions"] == 1
@@ -171,6 +174,104 @@ def _compressed(rank, world_size):
 
 def test_compressed_migration_moves_encoded_experts_and_gives_their_numbers():
     run_distributed(_compressed, 4)
+
+
+def _nccl_ranks() -> int:
+    """4 ranks (2 domains of 2) where 4 GPUs are present, else 2 (one domain)."""
+    return 4 if cuda_gpus() >= 4 else 2
+
+
+@needs_gpus(2)
+def test_compressed_migration_over_nccl():
+    """The same checks with the layers on GPUs and the collectives over NCCL."""
+    run_distributed(_compressed, _nccl_ranks(), "cuda", backend="nccl")
+
+
+class _DataSGD(torch.optim.Optimizer):
+    """SGD writing through ``.data``, as DeepSpeed's ZeRO updates land in flat buffers: the parameters'
+    version counters do not move, so only the optimizer step hook tells that the weights changed."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data.add_(p.grad, alpha=-group["lr"])
+
+
+def _reuse(rank, world_size, device="cpu"):
+    """``reuse_replicas``: the forwards between optimizer steps reuse one gather and give the bits of
+    gathering at every forward (outputs, input and parameter gradients, accumulated over the
+    micro-batches), dense and compressed; an optimizer step that writes through ``.data``, an in-place
+    change of a parameter and ``refresh_replicas()`` each make the next forward gather again; a
+    change through ``.data`` alone is not seen (as documented)."""
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, distinct_experts
+    for ratio in (None, 0.25):
+        layers = []
+        for reuse in (False, True):
+            torch.manual_seed(5)
+            hyb = {"enabled": True, "domain_size": 2, "reuse_replicas": reuse}
+            if ratio is not None:
+                hyb["compression"] = {"enabled": True, "ratio": ratio}
+            layer = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=2, min_capacity=4,
+                             drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                             config={"backend": "reference", "hybrid": hyb})
+            distinct_experts(layer, rank)
+            layer = layer.to(device)
+            layer.set_deepspeed_parallelism()
+            layers.append(layer)
+        every, kept = layers
+        counter = kept._hybrid.counter
+        seen = [0]
+
+        def micro_batches(n, what, same=True):
+            for _ in range(n):
+                seen[0] += 1
+                res = _fwd_bwd_pair(layers, 100 * rank + seen[0], torch.float32, device)
+                equal = all(torch.equal(a, b) for a, b in zip(*res))
+                assert equal == same, f"rank {rank} ratio {ratio} {what}, forward {seen[0]}: " \
+                                      f"{'differs from' if same else 'equals'} gathering every forward"
+
+        def expect(gathers, reuses):
+            got = (counter.get("gathers"), counter.get("reuses"), counter.get("owner_reductions"))
+            assert got == (gathers, reuses, seen[0]), f"rank {rank} ratio {ratio}: (gathers, reuses, " \
+                                                     f"returns) {got}, expected {(gathers, reuses, seen[0])}"
+
+        micro_batches(3, "three micro-batches")
+        expect(1, 2)
+        assert every._hybrid.counter["gathers"] == 3
+        for layer in layers:
+            _DataSGD(layer.parameters(), 0.05).step()
+        micro_batches(2, "after an optimizer step through .data")
+        expect(2, 3)
+        with torch.no_grad():
+            for layer in layers:
+                next(layer.deepspeed_moe.experts.parameters()).mul_(1.5)
+        micro_batches(1, "after an in-place change")
+        expect(3, 3)
+        with torch.no_grad():
+            for layer in layers:
+                next(layer.deepspeed_moe.experts.parameters()).data.mul_(0.5)
+        micro_batches(1, "after a change through .data alone", same=False)  # the kept replicas are stale
+        expect(3, 4)
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)  # the stale forward's gradients differ too
+        kept.refresh_replicas()
+        micro_batches(2, "after refresh_replicas()")
+        expect(4, 5)
+
+
+def test_reused_replicas_give_the_bits_of_gathering_every_forward():
+    run_distributed(_reuse, 4)
+
+
+@needs_gpus(2)
+def test_reused_replicas_over_nccl():
+    run_distributed(_reuse, _nccl_ranks(), "cuda", backend="nccl")
 
 
 def test_auto_domain_size_charges_compressed_bytes():
@@ -281,6 +382,130 @@ def test_hybrid_under_zero_1_and_2_reduces_each_replica_gradient_once():
     run_distributed(_zero_counts, 4, 5)
 
 
+def _zero_reuse(rank, world_size, steps, micro, device="cpu"):
+    """Under ZeRO-1 and 2 with gradient accumulation, kept replicas are gathered once per optimizer
+    step (DeepSpeed's optimizer runs torch's step hooks) and their gradients return once, at the
+    step's last micro-batch (the engine's boundary; zeros before it), and the weights after training
+    match gathering and returning at every micro-batch."""
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    for stage in (1, 2):
+        weights = []
+        for reuse in (False, True):
+            cfg = {"backend": "reference", "hybrid": {"enabled": True, "domain_size": 2, "reuse_replicas": reuse}}
+            model = _Net(world_size, rank, cfg, 2, False).to(device)
+            names = [n for n, _ in model.moe.deepspeed_moe.experts.named_parameters()]
+            arrivals = dict.fromkeys(names, 0)
+            for n, p in model.moe.deepspeed_moe.experts.named_parameters():
+                p.register_hook(lambda g, n=n: arrivals.__setitem__(n, arrivals[n] + (g is not None)))
+            groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                            "name": "params"})
+            engine, *_ = deepspeed.initialize(
+                model=model, optimizer=torch.optim.AdamW(groups, lr=1e-2),
+                config={"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": micro,
+                        "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True})
+            h = model.moe._hybrid
+            for step in range(steps * micro):
+                x, y = (t.to(device) for t in _batch(step, rank))
+                pred, l_aux = engine(x)
+                engine.backward(((pred - y)**2).mean() + 0.01 * l_aux)
+                last = (step + 1) % micro == 0
+                if reuse:  # held until the step's last micro-batch, then returned
+                    assert h.held.count == (0 if last else (step % micro) + 1), (stage, step, h.held.count)
+                    assert (h.held.sums is None) == last, (stage, step)
+                engine.step()
+            per_step = steps if reuse else steps * micro
+            got = (h.counter["gathers"], h.counter["owner_reductions"])
+            assert got == (per_step, per_step), (stage, reuse, h.counter)
+            # One gradient per micro-batch either way (zeros while held), which ZeRO-2's hooks reduce.
+            assert names and arrivals == dict.fromkeys(names, steps * micro), (stage, reuse, arrivals)
+            weights.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+        for n in weights[0]:
+            err = _rel(weights[1][n], weights[0][n])
+            assert err <= 1e-5, f"rank {rank} stage {stage} {n}: {err}"
+
+
+def _held_then_changed(rank, world_size):
+    """Replica gradients held for a boundary that never came, then new weights: an error naming the
+    layer, not gradients silently lost or sent against the wrong replicas."""
+    from ds_uniep import UniEPMoE
+    from ds_uniep.hybrid.runtime import HeldGradients
+    from moe_models import MLP
+    layer = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=2,
+                     config={"backend": "reference", "hybrid": {"enabled": True, "domain_size": 2,
+                                                                "reuse_replicas": True}})
+    layer.set_deepspeed_parallelism()
+    layer._hybrid.held = HeldGradients(lambda: False)  # as an engine in the middle of a step
+    out, l_aux, _ = layer(torch.randn(8, 16))
+    (out.sum() + l_aux).backward()
+    assert layer._hybrid.held.count == 1 and "owner_reductions" not in layer._hybrid.counter
+    layer.refresh_replicas()
+    with pytest.raises(RuntimeError, match=re.escape(layer.layer_name) + ": the expert weights changed .* 1 micro-batch"):
+        layer(torch.randn(8, 16))
+
+
+def _own_loop_boundary(rank, world_size, steps=2, micro=3):
+    """A training loop without an engine marks the step's last micro-batch itself
+    (``set_accumulation_boundary``): one gather and one gradient return per step, the same outputs
+    bit for bit and the same gradients (to fp32 rounding) as migrating at every micro-batch."""
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, distinct_experts
+    last = [False]
+    layers = []
+    for reuse in (False, True):
+        torch.manual_seed(5)
+        layer = UniEPMoE(16, MLP(16, 24), num_experts=2 * world_size, ep_size=world_size, k=2, min_capacity=4,
+                         drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                         config={"backend": "reference", "hybrid": {"enabled": True, "domain_size": 2,
+                                                                    "reuse_replicas": reuse}})
+        distinct_experts(layer, rank)
+        if reuse:
+            layer.set_accumulation_boundary(lambda: last[0])  # before set_deepspeed_parallelism: kept
+        layer.set_deepspeed_parallelism()
+        layers.append(layer)
+    opts = [torch.optim.SGD(layer.parameters(), lr=0.05) for layer in layers]
+    for step in range(steps):
+        for mb in range(micro):
+            last[0] = mb == micro - 1
+            outs = []
+            for layer in layers:
+                x = torch.randn(24, 16, generator=torch.Generator().manual_seed(100 * rank + 10 * step + mb))
+                out, l_aux, _ = layer(x)
+                (out.square().sum() + l_aux).backward()
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1]), f"rank {rank} step {step} micro-batch {mb}"
+        for (n, a), b in zip(layers[0].named_parameters(), layers[1].parameters()):
+            assert _rel(b.grad, a.grad) <= 1e-6, f"rank {rank} step {step} {n}: {_rel(b.grad, a.grad)}"
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with torch.no_grad():  # the same weights again (the gradients' rounding differed)
+            for a, b in zip(layers[0].parameters(), layers[1].parameters()):
+                b.copy_(a)
+    h = layers[1]._hybrid
+    assert (h.counter["gathers"], h.counter["owner_reductions"]) == (steps, steps), h.counter
+    assert layers[0]._hybrid.counter["owner_reductions"] == steps * micro
+    with pytest.raises(TypeError, match="set_accumulation_boundary takes a function"):
+        layers[1].set_accumulation_boundary(True)
+
+
+def test_a_loop_without_an_engine_marks_the_accumulation_boundary():
+    run_distributed(_own_loop_boundary, 4)
+
+
+def test_weights_changed_while_gradients_are_held_is_an_error():
+    run_distributed(_held_then_changed, 2)
+
+
+def test_reused_replicas_under_zero_1_and_2_with_gradient_accumulation():
+    run_distributed(_zero_reuse, 4, 3, 2)
+
+
+@needs_gpus(2)
+def test_reused_replicas_under_zero_1_and_2_over_nccl():
+    run_distributed(_zero_reuse, _nccl_ranks(), 3, 2, "cuda", backend="nccl")
+
+
 def _auto_domain(rank, world_size):
     from ds_uniep import UniEPMoE
     from moe_models import MLP
@@ -300,6 +525,29 @@ def _auto_domain(rank, world_size):
 
 def test_auto_domain_size_follows_the_planner():
     run_distributed(_auto_domain, 4)
+
+
+def _auto_domain_reuse(rank, world_size):
+    """With reused replicas under an engine of 8 micro-batches per step, the planner charges one gather
+    per 8 forwards: experts it keeps local when every forward gathers are migrated."""
+    import deepspeed
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP
+    chosen = {}
+    for reuse in (False, True):
+        cfg = {"backend": "reference", "max_tokens_per_rank": 1024,
+               "hybrid": {"enabled": True, "domain_size": "auto", "site_size": 1, "intra_site_bandwidth": 4e11,
+                          "inter_site_bandwidth": 1.25e6, "reuse_replicas": reuse}}
+        model = torch.nn.Sequential()
+        model.moe = UniEPMoE(16, MLP(16, 256), num_experts=2 * world_size, ep_size=world_size, k=2, config=cfg)
+        deepspeed.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+                                                  "gradient_accumulation_steps": 8})
+        chosen[reuse] = model.moe.hybrid_domain_size
+    assert chosen == {False: 1, True: 4}, chosen
+
+
+def test_auto_domain_size_with_reused_replicas_counts_the_micro_batches():
+    run_distributed(_auto_domain_reuse, 4)
 
 
 def _measured(rank, world_size):

@@ -63,11 +63,14 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="per-rank bandwidth inside a site, with a unit (default 400GB/s)")
     p.add_argument("--microbatches", type=positive_int, default=1,
                    help="micro-batches per optimizer step, over which the model spreads one gather of the replicas "
-                   "(ds_uniep's runtime gathers at every forward: what 1 models)")
+                   "(ds_uniep's runtime gathers at every forward, what 1 models, unless \"reuse_replicas\" is on)")
+    p.add_argument("--returns-every-microbatch", action="store_true",
+                   help="replica gradients return to their owners after every micro-batch (as ds_uniep's runtime "
+                   "does without a DeepSpeed engine), not once per step")
     p.add_argument("--tflops", type=positive_float, default=DEFAULT_TFLOPS, help="compute rate for estimated times")
     p.add_argument("--compression-ratio", type=_ratio, default=None,
-                   help="model experts sent as base + top-k residual keeping this fraction (ds_uniep's runtime "
-                   "gives replicas those numbers but moves them dense)")
+                   help="model experts sent as base + top-k residual keeping this fraction (as ds_uniep's runtime "
+                   "moves them with \"compression\" on)")
 
 
 def _row(name: str, t: LayerTime) -> str:
@@ -80,13 +83,15 @@ def cmd_plan(args) -> int:
     cluster = Cluster(args.gpus, site, args.intra_bw, args.inter_bw)
     wl = shape.workload(args.gpus, args.tflops, args.microbatches,
                         None if args.pre_expert_ms is None else args.pre_expert_ms / 1e3,
-                        None if args.expert_ms is None else args.expert_ms / 1e3, args.experts_per_rank)
+                        None if args.expert_ms is None else args.expert_ms / 1e3, args.experts_per_rank,
+                        returns_every_microbatch=args.returns_every_microbatch)
     p = plan(wl, cluster, args.domain_size, args.compression_ratio, bytes_per_value=shape.bytes_per_value)
     print(f"model {shape.name}: M={shape.hidden} F={shape.ffn} E={shape.num_experts} k={shape.top_k} "
           f"T={shape.tokens_per_rank}")
     print(f"  token bytes/rank D = {wl.token_bytes / MIB:.1f} MiB, expert bytes P_E = {wl.expert_bytes / MIB:.1f} MiB, "
           f"experts/rank = {wl.experts_per_rank:g}, pre-expert {wl.pre_expert_compute_s * 1e3:.3f} ms, "
-          f"expert {wl.expert_compute_s * 1e3:.3f} ms, micro-batches {wl.num_microbatches}")
+          f"expert {wl.expert_compute_s * 1e3:.3f} ms, micro-batches {wl.num_microbatches}"
+          + (", replica gradients returned every micro-batch" if wl.returns_every_microbatch else ""))
     print(f"cluster: {args.gpus} ranks in sites of {site}; intra-site {format_bandwidth(args.intra_bw)}, "
           f"inter-site {format_bandwidth(args.inter_bw)}")
     kind = "plain EP kept" if p.domain_size == 1 or p.migrated_fraction == 0 else "HybridEP"
@@ -103,7 +108,8 @@ def cmd_plan(args) -> int:
 def cmd_simulate(args) -> int:
     shape = args.model
     wl = shape.workload(8, args.tflops, args.microbatches,
-                        experts_per_rank=args.experts_per_rank if args.experts_per_rank is not None else 1.0)
+                        experts_per_rank=args.experts_per_rank if args.experts_per_rank is not None else 1.0,
+                        returns_every_microbatch=args.returns_every_microbatch)
     sites = default_site_counts(args.max_sites)
     t0 = time.perf_counter()
     r = sweep(wl, args.site_size, args.intra_bw, num_sites=sites, sites_per_domain=args.sites_per_domain,

@@ -21,8 +21,12 @@ P    wire bytes of one migrated expert (dense, or compressed: see
      :func:`compressed_expert_bytes`); P_g the bytes of one expert's gradient
      (always dense).
 M    micro-batches per optimizer step: replicas are gathered once per step
-     and their gradients returned once per step. (ds_uniep's runtime gathers at
-     every forward and returns at every backward: what the model gives at M = 1.)
+     and their gradients returned once per step, or after every micro-batch
+     (``returns_every_microbatch``). ds_uniep's runtime gathers at every
+     forward and returns at every backward (M = 1), or with ``"reuse_replicas":
+     true`` gathers once per step and, under a DeepSpeed engine, returns once per
+     step (M = gradient accumulation steps; without an engine it returns at
+     every backward: ``returns_every_microbatch``).
 t_pre, t_exp  forward pre-expert and expert compute; backward takes
      ``c_b`` times as long (``backward_compute_factor``, default 2).
 
@@ -92,7 +96,7 @@ formulas.
 Reported times are per micro-batch, averaged over the step::
 
     forward  = (fwd_1 + (M - 1) fwd_n) / M
-    backward = (bwd_M + (M - 1) bwd_n) / M
+    backward = (bwd_M + (M - 1) bwd_n) / M     (bwd_M alone when every micro-batch returns)
 
 Cases that follow from the formulas (and are tested): phi = 0 or S = 1 gives
 plain EP exactly; backward >= forward whenever c_b >= 1 and the return
@@ -156,7 +160,10 @@ class Workload:
     backward_compute_factor: float = 2.0
     """c_b: backward compute time over forward compute time."""
     num_microbatches: int = 1
-    """M: micro-batches per optimizer step (replicas gathered and returned once per step)."""
+    """M: micro-batches per optimizer step (replicas gathered once per step)."""
+    returns_every_microbatch: bool = False
+    """Replica gradients return to their owners after every micro-batch's backward (ds_uniep's
+    runtime) instead of once per step."""
     grad_bytes_per_expert: Optional[float] = None
     """P_g: bytes of one expert's gradient; None means ``expert_bytes``."""
 
@@ -244,7 +251,8 @@ class LayerTime:
     """Replica (and base) bytes one rank receives on fast links per step."""
     gather_bytes_inter: float
     grad_return_bytes_intra: float
-    """Replica gradient bytes one rank sends back to owners on fast links per step."""
+    """Replica gradient bytes one rank sends back to owners on fast links per return (once per step,
+    or per micro-batch with ``Workload.returns_every_microbatch``)."""
     grad_return_bytes_inter: float
 
     @property
@@ -252,7 +260,8 @@ class LayerTime:
         return self.forward_s + self.backward_s
 
 
-def layer_times(d, pe_wire, pe_grad, base_bytes, e_r, g, s, l, b_f, b_s, t_pre, t_exp, c_b, m, phi):
+def layer_times(d, pe_wire, pe_grad, base_bytes, e_r, g, s, l, b_f, b_s, t_pre, t_exp, c_b, m, phi,
+                returns_every_microbatch=False):
     """The formulas of the module docstring on numpy-broadcastable arguments.
 
     Returns ``(forward_s, backward_s, tok_f, tok_s, g_f, g_s, r_f, r_s)``; no
@@ -283,7 +292,7 @@ def layer_times(d, pe_wire, pe_grad, base_bytes, e_r, g, s, l, b_f, b_s, t_pre, 
     bwd_last = a + c_b * t_exp + np.maximum(a + c_b * t_pre,
                                             np.maximum(secs(tok_f + r_f, b_f), secs(tok_s + r_s, b_s)))
     fwd = (fwd_first + (m - 1) * fwd_steady) / m
-    bwd = (bwd_last + (m - 1) * bwd_steady) / m
+    bwd = bwd_last if returns_every_microbatch else (bwd_last + (m - 1) * bwd_steady) / m
     return fwd, bwd, tok_f, tok_s, g_f, g_s, r_f, r_s
 
 
@@ -311,7 +320,7 @@ def predict(workload: Workload, cluster: Cluster, domain_size: int = 1, migrated
                       cluster.num_ranks, domain_size, cluster.site_size, cluster.intra_site_bandwidth_bytes_per_s,
                       cluster.inter_site_bandwidth_bytes_per_s, workload.pre_expert_compute_s,
                       workload.expert_compute_s, workload.backward_compute_factor, workload.num_microbatches,
-                      migrated_fraction)
+                      migrated_fraction, workload.returns_every_microbatch)
     return LayerTime(*(float(x) for x in out))
 
 
@@ -359,7 +368,8 @@ def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "a
                                cluster.num_ranks, s_grid, cluster.site_size,
                                cluster.intra_site_bandwidth_bytes_per_s, cluster.inter_site_bandwidth_bytes_per_s,
                                workload.pre_expert_compute_s, workload.expert_compute_s,
-                               workload.backward_compute_factor, workload.num_microbatches, phis[None, :])
+                               workload.backward_compute_factor, workload.num_microbatches, phis[None, :],
+                               workload.returns_every_microbatch)
     total = fwd + bwd
     best = int(np.argmin(total))  # first minimum in (S ascending, phi ascending) order
     s_best, phi_best = sizes[best // len(phis)], float(phis[best % len(phis)])

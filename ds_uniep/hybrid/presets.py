@@ -90,7 +90,7 @@ class MoEShape:
 
     def workload(self, num_ranks: int, tflops: float = DEFAULT_TFLOPS, num_microbatches: int = 1,
                  pre_expert_s: Optional[float] = None, expert_s: Optional[float] = None,
-                 experts_per_rank: Optional[float] = None) -> Workload:
+                 experts_per_rank: Optional[float] = None, returns_every_microbatch: bool = False) -> Workload:
         """Workload of one rank; compute times from ``tflops`` unless given (seconds)."""
         rate = tflops * 1e12
         return Workload(
@@ -98,7 +98,7 @@ class MoEShape:
             experts_per_rank=self.num_experts / num_ranks if experts_per_rank is None else experts_per_rank,
             pre_expert_compute_s=self.pre_expert_flops / rate if pre_expert_s is None else pre_expert_s,
             expert_compute_s=self.expert_flops / rate if expert_s is None else expert_s,
-            num_microbatches=num_microbatches)
+            num_microbatches=num_microbatches, returns_every_microbatch=returns_every_microbatch)
 
 
 PRESETS: Dict[str, MoEShape] = {

@@ -36,6 +36,12 @@ its own tensor in the graph, so its gradient goes into the all-to-all's send
 buffer without an ``[S, ...]`` zero-filled intermediate.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
+Once per optimizer step (``reuse_replicas``): a gather is kept while the weights it copied are
+unchanged (:meth:`HybridExperts.prefetch`), so the micro-batches of a step share one; under a
+DeepSpeed engine each backward before the step's last adds its replica gradients to fp32 sums
+(:class:`HeldGradients`) and hands the owners zeros, and the last one returns the sums in one
+all-to-all, as the cost model's M micro-batches assume.
+
 Compressed migration (``compression.enabled``, :class:`CompressedGather`) replaces step 1's
 all-gather: an asynchronous all-reduce of the domain's fp32 expert sums (the shared base), issued
 where the dense gather is; the encoding of each owner's experts against it (:mod:`.compress`), the
@@ -53,7 +59,7 @@ import math
 import statistics
 import time
 import weakref
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as torch_dist
@@ -301,13 +307,17 @@ class DomainGather:
         self.wire_bytes = (S - 1) * nbytes  # this rank's tensors, to each of S - 1 peers
         self.transfer = pacing.start(group, [nbytes] * S, [nbytes] * S, self.device) if pacing is not None \
             else None
+        self._done = False
 
     def wait(self) -> None:
         """Until the gathered buffers (``outs``, ``[S, n]`` per dtype) hold the domain's copies."""
+        if self._done:
+            return
         for w in self.works:
             w.wait()
         if self.pacing is not None:
             self.pacing.finish(self.transfer, self.device)
+        self._done = True
 
 
 class CompressedGather:
@@ -408,6 +418,48 @@ def _buckets(tensors: Sequence[Tensor]) -> List[List[int]]:
     return list(by_dtype.values())
 
 
+class HeldGradients:
+    """Replica gradients held for the step's last micro-batch (``reuse_replicas`` under a DeepSpeed
+    engine): ``boundary()`` says whether the backward running now is the last of the step (the
+    engine's ``is_gradient_accumulation_boundary``); before it, each backward adds its replica
+    gradients to ``sums`` (fp32, ``[S, n]`` per dtype, in micro-batch order) and sends nothing."""
+
+    __slots__ = ("boundary", "sums", "count")
+
+    def __init__(self, boundary: Callable[[], bool]):
+        self.boundary, self.sums, self.count = boundary, None, 0
+
+
+class _GatherUse:
+    """One forward's use of a gather (:class:`DomainGather` or :class:`CompressedGather`): a reused
+    gather serves several forwards, and each forward's backward exchanges its own replica gradients
+    (``grad_works``, set by :class:`_ReplicaViews`, read by :class:`_OwnerSum`; None when they were
+    held for a later backward, see :class:`HeldGradients`)."""
+
+    __slots__ = ("gathered", "grad_works", "held")
+
+    def __init__(self, gathered, held: Optional[HeldGradients] = None):
+        self.gathered, self.grad_works, self.held = gathered, None, held
+
+
+_OPTIMIZER_STEPS = [0]
+_STEP_HOOK = None
+
+
+def optimizer_steps() -> int:
+    """Optimizer steps taken in this process since the first call (``torch.optim`` step post-hooks,
+    which every ``torch.optim.Optimizer`` runs, DeepSpeed's included: its ZeRO and bf16 optimizers
+    step a torch optimizer inside)."""
+    global _STEP_HOOK
+    if _STEP_HOOK is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def count(*_):
+            _OPTIMIZER_STEPS[0] += 1
+        _STEP_HOOK = register_optimizer_step_post_hook(count)
+    return _OPTIMIZER_STEPS[0]
+
+
 class _OwnerSum(torch.autograd.Function):
     """First half of the gather's autograd, applied when the gather is issued (before the router).
 
@@ -420,16 +472,22 @@ class _OwnerSum(torch.autograd.Function):
     meanwhile."""
 
     @staticmethod
-    def forward(ctx, gathered: "DomainGather", counter: Optional[Dict[str, int]], *local: Tensor):
-        ctx.gathered, ctx.counter = gathered, counter
-        return tuple(out.detach() for out in gathered.outs)  # not views: the collective writes them
+    def forward(ctx, use: _GatherUse, counter: Optional[Dict[str, int]], *local: Tensor):
+        ctx.use, ctx.counter = use, counter
+        return tuple(out.detach() for out in use.gathered.outs)  # not views: the collective writes them
 
     @staticmethod
     def backward(ctx, *parts: Tensor):
-        gathered = ctx.gathered
+        use = ctx.use
+        gathered = use.gathered
         local = gathered.local
         result: List[Optional[Tensor]] = [None] * len(local)
-        for idx, part, w in zip(gathered.buckets, parts, gathered.grad_works):
+        if use.grad_works is None:
+            # Held for the step's last micro-batch: nothing arrived. Zeros, not None: autograd calls
+            # the parameters' gradient hooks either way, and DeepSpeed's ZeRO-2 hook reduces the
+            # gradient it finds (as it does every expert gradient at every micro-batch in plain EP).
+            return (None, None) + tuple(torch.zeros_like(t) for t in local)
+        for idx, part, w in zip(gathered.buckets, parts, use.grad_works):
             w.wait()
             # fp32, in domain-rank order: the same sums as 0 + part[0] + part[1] + ... (an fp32 part
             # is summed in place: the buffer is this rank's and read by nobody else).
@@ -442,7 +500,7 @@ class _OwnerSum(torch.autograd.Function):
                 piece = acc[off:off + n].view(local[i].shape)
                 result[i] = piece.to(local[i].dtype) if local[i].dtype != torch.float32 else piece.clone()
                 off += n
-        gathered.grad_works = None
+        use.grad_works = None
         if ctx.counter is not None:
             ctx.counter["owner_reductions"] = ctx.counter.get("owner_reductions", 0) + 1
         return (None, None) + tuple(result)
@@ -458,8 +516,9 @@ class _ReplicaViews(torch.autograd.Function):
     reads only after waiting for the all-to-all."""
 
     @staticmethod
-    def forward(ctx, gathered: "DomainGather", *buffers: Tensor):
-        ctx.gathered = gathered
+    def forward(ctx, use: _GatherUse, *buffers: Tensor):
+        ctx.use = use
+        gathered = use.gathered
         gathered.wait()
         local, out = gathered.local, [None] * len(gathered.local)
         for idx, buf in zip(gathered.buckets, buffers):
@@ -472,22 +531,36 @@ class _ReplicaViews(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
-        gathered, S = ctx.gathered, ctx.gathered.S
-        local = gathered.local
+        use = ctx.use
+        gathered, held = use.gathered, use.held
+        S, local = gathered.S, gathered.local
         n = len(local)
+        # send[s]: this rank's gradients of domain rank s's tensors, one [S, n] per dtype.
+        sends = [torch.cat([(grads[s * n + i] if grads[s * n + i] is not None
+                             else local[i].new_zeros(local[i].shape)).reshape(-1)
+                            for s in range(S) for i in idx]).view(S, -1) for idx in gathered.buckets]
+        if held is not None:
+            if not held.boundary():  # not the step's last micro-batch: keep them, send nothing
+                if held.sums is None:
+                    held.sums = [x.to(torch.float32, copy=True) for x in sends]
+                else:
+                    for acc, x in zip(held.sums, sends):
+                        acc.add_(x)
+                held.count += 1
+                use.grad_works = None
+                return (None, ) * (1 + len(sends))
+            if held.sums is not None:  # the last one: the step's sums go, in the gradients' dtype
+                sends = [acc.add_(x).to(x.dtype) for acc, x in zip(held.sums, sends)]
+                held.sums, held.count = None, 0
         parts, works = [], []
         nbytes = 0
-        for idx in gathered.buckets:
-            # send[s]: this rank's gradients of domain rank s's tensors. After the all-to-all,
-            # part[j] = rank j's gradients of this rank's tensors.
-            send = torch.cat([(grads[s * n + i] if grads[s * n + i] is not None
-                               else local[i].new_zeros(local[i].shape)).reshape(-1)
-                              for s in range(S) for i in idx]).view(S, -1)
+        for send in sends:
+            # After the all-to-all, part[j] = rank j's gradients of this rank's tensors.
             part = torch.empty_like(send)
             works.append(torch_dist.all_to_all_single(part, send, group=gathered.group, async_op=True))
             parts.append(part)
             nbytes += send[0].numel() * send.element_size()
-        gathered.grad_works = works
+        use.grad_works = works
         pacing = gathered.pacing
         if pacing is not None:
             device = local[0].device
@@ -502,10 +575,21 @@ class HybridExperts:
     """Runs the domain's S * L experts on this rank from gathered weights."""
 
     def __init__(self, experts: Sequence[nn.Module], groups: HybridGroups, num_experts: int,
-                 compression_ratio: Optional[float] = None, pacing: Optional[InterSitePacing] = None):
+                 compression_ratio: Optional[float] = None, pacing: Optional[InterSitePacing] = None,
+                 reuse_replicas: bool = False, boundary: Optional[Callable[[], bool]] = None,
+                 name: str = "HybridEP"):
         self.experts = list(experts)
         self.groups = groups
         self.compression_ratio = compression_ratio
+        self.name = name
+        #: Keep a gather for later forwards while the weights it copied are unchanged (see :meth:`prefetch`).
+        self.reuse_replicas = reuse_replicas
+        self._kept: Optional[tuple] = None  # (key, gather) with reuse_replicas
+        #: With reuse_replicas and ``boundary`` (the engine's accumulation boundary), replica gradients
+        #: are held until the step's last micro-batch and returned once (see :class:`HeldGradients`).
+        self.held = HeldGradients(boundary) if reuse_replicas and boundary is not None else None
+        if reuse_replicas:
+            optimizer_steps()  # counts steps from here on
         self.names = [n for n, _ in self.experts[0].named_parameters()]
         self.dispatcher = ReferenceDispatcher(num_experts, groups.ep_size // groups.domain_size,
                                               groups.offset_group, rank=groups.domain)
@@ -516,7 +600,8 @@ class HybridExperts:
         self.last_wire_bytes = 0
         #: that gather, weakly (alive while a forward's graph holds it; its buffers are not kept here)
         self.last_gather = lambda: None
-        #: Backward passes that reduced replica gradients to their owners (tests count them).
+        #: Backward passes that reduced replica gradients to their owners (``owner_reductions``), gathers
+        #: issued (``gathers``) and forwards that reused a kept one (``reuses``); tests count them.
         self.counter: Dict[str, int] = {}
 
     def set_pacing(self, pacing: Optional[InterSitePacing]) -> None:
@@ -528,26 +613,71 @@ class HybridExperts:
         """Issue the gather of the domain's expert weights now (asynchronous); :meth:`gather` waits
         for it. The layer calls this first in its forward, before the router. The autograd node that
         sums the returned replica gradients is made here too, so that it runs at the end of the
-        layer's backward (see :class:`_OwnerSum`)."""
+        layer's backward (see :class:`_OwnerSum`).
+
+        With ``reuse_replicas`` the gather is kept, and a later forward whose weights are unchanged
+        (:meth:`_weights_key`: no optimizer step, no in-place change of an expert parameter since)
+        reuses it instead of gathering: gradient-accumulation micro-batches gather once per step.
+        Each forward's backward returns its replica gradients to their owners, or, with a boundary
+        (:class:`HeldGradients`), adds them to the step's sums until the step's last backward."""
         g = self.groups
         if self._inflight is not None:  # issued and never used (a forward that stopped early)
-            self._inflight[0].wait()
+            self._inflight[0].gathered.wait()
         local = [p for e in self.experts for p in e.parameters()]
-        if self.compression_ratio is None:
-            gathered = DomainGather(local, g.domain_group, g.domain_size, self.pacing)
+        key = self._weights_key(local) if self.reuse_replicas else None
+        if self._kept is not None and self._kept[0] == key:
+            gathered, self.last_wire_bytes = self._kept[1], 0
+            self.counter["reuses"] = self.counter.get("reuses", 0) + 1
         else:
-            gathered = CompressedGather(local, g.domain_group, g.domain_size, self.pacing, len(self.names),
-                                        g.offset, self.compression_ratio)
-        self.last_wire_bytes, self.last_gather = gathered.wire_bytes, weakref.ref(gathered)
-        self._inflight = (gathered, _OwnerSum.apply(gathered, self.counter, *gathered.local))
+            if self.held is not None and self.held.sums is not None:
+                raise RuntimeError(
+                    f"{self.name}: the expert weights changed (an optimizer step, an in-place change or "
+                    f"refresh_replicas()) while the replica gradients of {self.held.count} micro-batch(es) were "
+                    "held for the step's last one, whose backward never came: under a DeepSpeed engine call "
+                    "engine.step() after every engine.backward(); with UniEPMoE.set_accumulation_boundary, "
+                    "its function must return True in the step's last backward")
+            self._kept = None  # its buffers go before the new gather's are allocated
+            if self.compression_ratio is None:
+                gathered = DomainGather(local, g.domain_group, g.domain_size, self.pacing)
+            else:
+                gathered = CompressedGather(local, g.domain_group, g.domain_size, self.pacing, len(self.names),
+                                            g.offset, self.compression_ratio)
+            self.last_wire_bytes = gathered.wire_bytes
+            self.counter["gathers"] = self.counter.get("gathers", 0) + 1
+            if self.reuse_replicas:
+                self._kept = (key, gathered)
+        self.last_gather = weakref.ref(gathered)
+        use = _GatherUse(gathered, self.held)
+        self._inflight = (use, _OwnerSum.apply(use, self.counter, *local))
+
+    def _weights_key(self, local: Sequence[Tensor]) -> tuple:
+        """What a kept gather must match to be reused: the optimizer steps taken in this process, and
+        each expert parameter's identity, storage, version counter (in-place changes), shape, dtype and
+        device. Every rank of a domain sees the same changes at the same forwards in data-parallel
+        training, so the ranks reuse or gather together."""
+        return (optimizer_steps(), self.compression_ratio,
+                tuple((id(p), p.data_ptr(), p._version, tuple(p.shape), p.dtype, p.device) for p in local))
+
+    def set_boundary(self, boundary: Optional[Callable[[], bool]]) -> None:
+        """Hold replica gradients until ``boundary()`` is true (None: return them at every backward)."""
+        if self.held is not None and self.held.sums is not None:
+            raise RuntimeError(f"{self.name}: the accumulation boundary changed while the replica gradients of "
+                               f"{self.held.count} micro-batch(es) were held")
+        self.held = HeldGradients(boundary) if boundary is not None else None
+
+    def refresh_replicas(self) -> None:
+        """Drop the kept gather: the next forward gathers again. Call it on every rank of the domain
+        after changing expert weights in a way the reuse check does not see (through ``.data``, or a
+        buffer the parameters view, without an optimizer step)."""
+        self._kept = None
 
     def gather(self) -> List[Dict[str, Tensor]]:
         """``[S * L]`` parameter dicts, domain expert order (owner offset, then local index)."""
         g = self.groups
         if self._inflight is None:
             self.prefetch()
-        (gathered, buffers), self._inflight = self._inflight, None
-        replicas = _ReplicaViews.apply(gathered, *buffers)  # [s * n + t]: rank s's copy of local tensor t
+        (use, buffers), self._inflight = self._inflight, None
+        replicas = _ReplicaViews.apply(use, *buffers)  # [s * n + t]: rank s's copy of local tensor t
         P, L, S = len(self.names), len(self.experts), g.domain_size
         n = P * L
         return [{name: replicas[s * n + l * P + i] for i, name in enumerate(self.names)}
@@ -628,7 +758,7 @@ def measure_bandwidths(ep_group, site_size: int, nbytes: int = 8 << 20, repeats:
 
 def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int, k: int,
                        max_tokens_per_rank: int, experts_per_rank: int, local_world_size: int, ep_group=None,
-                       pacing: Optional[InterSitePacing] = None):
+                       pacing: Optional[InterSitePacing] = None, num_microbatches: int = 1):
     """``(S, plan)`` for ``"domain_size": "auto"``: the planner of :mod:`.model` on this layer.
 
     Inputs: the configured site size (auto: the ranks of one node, ``local_world_size``, as
@@ -637,7 +767,9 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     element size; expert bytes from the expert's parameters; expert compute from its FLOPs and
     pre-expert compute from the attention projections' (2 * T * 4 * M^2), both at
     :data:`ds_uniep.hybrid.presets.DEFAULT_TFLOPS`, as the ``plan`` CLI estimates them. The runtime migrates whole domains, so the
-    planner chooses between plain EP and full migration (fractions 0 and 1).
+    planner chooses between plain EP and full migration (fractions 0 and 1). ``num_microbatches``:
+    forwards served by one gather and one gradient return (the engine's gradient accumulation steps
+    when replicas are kept, else 1).
     """
     from .model import Cluster, Workload, plan
     from .presets import DEFAULT_TFLOPS
@@ -656,7 +788,7 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     flops = 2.0 * sum(p.numel() for p in params) * max_tokens_per_rank * k
     wl = Workload(token_bytes=token_bytes, expert_bytes=expert_bytes, experts_per_rank=experts_per_rank,
                   pre_expert_compute_s=2.0 * max_tokens_per_rank * 4 * hidden_size**2 / (DEFAULT_TFLOPS * 1e12),
-                  expert_compute_s=flops / (DEFAULT_TFLOPS * 1e12))
+                  expert_compute_s=flops / (DEFAULT_TFLOPS * 1e12), num_microbatches=num_microbatches)
     cl = Cluster(num_ranks=ep_size, site_size=site, intra_site_bandwidth_bytes_per_s=intra,
                  inter_site_bandwidth_bytes_per_s=inter)
     # Compressed migration moves the encoded experts and all-reduces the shared base

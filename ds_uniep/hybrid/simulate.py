@@ -99,7 +99,8 @@ def sweep(workload: Workload, site_size: int, intra_site_bandwidth_bytes_per_s: 
         fwd, bwd, *_ = layer_times(workload.token_bytes, pe_wire, workload.grad_bytes, base,
                                    e_r, g, domain, l, intra_site_bandwidth_bytes_per_s, bw,
                                    workload.pre_expert_compute_s, workload.expert_compute_s,
-                                   workload.backward_compute_factor, workload.num_microbatches, phi)
+                                   workload.backward_compute_factor, workload.num_microbatches, phi,
+                                   workload.returns_every_microbatch)
         return fwd + bwd
 
     ep = np.empty((len(bws), len(n)))
