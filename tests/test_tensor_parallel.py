@@ -1,6 +1,8 @@
 """UniEPMoE beside a tensor-parallel model (4 gloo ranks, TP 2), with replicated experts and with
 TP-sharded experts (enable_expert_tensor_parallelism): the same tokens give the same output, input
-gradient, l_aux, exp_counts and gate gradient as the layer without tensor parallelism on full experts.
+gradient, l_aux, exp_counts and gate gradient as the layer without tensor parallelism on full experts,
+and the expert gradients that follow from the tokens each expert saw (a shard: its slice of the full
+expert's; a replicated expert: half, its TP group's tokens arriving once instead of twice).
 
 (Stock DeepSpeed MoE cannot be the reference here: its gather_tokens calls all_gather_into_tensor
 with shapes gloo refuses.)
@@ -26,7 +28,7 @@ def _tp_equivalence(rank, world_size, expert_tp):
     mpu = TinyMPU(tp)
     M, F, T, E = 16, 32, 23, 4  # 23 tokens: TP slices of 12 and 11
     for k, drop in itertools.product((1, 2), (True, False)):
-        layers = {}
+        layers, expert_grads, ep_ranks = {}, {}, {}
         # The TP layer first: DeepSpeed creates the "ep_size_2" groups once, and TP-sharded experts
         # need the groups it builds with the mpu (TP ranks of one expert in one EP position).
         for mode in ("tp", "plain"):
@@ -62,12 +64,34 @@ def _tp_equivalence(rank, world_size, expert_tp):
             out, l_aux, counts = layer(xi)
             ((out * gy).sum() + l_aux).backward()
             layers[mode] = [out.detach(), l_aux.detach(), counts, xi.grad, layer.deepspeed_moe.gate.wg.weight.grad]
+            expert_grads[mode] = [{n: p.grad for n, p in e.named_parameters()}
+                                  for e in layer.deepspeed_moe.experts.deepspeed_experts]
+            ep_ranks[mode] = torch.distributed.get_process_group_ranks(layer.ep_group)
         groups.mpu = None
         where = f"rank {rank} expert_tp={expert_tp} k={k} drop={drop}"
         for i, (a, b) in enumerate(zip(layers["plain"], layers["tp"])):
             # fp32, reductions split over the TP ranks in another order: ~1e-6 absolute on values ~5.
             torch.testing.assert_close(b.float(), a.float(), rtol=1e-5, atol=1e-5, msg=f"{where} tensor {i}")
         assert layers["tp"][0].abs().sum() > 0
+        # Expert gradients. Both layers use the EP groups built first (DeepSpeed keeps "ep_size_2").
+        # Sharded experts: EP groups of one TP rank, so an expert sees the tokens of two TP groups in
+        # both layers and each shard has its slice of the full expert's gradient (fc1 by rows, fc2 by
+        # columns; fc2's bias whole). Replicated experts: EP groups are the TP groups; the TP layer's
+        # ranks send their token slices, the plain layer's ranks the TP group's tokens twice over (its
+        # ranks hold the same tokens), so its gradients are twice the TP layer's.
+        tp_group = [rank // tp * tp + i for i in range(tp)]
+        want_ep = [rank % tp + j * tp for j in range(world_size // tp)] if expert_tp else tp_group
+        assert ep_ranks["tp"] == ep_ranks["plain"] == want_ep, (where, ep_ranks)
+        for l, (full, got) in enumerate(zip(expert_grads["plain"], expert_grads["tp"])):
+            for n, g in got.items():
+                assert g is not None and full[n] is not None, f"{where} expert {l} {n}: no gradient"
+                if expert_tp:
+                    want = full[n].chunk(tp, 0 if n.startswith("fc1") else 1)[tp_rank] \
+                        if n != "fc2.bias" else full[n]
+                else:
+                    want = full[n] / 2
+                torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5, msg=f"{where} expert {l} {n}")
+            assert sum(float(g.abs().sum()) for g in got.values()) > 0, f"{where} expert {l}: all zero"
 
 
 @pytest.mark.parametrize("expert_tp", [False, "module", "commfuse"])
