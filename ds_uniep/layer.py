@@ -14,6 +14,7 @@ forward with a new (tokens per rank, dtype, device): see :meth:`UniEPMoE.forward
 
 import inspect
 import itertools
+import numbers
 import os
 import sys
 import weakref
@@ -64,7 +65,8 @@ class UniEPMoE(MoE):
                  top2_2nd_expert_sampling: bool = True,
                  *,
                  config: Union[UniEPConfig, str, os.PathLike, Mapping[str, Any], None] = None) -> None:
-        _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
+        hidden_size, num_experts, ep_size, k = _check_args(hidden_size, expert, num_experts, ep_size, k,
+                                                           noisy_gate_policy)
         # Without config=, the ds_config's "uniep" block is read when deepspeed.initialize sets up
         # the layer (set_deepspeed_parallelism), so swapping the class is the only change a model needs.
         self._config_from_engine = config is None
@@ -649,12 +651,17 @@ def _check_same_shape(shape, group, layer_name: str) -> None:
                          'on the first forward of a shape, or set "uniep": {"autotune": {"enabled": false}}')
 
 
-def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy) -> None:
+def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy) -> Tuple[int, int, int, int]:
+    """The sizes as Python ints (any integral type is accepted, numpy's included, as the stock layer
+    accepts them), after checking every argument."""
     if not isinstance(expert, nn.Module):
         raise TypeError(f"expert must be an nn.Module, got {type(expert).__name__}")
+    sizes = []
     for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("ep_size", ep_size), ("k", k)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        sizes.append(int(v))
+    hidden_size, num_experts, ep_size, k = sizes
     if num_experts % ep_size != 0:
         raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}: each expert-parallel "
                          "rank must hold the same number of experts")
@@ -664,6 +671,7 @@ def _check_args(hidden_size, expert, num_experts, ep_size, k, noisy_gate_policy)
         raise ValueError(f"noisy_gate_policy must be None, 'None', 'Jitter' or 'RSample', got {noisy_gate_policy!r}")
     if torch.distributed.is_initialized() and ep_size > torch.distributed.get_world_size():
         raise ValueError(f"ep_size={ep_size} is larger than the world size {torch.distributed.get_world_size()}")
+    return hidden_size, num_experts, ep_size, k
 
 
 _FUSED_KNOBS = ("roles", "tile_m", "tile_n", "stages", "signal_granularity")

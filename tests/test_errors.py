@@ -23,6 +23,20 @@ def test_bad_constructor_values():
         UniEPMoE(8, MLP(8, 8), num_experts=4, noisy_gate_policy="Gaussian")
     with pytest.raises(TypeError, match="expert must be an nn.Module"):
         UniEPMoE(8, lambda x: x, num_experts=4)
+    for name, bad in (("hidden_size", 0), ("num_experts", 2.0), ("k", True), ("ep_size", "1")):
+        kwargs = dict(hidden_size=8, expert=MLP(8, 8), num_experts=4, k=1, ep_size=1)
+        kwargs[name] = bad
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer, got {bad!r}"):
+            UniEPMoE(**kwargs)
+
+
+def test_numpy_integer_sizes_are_taken_as_the_stock_layer_takes_them():
+    import numpy as np
+    layer = UniEPMoE(np.int64(8), MLP(8, 8), num_experts=np.int32(4), k=np.int64(2))
+    assert (layer.hidden_size, layer.num_experts, layer.k) == (8, 4, 2)
+    assert all(type(v) is int for v in (layer.hidden_size, layer.num_experts, layer.k, layer.ep_size))
+    out, _, _ = layer(torch.randn(5, 8))
+    assert out.shape == (5, 8)
 
 
 def test_wrong_hidden_size_names_both_sizes():
