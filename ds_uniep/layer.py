@@ -139,12 +139,14 @@ class UniEPMoE(MoE):
         # gradient return per gradient_accumulation_steps forwards (at the engine's boundary).
         engine = _calling_engine() if hyb.reuse_replicas else None
         micro, boundary = 1, self._accumulation_boundary
-        if engine is not None and boundary is None:
-            micro, engine_ref = engine.gradient_accumulation_steps(), weakref.ref(engine)
+        if engine is not None:
+            micro = engine.gradient_accumulation_steps()
+            if boundary is None:
+                engine_ref = weakref.ref(engine)
 
-            def boundary():
-                e = engine_ref()
-                return e is None or e.is_gradient_accumulation_boundary()
+                def boundary():
+                    e = engine_ref()
+                    return e is None or e.is_gradient_accumulation_boundary()
         S = hyb.domain_size
         if S == "auto":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
@@ -186,6 +188,9 @@ class UniEPMoE(MoE):
         h = self._hybrid
         if h is not None and h.reuse_replicas:
             h.set_boundary(boundary)
+        elif boundary is not None and self.uniep_config.hybrid.enabled and not self.uniep_config.hybrid.reuse_replicas:
+            logger.warning(f'{self.layer_name}: set_accumulation_boundary does nothing without "uniep": {{"hybrid": '
+                           '{"reuse_replicas": true}}: replica gradients return at every backward')
 
     def refresh_replicas(self) -> None:
         """With ``"hybrid": {"reuse_replicas": true}``: gather the domain's experts again at the next

@@ -161,6 +161,19 @@ def _reference_layer_outputs(configs, backward):
     return outs
 
 
+def test_accumulation_boundary_without_reuse_is_said_and_a_non_function_refused():
+    hyb = {"enabled": True, "domain_size": 2}
+    with _logged() as records:
+        UniEPMoE(8, MLP(8, 8), num_experts=2, config={"backend": "reference", "hybrid": hyb}) \
+            .set_accumulation_boundary(lambda: True)
+        reuse = {"backend": "reference", "hybrid": dict(hyb, reuse_replicas=True)}
+        UniEPMoE(8, MLP(8, 8), num_experts=2, config=reuse).set_accumulation_boundary(lambda: True)
+    said = [r.getMessage() for r in records if "set_accumulation_boundary does nothing" in r.getMessage()]
+    assert len(said) == 1 and '"reuse_replicas": true' in said[0], said
+    with pytest.raises(TypeError, match="set_accumulation_boundary takes a function"):
+        UniEPMoE(8, MLP(8, 8), num_experts=2).set_accumulation_boundary(True)
+
+
 def test_not_deterministic_on_the_reference_backend_is_said_and_changes_nothing():
     with _logged() as records:
         outs = _reference_layer_outputs([{"deterministic": True}, {"deterministic": False}], backward=True)

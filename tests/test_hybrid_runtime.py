@@ -1,4 +1,5 @@
-"""HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains (the compressed migration also over NCCL on 2 GPUs): exact against plain EP, replica gradients reduced once."""
+"""HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains (the compressed migration and reused replicas also
+over NCCL on GPUs): exact against plain EP, replica gradients reduced once."""
 import itertools
 import re
 
@@ -440,7 +441,8 @@ def _held_then_changed(rank, world_size):
     (out.sum() + l_aux).backward()
     assert layer._hybrid.held.count == 1 and "owner_reductions" not in layer._hybrid.counter
     layer.refresh_replicas()
-    with pytest.raises(RuntimeError, match=re.escape(layer.layer_name) + ": the expert weights changed .* 1 micro-batch"):
+    said = re.escape(layer.layer_name) + ": the expert weights changed .* 1 micro-batch"
+    with pytest.raises(RuntimeError, match=said):
         layer(torch.randn(8, 16))
 
 
@@ -485,8 +487,6 @@ def _own_loop_boundary(rank, world_size, steps=2, micro=3):
     h = layers[1]._hybrid
     assert (h.counter["gathers"], h.counter["owner_reductions"]) == (steps, steps), h.counter
     assert layers[0]._hybrid.counter["owner_reductions"] == steps * micro
-    with pytest.raises(TypeError, match="set_accumulation_boundary takes a function"):
-        layers[1].set_accumulation_boundary(True)
 
 
 def test_a_loop_without_an_engine_marks_the_accumulation_boundary():
