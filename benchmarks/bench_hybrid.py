@@ -347,8 +347,9 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
                          "outputs_match": None if checks[name]["rel_err_out"] is None else
                          checks[name]["rel_err_out"] <= TOLERANCE[args.dtype]
                          and checks[name]["rel_err_dx"] <= TOLERANCE[args.dtype]}
+    # Whole domains migrated (migrated_fraction 1), as the timed options are: the planner picks one of them.
     auto_cfg = {"enabled": True, "domain_size": "auto", "site_size": L, "intra_site_bandwidth": float(b_f),
-                "inter_site_bandwidth": float(b_s)}
+                "inter_site_bandwidth": float(b_s), "migrated_fraction": 1.0}
     hyb = UniEPConfig.from_dict({"hybrid": auto_cfg}).hybrid
     s_rt, rt_plan = choose_domain_size(hyb, G, expert0, M, k, T, E // G, L, dist.group.WORLD, num_microbatches=mb)
     mp = plan(wl, cl, "auto", fractions=(0.0, 1.0))

@@ -191,6 +191,10 @@ class HybridConfig(_Block):
     inter_site_bandwidth: Union[float, Literal["measure"]] = Field(
         "measure", description="Bytes/s per rank between sites (planner input), or measure: timed ring "
         "exchanges at start-up.")
+    migrated_fraction: Union[float, Literal["auto"]] = Field(
+        "auto", description="Share of each rank's experts migrated inside its domain: its first round(f * L) of "
+        "L (the others keep taking tokens from the domain's ranks; 0 is plain EP), or auto: with domain_size auto "
+        "chosen by the planner with it (in whole experts), with a fixed domain_size all of them.")
     compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
                                                  description="Compressed expert migration.")
     reuse_replicas: bool = Field(
@@ -208,6 +212,13 @@ class HybridConfig(_Block):
     def _size(cls, v):
         if isinstance(v, int) and v < 1:
             raise ValueError(f"must be a positive integer or 'auto', got {v}")
+        return v
+
+    @field_validator("migrated_fraction")
+    @classmethod
+    def _fraction(cls, v):
+        if not isinstance(v, str) and not 0 <= v <= 1:
+            raise ValueError(f"must be a number in [0, 1] or 'auto', got {v}")
         return v
 
     @field_validator("intra_site_bandwidth", "inter_site_bandwidth")

@@ -128,7 +128,7 @@ class UniEPMoE(MoE):
         self._hybrid = None
         if not hyb.enabled:
             return
-        from .hybrid.runtime import HybridExperts, HybridGroups, choose_domain_size
+        from .hybrid.runtime import HybridExperts, HybridGroups, choose_domain_size, migrated_experts
         if tp_context()[1] > 1 and self.enable_expert_tensor_parallelism:
             # HybridEP moves whole experts between the ranks of a domain; a TP shard is not one.
             raise ValueError(f'{self.layer_name}: "uniep": {{"hybrid": {{"enabled": true}}}} needs whole experts '
@@ -147,29 +147,36 @@ class UniEPMoE(MoE):
                 def boundary():
                     e = engine_ref()
                     return e is None or e.is_gradient_accumulation_boundary()
-        S = hyb.domain_size
+        S, L = hyb.domain_size, self.num_local_experts
         if S == "auto":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
             S, plan = choose_domain_size(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
                                          self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank,
-                                         self.num_local_experts, local_world, self.ep_group, pacing=self._pacing,
+                                         L, local_world, self.ep_group, pacing=self._pacing,
                                          num_microbatches=micro)
-            logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S} (predicted speedup "
-                        f"{plan.speedup:.2f}x over plain EP)")
-        self.hybrid_domain_size = S
+            m = round(plan.migrated_fraction * L) if S > 1 else 0
+            logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S}, {m} of {L} experts per rank "
+                        f"migrated (predicted speedup {plan.speedup:.2f}x over plain EP)")
+        else:
+            m = L if hyb.migrated_fraction == "auto" else migrated_experts(hyb.migrated_fraction, L)
+            if S > 1 and m == 0:
+                logger.info(f"{self.layer_name}: HybridEP migrated_fraction 0 migrates no expert: plain EP")
+        S = S if m > 0 else 1
+        self.hybrid_domain_size, self.hybrid_migrated_experts = S, (m if S > 1 else 0)
         if S > 1:
             ratio = hyb.compression.ratio if hyb.compression.enabled else None
             self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts,
                                          HybridGroups(self.ep_group, S), self.num_experts, ratio,
                                          pacing=self._pacing, reuse_replicas=hyb.reuse_replicas,
-                                         boundary=boundary, name=self.layer_name)
+                                         boundary=boundary, name=self.layer_name, migrated=m)
             reuse = ""
             if hyb.reuse_replicas:
                 reuse = (", replicas gathered and their gradients returned once per optimizer step" if boundary
                          else ", replicas kept while the weights are unchanged (gradients returned every backward: "
                          "no DeepSpeed engine tells the accumulation boundary)")
+            part = f", {m} of {L} experts per rank migrated" if m < L else ""
             logger.info(f"{self.layer_name}: HybridEP with domains of {S} ranks "
-                        f"(reference transport{', compressed migration' if ratio else ''}{reuse})")
+                        f"(reference transport{part}{', compressed migration' if ratio else ''}{reuse})")
             if self.uniep_config.autotune.enabled:  # nothing in HybridEP's path is a tuning knob
                 logger.warning(f"{self.layer_name}: uniep.autotune is not run under HybridEP (its reference "
                                "transport has no overlap or kernel knobs); the configured plan runs")

@@ -62,6 +62,8 @@ def test_missing_group_is_explained():
     ({"backend": "gpu"}, r"uniep\.backend: Input should be 'auto', 'reference' or 'megakernel'"),
     ({"overlap": {"schedule": "fast"}}, r"uniep\.overlap\.schedule: Input should be 'sequential', 'pipelined'"),
     ({"overlap": {"tile_m": 100}}, r"uniep\.overlap\.tile_m: .*64, 128, 256"),
+    ({"hybrid": {"migrated_fraction": 1.5}}, r"uniep\.hybrid\.migrated_fraction: .*must be a number in \[0, 1\] "
+     r"or 'auto', got 1\.5"),
     ({"compression": {"dispatch_dtype": "int8"}}, r"uniep\.compression\.dispatch_dtype: .*'activation' or "
      r"'fp8_e4m3'"),
     ({"max_tokens_per_rank": "4096"}, r"uniep\.max_tokens_per_rank: Input should be a valid integer"),

@@ -16,7 +16,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-def _layer_pair(world_size, k, drop, dtype, domain_size, rank, expert=None):
+def _layer_pair(world_size, k, drop, dtype, domain_size, rank, expert=None, migrated_fraction=1.0):
     from ds_uniep import UniEPMoE
     from moe_models import MLP, distinct_experts
     expert = expert if expert is not None else MLP(16, 24)
@@ -25,7 +25,7 @@ def _layer_pair(world_size, k, drop, dtype, domain_size, rank, expert=None):
         torch.manual_seed(5)
         cfg = {"backend": "reference"}
         if S is not None:
-            cfg["hybrid"] = {"enabled": True, "domain_size": S}
+            cfg["hybrid"] = {"enabled": True, "domain_size": S, "migrated_fraction": migrated_fraction}
         layer = UniEPMoE(16, expert, num_experts=2 * world_size, ep_size=world_size, k=k, min_capacity=4,
                          drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
         distinct_experts(layer, rank)
@@ -71,6 +71,48 @@ def test_hybrid_layer_matches_plain_ep(world_size):
     run_distributed(_layer_exactness, world_size)
 
 
+def _partial(rank, world_size, device="cpu"):
+    """migrated_fraction < 1: each rank migrates its first m of L = 4 experts inside its domain, tokens
+    for the others go to their owners; outputs and every gradient match plain EP (fp32 1e-5, bf16
+    1e-2), only the migrated experts' weights travel, and each owner's gradients arrive once."""
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, distinct_experts
+    L = 4
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2)):
+        for fraction, m in ((0.25, 1), (0.5, 2), (0.75, 3)):
+            for k, drop in ((1, False), (2, True), (4, False)):
+                layers = []
+                for hyb in (None, {"enabled": True, "domain_size": 2, "migrated_fraction": fraction}):
+                    torch.manual_seed(5)
+                    cfg = {"backend": "reference"} if hyb is None else {"backend": "reference", "hybrid": hyb}
+                    layer = UniEPMoE(16, MLP(16, 24), num_experts=L * world_size, ep_size=world_size, k=k,
+                                     min_capacity=4, drop_tokens=drop, use_rts=False,
+                                     top2_2nd_expert_sampling=False, config=cfg)
+                    distinct_experts(layer, rank)
+                    layer = layer.to(device, dtype)
+                    layer.set_deepspeed_parallelism()
+                    layers.append(layer)
+                h = layers[1]._hybrid
+                where = f"rank {rank} {dtype} fraction {fraction} k={k} drop={drop}"
+                assert h.migrated == m == layers[1].hybrid_migrated_experts, where
+                res = _fwd_bwd_pair(layers, rank, dtype, device)
+                for i, (a, b) in enumerate(zip(*res)):
+                    assert _rel(b, a) <= tol, f"{where} tensor {i}: relative error {_rel(b, a)}"
+                expert_bytes = sum(p.numel() * p.element_size()
+                                   for p in layers[1].deepspeed_moe.experts.deepspeed_experts[0].parameters())
+                assert h.last_wire_bytes == (2 - 1) * m * expert_bytes, (where, h.last_wire_bytes)
+                assert h.counter["owner_reductions"] == 1, where
+
+
+def test_partial_migration_matches_plain_ep():
+    run_distributed(_partial, 4)
+
+
+@needs_gpus(2)
+def test_partial_migration_over_nccl():
+    run_distributed(_partial, _nccl_ranks(), "cuda", backend="nccl")
+
+
 def _grouped_replicas(rank, world_size):
     """bf16 SwiGLU / GELU experts: the replicas run as grouped GEMMs (never one by one) and match plain EP."""
     from ds_uniep.experts import GeLUExpert, SwiGLUExpert
@@ -80,10 +122,13 @@ def _grouped_replicas(rank, world_size):
         raise AssertionError("replicas of recognised bf16 experts ran one by one")
     runtime.functional_call = one_by_one
     for make in (lambda: SwiGLUExpert(16, 24), lambda: GeLUExpert(16, 24)):
-        for k, drop in ((1, False), (2, True), (4, False)):
-            plain, hybrid = _layer_pair(world_size, k, drop, torch.bfloat16, 2, rank, expert=make())
+        for k, drop, fraction in ((1, False, 1.0), (2, True, 1.0), (4, False, 1.0), (2, False, 0.5)):
+            plain, hybrid = _layer_pair(world_size, k, drop, torch.bfloat16, 2, rank, expert=make(),
+                                        migrated_fraction=fraction)
+            assert hybrid._hybrid.migrated == (1 if fraction < 1 else 2)
             res = _fwd_bwd_pair((plain, hybrid), rank, torch.bfloat16)
-            where = f"rank {rank} {type(plain.deepspeed_moe.experts.deepspeed_experts[0]).__name__} k={k} drop={drop}"
+            where = (f"rank {rank} {type(plain.deepspeed_moe.experts.deepspeed_experts[0]).__name__} k={k} "
+                     f"drop={drop} migrated fraction {fraction}")
             for a, b in zip(*res):
                 assert _rel(b, a) <= 1e-2, f"{where}: relative error {_rel(b, a)}"
             assert hybrid._hybrid.counter["owner_reductions"] == 1, where
@@ -525,6 +570,29 @@ def _auto_domain(rank, world_size):
 
 def test_auto_domain_size_follows_the_planner():
     run_distributed(_auto_domain, 4)
+
+
+def _auto_fraction(rank, world_size):
+    """domain_size and migrated_fraction auto: where gathering half of each rank's experts hides behind
+    the pre-expert compute and the rest would not pay, the planner migrates 2 of 4 (a fraction the
+    runtime builds); told to migrate all of them, it keeps plain EP; the layer runs either way."""
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP
+    chosen = {}
+    for fraction in ("auto", 1.0):
+        cfg = {"backend": "reference", "max_tokens_per_rank": 1024,
+               "hybrid": {"enabled": True, "site_size": 1, "intra_site_bandwidth": 4e12,
+                          "inter_site_bandwidth": 4e11, "migrated_fraction": fraction}}
+        layer = UniEPMoE(256, MLP(256, 256), num_experts=4 * world_size, ep_size=world_size, k=2, config=cfg)
+        layer.set_deepspeed_parallelism()
+        chosen[fraction] = (layer.hybrid_domain_size, layer.hybrid_migrated_experts)
+        out, _, _ = layer(torch.randn(8, 256))
+        assert out.shape == (8, 256)
+    assert chosen == {"auto": (2, 2), 1.0: (1, 0)}, chosen
+
+
+def test_auto_migrated_fraction_moves_whole_experts_the_planner_chooses():
+    run_distributed(_auto_fraction, 4)
 
 
 def _auto_domain_reuse(rank, world_size):

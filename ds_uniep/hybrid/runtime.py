@@ -257,7 +257,7 @@ class HybridGroups:
             raise ValueError(f'"uniep": {{"hybrid": {{"domain_size": {domain_size}}}}} must divide the '
                              f"expert-parallel size {G}")
         S = domain_size
-        self.domain_size, self.ep_size = S, G
+        self.domain_size, self.ep_size, self.ep_group = S, G, ep_group
         self.ep_rank = torch_dist.get_rank(ep_group)
         self.domain, self.offset = divmod(self.ep_rank, S)
         # Every EP group of the world, in a fixed order, so all ranks create the same groups.
@@ -571,15 +571,50 @@ class _ReplicaViews(torch.autograd.Function):
         return (None, ) + tuple(parts)
 
 
+class PartialMigrationDispatcher(ReferenceDispatcher):
+    """The reference dispatcher over the whole EP group when each rank migrates only its first ``m``
+    of ``L`` experts inside its domain (``0 < m < L``).
+
+    A token routed to a migrated expert goes to the rank of that expert's domain with the sender's
+    offset, which holds a replica; a token routed to any other expert goes to its owner. So rank r
+    hosts ``V = S * m + (L - m)`` virtual experts: the replicas of its domain's migrated experts
+    (domain offset, then local index; its own among them) and its own experts that stay. Each
+    expert index is mapped to its virtual expert on the sender (``route``, one row per offset) and
+    the reference dispatch runs unchanged on ``G * V`` virtual experts: rows land expert-major,
+    sources in rank order, and the combine sums each token's slots in slot order, as before."""
+
+    def __init__(self, num_experts: int, groups: "HybridGroups", local_experts: int, migrated: int):
+        G, S, L, m = groups.ep_size, groups.domain_size, local_experts, migrated
+        self.virtual_per_rank = V = S * m + (L - m)
+        super().__init__(G * V, G, groups.ep_group, rank=groups.ep_rank)
+        e = torch.arange(num_experts)
+        owner, j = e // L, e % L
+        moved = j < m
+        dest = torch.where(moved, (owner // S) * S + groups.offset, owner)
+        local = torch.where(moved, (owner % S) * m + j, S * m + (j - m))
+        self.route = dest * V + local  # [E]: this rank's virtual expert for each expert
+
+    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
+        route = self.route.to(expert_idx.device)
+        virtual = torch.where(expert_idx >= 0, route[expert_idx.clamp_min(0).long()], expert_idx.long())
+        return super().dispatch(x, virtual, capacity)
+
+
 class HybridExperts:
-    """Runs the domain's S * L experts on this rank from gathered weights."""
+    """Runs the domain's S * L experts on this rank from gathered weights (or, migrating ``m < L``
+    experts per rank, the domain's S * m replicas and this rank's L - m other experts)."""
 
     def __init__(self, experts: Sequence[nn.Module], groups: HybridGroups, num_experts: int,
                  compression_ratio: Optional[float] = None, pacing: Optional[InterSitePacing] = None,
                  reuse_replicas: bool = False, boundary: Optional[Callable[[], bool]] = None,
-                 name: str = "HybridEP"):
+                 name: str = "HybridEP", migrated: Optional[int] = None):
         self.experts = list(experts)
         self.groups = groups
+        L = len(self.experts)
+        #: m: experts per rank migrated inside the domain (its first m); the others take tokens
+        self.migrated = L if migrated is None else migrated
+        if isinstance(self.migrated, bool) or not isinstance(self.migrated, int) or not 1 <= self.migrated <= L:
+            raise ValueError(f"{name}: migrated experts per rank must be an integer in 1..{L}, got {migrated!r}")
         self.compression_ratio = compression_ratio
         self.name = name
         #: Keep a gather for later forwards while the weights it copied are unchanged (see :meth:`prefetch`).
@@ -591,8 +626,11 @@ class HybridExperts:
         if reuse_replicas:
             optimizer_steps()  # counts steps from here on
         self.names = [n for n, _ in self.experts[0].named_parameters()]
-        self.dispatcher = ReferenceDispatcher(num_experts, groups.ep_size // groups.domain_size,
-                                              groups.offset_group, rank=groups.domain)
+        if self.migrated == L:  # every expert migrated: tokens cross domains only (the offset group)
+            self.dispatcher = ReferenceDispatcher(num_experts, groups.ep_size // groups.domain_size,
+                                                  groups.offset_group, rank=groups.domain)
+        else:
+            self.dispatcher = PartialMigrationDispatcher(num_experts, groups, L, self.migrated)
         self.pacing = None
         self.set_pacing(pacing)
         self._inflight: Optional[tuple] = None  # (DomainGather or CompressedGather, its _OwnerSum outputs)
@@ -623,7 +661,7 @@ class HybridExperts:
         g = self.groups
         if self._inflight is not None:  # issued and never used (a forward that stopped early)
             self._inflight[0].gathered.wait()
-        local = [p for e in self.experts for p in e.parameters()]
+        local = [p for e in self.experts[:self.migrated] for p in e.parameters()]
         key = self._weights_key(local) if self.reuse_replicas else None
         if self._kept is not None and self._kept[0] == key:
             gathered, self.last_wire_bytes = self._kept[1], 0
@@ -672,29 +710,33 @@ class HybridExperts:
         self._kept = None
 
     def gather(self) -> List[Dict[str, Tensor]]:
-        """``[S * L]`` parameter dicts, domain expert order (owner offset, then local index)."""
+        """``[S * m]`` parameter dicts of the migrated experts' replicas, domain expert order (owner
+        offset, then local index)."""
         g = self.groups
         if self._inflight is None:
             self.prefetch()
         (use, buffers), self._inflight = self._inflight, None
         replicas = _ReplicaViews.apply(use, *buffers)  # [s * n + t]: rank s's copy of local tensor t
-        P, L, S = len(self.names), len(self.experts), g.domain_size
-        n = P * L
+        P, m, S = len(self.names), self.migrated, g.domain_size
+        n = P * m
         return [{name: replicas[s * n + l * P + i] for i, name in enumerate(self.names)}
-                for s in range(S) for l in range(L)]
+                for s in range(S) for l in range(m)]
 
     def run(self, recv: Tensor, counts: Tensor, gemm: str = "torch") -> Tensor:
-        """The domain's ``S * L`` experts over their rows of ``recv`` (``counts [S * L]``). Recognised
-        bf16 MLP experts run as one grouped GEMM per projection over all replicas (on ``gemm``, as
-        the plain EP path); other experts are called one by one with the replica weights."""
+        """This rank's experts over their rows of ``recv``: the ``S * m`` replicas, then (migrating
+        ``m < L``) its own ``L - m`` experts that stay, ``counts`` rows each. Recognised bf16 MLP
+        experts run as one grouped GEMM per projection over all of them (on ``gemm``, as the plain
+        EP path); other experts are called one by one with their weights."""
         params = self.gather()
-        stacked = stack_experts(self.experts, recv.dtype, recv.device, params)
+        m = self.migrated
+        modules = [self.experts[l] for _ in range(self.groups.domain_size) for l in range(m)] + self.experts[m:]
+        params = params + [dict(e.named_parameters()) for e in self.experts[m:]]
+        stacked = stack_experts(modules, recv.dtype, recv.device, params)
         if stacked is not None:
-            return run_grouped(self.experts, recv, counts, gemm, stacked=stacked)
-        L = len(self.experts)
+            return run_grouped(modules, recv, counts, gemm, stacked=stacked)
         outs = []
         for j, rows in enumerate(recv.split(counts.tolist())):
-            out = functional_call(self.experts[j % L], params[j], (rows, ))
+            out = functional_call(modules[j], params[j], (rows, ))
             if isinstance(out, tuple):
                 out = out[0]
             outs.append(out)
@@ -766,10 +808,13 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     :func:`measure_bandwidths`, through ``pacing`` when given); token bytes D = T_max * k * M *
     element size; expert bytes from the expert's parameters; expert compute from its FLOPs and
     pre-expert compute from the attention projections' (2 * T * 4 * M^2), both at
-    :data:`ds_uniep.hybrid.presets.DEFAULT_TFLOPS`, as the ``plan`` CLI estimates them. The runtime migrates whole domains, so the
-    planner chooses between plain EP and full migration (fractions 0 and 1). ``num_microbatches``:
-    forwards served by one gather and one gradient return (the engine's gradient accumulation steps
-    when replicas are kept, else 1).
+    :data:`ds_uniep.hybrid.presets.DEFAULT_TFLOPS`, as the ``plan`` CLI estimates them. The domain
+    size is the configured one or (``"auto"``) chosen; the migrated fraction is the configured one
+    (rounded to whole experts, :func:`migrated_experts`) against plain EP, or (``"auto"``) chosen
+    among ``j / experts_per_rank`` (the runtime migrates whole experts: ``m = phi * L``). The layer
+    calls it with ``domain_size`` auto only.
+    ``num_microbatches``: forwards served by one gather and one gradient return (the engine's
+    gradient accumulation steps when replicas are kept, else 1).
     """
     from .model import Cluster, Workload, plan
     from .presets import DEFAULT_TFLOPS
@@ -794,5 +839,17 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     # Compressed migration moves the encoded experts and all-reduces the shared base
     # (CompressedGather), the bytes the model charges for a compression ratio.
     ratio = hybrid_cfg.compression.ratio if hybrid_cfg.compression.enabled else None
-    p = plan(wl, cl, "auto", compression_ratio=ratio, fractions=(0.0, 1.0), bytes_per_value=elsize)
+    L, frac = experts_per_rank, hybrid_cfg.migrated_fraction
+    fractions = (tuple(j / L for j in range(L + 1)) if frac == "auto"
+                 else (0.0, migrated_experts(frac, L) / L))
+    p = plan(wl, cl, hybrid_cfg.domain_size, compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize)
     return (p.domain_size if p.migrated_fraction > 0 else 1), p
+
+
+def migrated_experts(fraction: float, local_experts: int) -> int:
+    """m: experts per rank a migrated ``fraction`` moves, the nearest whole number to
+    ``fraction * L`` (exact rational arithmetic, halves up; 0 means plain EP)."""
+    from .model import kept_count
+    if fraction <= 0:
+        return 0
+    return kept_count(local_experts, fraction)
