@@ -97,6 +97,9 @@ def parse_args(argv=None):
                    help="micro-batches per optimizer step: every option is timed over whole steps of this many "
                    "forward+backward passes (per micro-batch reported), HybridEP with \"reuse_replicas\" (one gather "
                    "and one gradient return per step), against the model at this M")
+    p.add_argument("--fractions", type=float, nargs="+", default=[],
+                   help="migrated fractions in (0, 1) timed besides whole-domain migration at every domain size "
+                   "(\"migrated_fraction\": each rank migrates its first round(f L) experts); options S=n m=j")
     p.add_argument("--quick", action="store_true", help="a short sweep (GPU: 2 points; CPU: 4 tiny points)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default="bench_out/hybrid", help="directory for bench_hybrid.json and .png")
@@ -111,6 +114,9 @@ def parse_args(argv=None):
             setattr(args, key, value)
     if args.microbatches < 1:
         p.error(f"--microbatches: must be a positive integer, got {args.microbatches}")
+    if any(not 0 < f < 1 for f in args.fractions):
+        p.error(f"--fractions: every fraction must be in (0, 1) (1, whole domains, is always timed), "
+                f"got {args.fractions}")
     args.expert_sizes = [parse_expert(s) for s in args.experts]
     return args
 
@@ -230,8 +236,29 @@ def finish(layer, state, device, dtype, pacing):
     return layer
 
 
-def build_layers(M, F, args, sizes, device, dtype, pacing):
-    """``{"EP": plain, "S=n": HybridEP ...}`` with the same weights, the ep-1 compute layer, and the state."""
+def option_names(sizes, fractions, local_experts):
+    """``EP``, then per domain size ``S=n`` (every expert migrated) and ``S=n m=j`` (j of the L local
+    experts migrated, one per distinct rounding of ``fractions``)."""
+    from ds_uniep.hybrid.runtime import migrated_experts
+    names = ["EP"]
+    for S in sizes:
+        names.append(f"S={S}")
+        for m in sorted({migrated_experts(f, local_experts) for f in fractions} - {local_experts}):
+            names.append(f"S={S} m={m}")
+    return names
+
+
+def parse_option(name, local_experts):
+    """(S, m) of an option name (EP: (1, 0))."""
+    if name == "EP":
+        return 1, 0
+    parts = dict(p.split("=") for p in name.split())
+    return int(parts["S"]), int(parts.get("m", local_experts))
+
+
+def build_layers(M, F, args, names, device, dtype, pacing):
+    """``{"EP": plain, "S=n": HybridEP, "S=n m=j": partial ...}`` with the same weights, the ep-1
+    compute layer, and the state."""
     G, rank = dist.get_world_size(), dist.get_rank()
     proto = make_layer(M, F, args, G)
     g = torch.Generator().manual_seed(1 + rank)  # every rank's experts differ
@@ -240,10 +267,12 @@ def build_layers(M, F, args, sizes, device, dtype, pacing):
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
     state = proto.state_dict()
     layers = {"EP": finish(make_layer(M, F, args, G), state, device, dtype, pacing)}
-    for S in sizes:
-        layers[f"S={S}"] = finish(make_layer(M, F, args, G, {"enabled": True, "domain_size": S,
-                                                               "site_size": args.site_size}),
-                                  state, device, dtype, pacing)
+    L = args.num_experts // G
+    for name in names[1:]:
+        S, m = parse_option(name, L)
+        hybrid = {"enabled": True, "domain_size": S, "site_size": args.site_size, "migrated_fraction": m / L}
+        layers[name] = finish(make_layer(M, F, args, G, hybrid), state, device, dtype, pacing)
+        assert layers[name].hybrid_migrated_experts == m, (name, layers[name].hybrid_migrated_experts)
     ep1 = make_layer(M, F, args, 1)
     ep1.deepspeed_moe.gate.load_state_dict(proto.deepspeed_moe.gate.state_dict())
     ep1 = finish(ep1, None, device, dtype, None)
@@ -334,15 +363,15 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     cl = Cluster(num_ranks=G, site_size=L, intra_site_bandwidth_bytes_per_s=b_f, inter_site_bandwidth_bytes_per_s=b_s)
     options = {}
     for name in layers:
-        S = 1 if name == "EP" else int(name.split("=")[1])
-        lt = predict(wl, cl, S, 0.0 if S == 1 else 1.0)
+        S, m = parse_option(name, E // G)
+        lt = predict(wl, cl, S, m / (E // G))
         pred_ms = lt.total_s * 1e3
         model_bytes = 4 * lt.token_bytes_inter + lt.gather_bytes_inter + lt.grad_return_bytes_inter
         if mb > 1:  # a whole step: 4 token all-to-alls per micro-batch, one gather, one return
             checks[name]["step_inter_bytes_model"] = (4 * mb * lt.token_bytes_inter + lt.gather_bytes_inter
                                                       + lt.grad_return_bytes_inter)
         ratio = measured[name] / pred_ms
-        options[name] = {"S": S, "measured_ms": measured[name], "predicted_ms": pred_ms, "ratio": ratio,
+        options[name] = {"S": S, "migrated_experts": m, "measured_ms": measured[name], "predicted_ms": pred_ms, "ratio": ratio,
                          "within_15pct": abs(ratio - 1) <= 0.15, "inter_bytes_model": model_bytes, **checks[name],
                          "outputs_match": None if checks[name]["rel_err_out"] is None else
                          checks[name]["rel_err_out"] <= TOLERANCE[args.dtype]
@@ -410,6 +439,7 @@ def run(args, log=print):
     bw = parse_bandwidth(args.inter_bw)
     pacing = InterSitePacing(L, bw, hold=args.hold)
     sizes = [S for S in Cluster(G, L, 1.0, 1.0).valid_domain_sizes() if S > 1]
+    names = option_names(sizes, args.fractions, args.num_experts // G)
     say = log if rank == 0 else (lambda *a, **k: None)
 
     fast_f, fast_s = measure_bandwidths(dist.group.WORLD, L, nbytes=args.probe_bytes, repeats=3)
@@ -418,7 +448,7 @@ def run(args, log=print):
         f"(hold: {args.hold}). Measured per rank: intra-site {fast_f / 1e9:.3g} GB/s, inter-site unpaced "
         f"{fast_s / 1e9:.3g} GB/s, paced {paced_s / 1e9:.3g} GB/s", flush=True)
     results = {"config": {k: v for k, v in vars(args).items() if k != "expert_sizes"}, "G": G,
-               "domain_sizes": [1] + sizes, "inter_bw_set_bytes_per_s": bw,
+               "domain_sizes": [1] + sizes, "option_names": names, "inter_bw_set_bytes_per_s": bw,
                "bandwidth_at_start_bytes_per_s": {"intra_site": fast_f, "inter_site_unpaced": fast_s,
                                                   "inter_site_paced": paced_s},
                "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -427,7 +457,7 @@ def run(args, log=print):
     t_start = time.perf_counter()
     timer = Timer(args, device)
     for M, F in args.expert_sizes:
-        layers, ep1, state = build_layers(M, F, args, sizes, device, dtype, pacing)
+        layers, ep1, state = build_layers(M, F, args, names, device, dtype, pacing)
         for T in args.tokens:
             t0 = time.perf_counter()
             pt = measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, timer)
@@ -479,7 +509,7 @@ def summarize(points):
 # --------------------------------------------------------------------------- output
 def print_table(results):
     s = results["summary"]
-    names = ["EP"] + [f"S={S}" for S in results["domain_sizes"][1:]]
+    names = results["option_names"]
     print(f"\nHybridEP vs plain EP, {results['G']} ranks in sites of {results['config']['site_size']}, "
           f"inter-site {results['inter_bw_set_bytes_per_s'] / 1e9:g} GB/s set, "
           f"{results['bandwidth_at_start_bytes_per_s']['inter_site_paced'] / 1e9:.3g} GB/s measured; "
@@ -518,7 +548,7 @@ def plot(results, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = sorted({(p["M"], p["F"]) for p in results["points"]})
-    names = ["EP"] + [f"S={S}" for S in results["domain_sizes"][1:]]
+    names = results["option_names"]
     fig, axes = plt.subplots(2, len(keys), figsize=(5 * len(keys), 8), squeeze=False)
     for j, key in enumerate(keys):
         row = sorted((p for p in results["points"] if (p["M"], p["F"]) == key), key=lambda p: p["token_bytes"])

@@ -193,6 +193,33 @@ def _bench_steps(rank, world_size):
     assert s4["step_inter_bytes_measured"] == s4["step_inter_bytes_model"] == 4 * 2 * p["expert_bytes"], s4
 
 
+def _bench_fractions(rank, world_size):
+    """--fractions 0.5: partial-migration options beside whole domains, every one matching plain EP."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_hybrid
+    args = bench_hybrid.parse_args(["--device", "cpu", "--tokens", "32", "--experts", "16x16", "--inter-bw",
+                                    "20MB/s", "--warmup", "0", "--repeats", "1", "--probe-bytes", str(64 << 10),
+                                    "--fractions", "0.5", "--out", "unused"])
+    results = bench_hybrid.run(args, log=lambda *a, **k: None)
+    (p, ) = results["points"]
+    assert results["option_names"] == ["EP", "S=2", "S=2 m=1", "S=4", "S=4 m=1"], results["option_names"]
+    for name, o in p["options"].items():
+        assert o["migrated_experts"] == {"EP": 0, "S=2": 2, "S=4": 2}.get(name, 1), (name, o)
+        assert o["measured_ms"] > 0 and o["predicted_ms"] > 0, (name, o)
+        if name != "EP":
+            assert o["outputs_match"], (name, o)
+    # One domain of 4, one expert of 2 migrated: half the experts gathered and returned, tokens for the
+    # other half sent; at these sizes the model's inter-site bytes are fewer than migrating both.
+    half, whole = p["options"]["S=4 m=1"], p["options"]["S=4"]
+    assert half["inter_bytes_model"] < whole["inter_bytes_model"]
+    if rank == 0:
+        bench_hybrid.print_table(results)
+
+
+def test_bench_hybrid_times_partial_migration_options():
+    run_distributed(_bench_fractions, 4)
+
+
 def test_bench_hybrid_times_whole_steps_of_micro_batches():
     run_distributed(_bench_steps, 4)
 
