@@ -22,6 +22,7 @@ slowest rank):
 
 - ``EP``: ``UniEPMoE`` on the reference backend, no HybridEP;
 - ``S=<n>``: HybridEP at every domain size n > 1 the runtime accepts (whole domains migrated);
+- ``S=<n> m=<j>`` (with ``--fractions``): the same with j of each rank's experts migrated;
 - the planner: ``choose_domain_size``, the function ``"domain_size": "auto"`` runs, fed with the
   bandwidths measured here. Where it keeps plain EP a layer built with ``"domain_size": "auto"``
   is timed as well, in alternation with plain EP (what choosing costs); elsewhere its time is
@@ -371,7 +372,8 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
             checks[name]["step_inter_bytes_model"] = (4 * mb * lt.token_bytes_inter + lt.gather_bytes_inter
                                                       + lt.grad_return_bytes_inter)
         ratio = measured[name] / pred_ms
-        options[name] = {"S": S, "migrated_experts": m, "measured_ms": measured[name], "predicted_ms": pred_ms, "ratio": ratio,
+        options[name] = {"S": S, "migrated_experts": m, "measured_ms": measured[name], "predicted_ms": pred_ms,
+                         "ratio": ratio,
                          "within_15pct": abs(ratio - 1) <= 0.15, "inter_bytes_model": model_bytes, **checks[name],
                          "outputs_match": None if checks[name]["rel_err_out"] is None else
                          checks[name]["rel_err_out"] <= TOLERANCE[args.dtype]

@@ -36,6 +36,11 @@ its own tensor in the graph, so its gradient goes into the all-to-all's send
 buffer without an ``[S, ...]`` zero-filled intermediate.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
+Partial migration (``migrated_fraction``, ``m < L`` experts per rank): step 1 gathers only each
+rank's first m experts; the dispatch runs over the whole EP group
+(:class:`PartialMigrationDispatcher`): a token for a migrated expert goes where step 2 sends it, a
+token for any other expert to its owner, which runs those experts with its own weights.
+
 Once per optimizer step (``reuse_replicas``): a gather is kept while the weights it copied are
 unchanged (:meth:`HybridExperts.prefetch`), so the micro-batches of a step share one; under a
 DeepSpeed engine each backward before the step's last adds its replica gradients to fp32 sums
@@ -842,7 +847,8 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     L, frac = experts_per_rank, hybrid_cfg.migrated_fraction
     fractions = (tuple(j / L for j in range(L + 1)) if frac == "auto"
                  else (0.0, migrated_experts(frac, L) / L))
-    p = plan(wl, cl, hybrid_cfg.domain_size, compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize)
+    p = plan(wl, cl, hybrid_cfg.domain_size, compression_ratio=ratio, fractions=fractions,
+             bytes_per_value=elsize)
     return (p.domain_size if p.migrated_fraction > 0 else 1), p
 
 
