@@ -11,7 +11,7 @@ NAMES = [os.path.basename(p) for p in CONFIG_FILES]
 EXPECTED = ["ds_config_uniep_default.json", "ds_config_uniep_deterministic.json", "ds_config_uniep_fp8.json",
             "ds_config_uniep_autotune.json", "ds_config_uniep_fused.json",
             "ds_config_uniep_fused_interleaved.json", "ds_config_cpu_zero0.json",
-            "ds_config_cpu_zero2.json", "ds_config_uniep_zero0_bf16.json"]
+            "ds_config_cpu_zero2.json", "ds_config_cpu_hybrid.json", "ds_config_uniep_zero0_bf16.json"]
 
 
 def test_the_documented_configs_exist():
@@ -48,8 +48,10 @@ def test_each_config_means_what_its_name_says():
     inter = cfg["ds_config_uniep_fused_interleaved.json"]
     assert inter.overlap.schedule == "fused" and inter.expert_gemm == "uniep"
     assert inter.overlap.fused_dispatch and inter.overlap.epilogue_combine and inter.overlap.roles == "interleaved"
-    for n in ("ds_config_cpu_zero0.json", "ds_config_cpu_zero2.json"):
+    for n in ("ds_config_cpu_zero0.json", "ds_config_cpu_zero2.json", "ds_config_cpu_hybrid.json"):
         assert cfg[n].backend == "reference", n
+    hybrid = cfg["ds_config_cpu_hybrid.json"].hybrid
+    assert hybrid.enabled and hybrid.domain_size == 2 and hybrid.reuse_replicas
     for n in NAMES:
         with open(os.path.join(REPO, "configs", n)) as f:
             raw = json.load(f)

@@ -125,3 +125,34 @@ def test_flags_that_would_do_nothing_are_refused(capsys):
             train.get_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
     assert train.get_args(["--backend", "reference", "--expert-gemm", "uniep"]).expert_gemm == "uniep"
+
+
+def test_hybrid_ep_with_reused_replicas_trains_as_migrating_every_micro_batch(tmp_path):
+    """configs/ds_config_cpu_hybrid.json (ZeRO 2, 2 micro-batches per step, HybridEP in one domain of
+    2 with reuse_replicas) under the engine: one gather and one gradient return per step, the same loss
+    curve as migrating at every micro-batch to fp32 rounding (the held sums add in another order)."""
+    src = os.path.join(REPO, "configs", "ds_config_cpu_hybrid.json")
+    with open(src) as f:
+        cfg = json.load(f)
+    assert cfg["gradient_accumulation_steps"] == 2 and cfg["uniep"]["hybrid"]["reuse_replicas"]
+    cfg["uniep"]["hybrid"]["reuse_replicas"] = False
+    every = tmp_path / "every_micro_batch.json"
+    every.write_text(json.dumps(cfg))
+    curves = {}
+    for name, path in (("kept", src), ("every", str(every))):
+        log = tmp_path / f"{name}.json"
+        cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+               str(_free_port()), TRAIN, *TINY[:TINY.index("--deepspeed_config")],
+               *TINY[TINY.index("--deepspeed_config") + 2:], "--deepspeed_config", path, "--train-iters", "20",
+               "--loss-log", str(log)]
+        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"{name}: exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        said = "replicas gathered and their gradients returned once per optimizer step"
+        assert (said in proc.stdout + proc.stderr) == (name == "kept"), name
+        with open(log) as f:
+            curves[name] = {int(k): float.fromhex(v) for k, v in json.load(f).items()}
+    assert sorted(curves["kept"]) == list(range(1, 21))
+    for step, loss in curves["kept"].items():
+        want = curves["every"][step]
+        assert abs(loss - want) <= 1e-6 * abs(want), (step, loss, want)
+    assert curves["kept"][20] < curves["kept"][1]
