@@ -1,5 +1,5 @@
-"""HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains (the compressed migration and reused replicas also
-over NCCL on GPUs): exact against plain EP, replica gradients reduced once."""
+"""HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains (the compressed migration, reused replicas and
+partial migration also over NCCL on GPUs): exact against plain EP, replica gradients reduced once."""
 import itertools
 import re
 
