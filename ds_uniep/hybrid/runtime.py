@@ -405,8 +405,8 @@ class CompressedGather:
                     if s == self.offset:
                         out[s, col:col + t.numel()] = t.detach().reshape(-1)
                     else:
-                        enc = SparseExpert(values=vals[s, voff:voff + k], indices=all_indices[s, starts[i]:starts[i] + k],
-                                           shape=tuple(t.shape))
+                        enc = SparseExpert(values=vals[s, voff:voff + k],
+                                           indices=all_indices[s, starts[i]:starts[i] + k], shape=tuple(t.shape))
                         out[s, col:col + t.numel()] = decode(enc, bases[i % P]).reshape(-1)
                     col += t.numel()
                     voff += k
@@ -584,8 +584,8 @@ class PartialMigrationDispatcher(ReferenceDispatcher):
     offset, which holds a replica; a token routed to any other expert goes to its owner. So rank r
     hosts ``V = S * m + (L - m)`` virtual experts: the replicas of its domain's migrated experts
     (domain offset, then local index; its own among them) and its own experts that stay. Each
-    expert index is mapped to its virtual expert on the sender (``route``, one row per offset) and
-    the reference dispatch runs unchanged on ``G * V`` virtual experts: rows land expert-major,
+    expert index is mapped to its virtual expert on the sender (``route [E]``, which depends on the
+    sender's offset) and the reference dispatch runs unchanged on ``G * V`` virtual experts: rows land expert-major,
     sources in rank order, and the combine sums each token's slots in slot order, as before."""
 
     def __init__(self, num_experts: int, groups: "HybridGroups", local_experts: int, migrated: int):
