@@ -172,14 +172,19 @@ def _bench_body(rank, world_size, out_dir):
         bench_hybrid.print_table(results)
 
 
-def _bench_steps(rank, world_size):
-    """--microbatches 3: HybridEP gathers and returns once per step; the step's paced bytes are the model's."""
+def _one_tiny_point(*extra):
+    """(the bench module, its results) for one point of 32 tokens and 16x16 experts on the CPU ranks."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_hybrid
     args = bench_hybrid.parse_args(["--device", "cpu", "--tokens", "32", "--experts", "16x16", "--inter-bw",
                                     "20MB/s", "--warmup", "0", "--repeats", "1", "--probe-bytes", str(64 << 10),
-                                    "--microbatches", "3", "--out", "unused"])
-    results = bench_hybrid.run(args, log=lambda *a, **k: None)
+                                    "--out", "unused", *extra])
+    return bench_hybrid, bench_hybrid.run(args, log=lambda *a, **k: None)
+
+
+def _bench_steps(rank, world_size):
+    """--microbatches 3: HybridEP gathers and returns once per step; the step's paced bytes are the model's."""
+    _, results = _one_tiny_point("--microbatches", "3")
     (p, ) = results["points"]
     assert p["microbatches"] == 3
     for name, o in p["options"].items():
@@ -195,12 +200,7 @@ def _bench_steps(rank, world_size):
 
 def _bench_fractions(rank, world_size):
     """--fractions 0.5: partial-migration options beside whole domains, every one matching plain EP."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_hybrid
-    args = bench_hybrid.parse_args(["--device", "cpu", "--tokens", "32", "--experts", "16x16", "--inter-bw",
-                                    "20MB/s", "--warmup", "0", "--repeats", "1", "--probe-bytes", str(64 << 10),
-                                    "--fractions", "0.5", "--out", "unused"])
-    results = bench_hybrid.run(args, log=lambda *a, **k: None)
+    bench_hybrid, results = _one_tiny_point("--fractions", "0.5")
     (p, ) = results["points"]
     assert results["option_names"] == ["EP", "S=2", "S=2 m=1", "S=4", "S=4 m=1"], results["option_names"]
     for name, o in p["options"].items():
