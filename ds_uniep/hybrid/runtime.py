@@ -627,8 +627,9 @@ class HybridExperts:
         self._kept: Optional[tuple] = None  # (key, gather) with reuse_replicas
         #: With reuse_replicas and ``boundary`` (the engine's accumulation boundary), replica gradients
         #: are held until the step's last micro-batch and returned once (see :class:`HeldGradients`).
-        self.held = HeldGradients(boundary) if reuse_replicas and boundary is not None else None
+        self.held: Optional[HeldGradients] = None
         if reuse_replicas:
+            self.set_boundary(boundary)
             optimizer_steps()  # counts steps from here on
         self.names = [n for n, _ in self.experts[0].named_parameters()]
         if self.migrated == L:  # every expert migrated: tokens cross domains only (the offset group)
