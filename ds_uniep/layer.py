@@ -165,8 +165,8 @@ class UniEPMoE(MoE):
         self.hybrid_domain_size, self.hybrid_migrated_experts = S, (m if S > 1 else 0)
         if S > 1:
             ratio = hyb.compression.ratio if hyb.compression.enabled else None
-            self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts,
-                                         HybridGroups(self.ep_group, S), self.num_experts, ratio,
+            groups = HybridGroups(self.ep_group, S, votes=hyb.reuse_replicas)
+            self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts, groups, self.num_experts, ratio,
                                          pacing=self._pacing, reuse_replicas=hyb.reuse_replicas,
                                          boundary=boundary, name=self.layer_name, migrated=m)
             reuse = ""
@@ -201,9 +201,10 @@ class UniEPMoE(MoE):
 
     def refresh_replicas(self) -> None:
         """With ``"hybrid": {"reuse_replicas": true}``: gather the domain's experts again at the next
-        forward. Call it on every rank after changing expert weights without an optimizer step and
-        without an in-place operation on the parameters themselves (through ``.data``, or a buffer
-        they view), which the reuse check does not see. Nothing to do otherwise."""
+        forward, on every rank of this rank's domain (calling it on one rank is enough). Call it after
+        changing expert weights without an optimizer step and without an in-place operation on the
+        parameters themselves (through ``.data``, or a buffer they view), which the reuse check does
+        not see. Nothing to do otherwise."""
         if self._hybrid is not None:
             self._hybrid.refresh_replicas()
 

@@ -252,8 +252,9 @@ def _reuse(rank, world_size, device="cpu"):
     """``reuse_replicas``: the forwards between optimizer steps reuse one gather and give the bits of
     gathering at every forward (outputs, input and parameter gradients, accumulated over the
     micro-batches), dense and compressed; an optimizer step that writes through ``.data``, an in-place
-    change of a parameter and ``refresh_replicas()`` each make the next forward gather again; a
-    change through ``.data`` alone is not seen (as documented)."""
+    change of a parameter and ``refresh_replicas()`` each make the next forward gather again, on
+    every rank of the domain when one rank sees the change (the ranks vote); a change through
+    ``.data`` alone is not seen (as documented)."""
     from ds_uniep import UniEPMoE
     from moe_models import MLP, distinct_experts
     for ratio in (None, 0.25):
@@ -306,9 +307,19 @@ def _reuse(rank, world_size, device="cpu"):
         expect(3, 4)
         for layer in layers:
             layer.zero_grad(set_to_none=True)  # the stale forward's gradients differ too
-        kept.refresh_replicas()
-        micro_batches(2, "after refresh_replicas()")
+        if rank % 2 == 0:  # one rank of each domain: the domain's ranks agree to gather together
+            kept.refresh_replicas()
+        micro_batches(2, "after refresh_replicas() on one rank of the domain")
         expect(4, 5)
+        if rank == 1:  # one rank's in-place change makes its whole domain gather; the other domain reuses
+            with torch.no_grad():
+                for layer in layers:
+                    next(layer.deepspeed_moe.experts.parameters()).mul_(1.0)
+        micro_batches(1, "after an in-place change on one rank")
+        if rank < 2:
+            expect(5, 5)
+        else:
+            expect(4, 6)
 
 
 def test_reused_replicas_give_the_bits_of_gathering_every_forward():

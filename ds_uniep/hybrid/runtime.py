@@ -256,7 +256,7 @@ class HybridGroups:
     group, in the same order, as ``torch.distributed.new_group`` requires.
     """
 
-    def __init__(self, ep_group, domain_size: int):
+    def __init__(self, ep_group, domain_size: int, votes: bool = False):
         G = torch_dist.get_world_size(ep_group)
         if domain_size < 1 or G % domain_size != 0:
             raise ValueError(f'"uniep": {{"hybrid": {{"domain_size": {domain_size}}}}} must divide the '
@@ -271,15 +271,34 @@ class HybridGroups:
         torch_dist.all_gather_object(everyone, mine)
         ep_groups = sorted({tuple(g) for g in everyone})
         self.domain_group = self.offset_group = None
+        #: With ``votes``: a gloo group of the domain for :meth:`any_in_domain` (host values, so no
+        #: GPU synchronisation), the domain group itself where that is gloo already.
+        self.vote_group = None
+        gloo_domains = votes and S > 1 and torch_dist.get_backend(ep_group) != "gloo"
         for ranks in ep_groups:
             for d in range(G // S):
                 g = torch_dist.new_group(list(ranks[d * S:(d + 1) * S]))
+                v = torch_dist.new_group(list(ranks[d * S:(d + 1) * S]), backend="gloo") if gloo_domains else g
                 if list(ranks) == mine and d == self.domain:
                     self.domain_group = g
+                    self.vote_group = v if votes else None
             for o in range(S):
                 g = torch_dist.new_group(list(ranks[o::S]))
                 if list(ranks) == mine and o == self.offset:
                     self.offset_group = g
+
+
+    def any_in_domain(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank of this rank's domain (collective over the domain,
+        built with ``votes``): decisions that choose whether the domain's ranks run a collective
+        together are made with it, so no rank waits alone in a collective the others skipped."""
+        if self.domain_size == 1:
+            return flag
+        if self.vote_group is None:
+            raise RuntimeError("HybridGroups: any_in_domain needs the groups built with votes=True")
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX, group=self.vote_group)
+        return bool(t.item())
 
 
 def _all_gather_flat(out: Tensor, flat: Tensor, group):
@@ -629,6 +648,9 @@ class HybridExperts:
         #: are held until the step's last micro-batch and returned once (see :class:`HeldGradients`).
         self.held: Optional[HeldGradients] = None
         if reuse_replicas:
+            if groups.domain_size > 1 and groups.vote_group is None:
+                raise ValueError(f"{name}: reuse_replicas needs HybridGroups built with votes=True (the domain's "
+                                 "ranks agree at each forward whether to gather)")
             self.set_boundary(boundary)
             optimizer_steps()  # counts steps from here on
         self.names = [n for n, _ in self.experts[0].named_parameters()]
@@ -669,7 +691,11 @@ class HybridExperts:
             self._inflight[0].gathered.wait()
         local = [p for e in self.experts[:self.migrated] for p in e.parameters()]
         key = self._weights_key(local) if self.reuse_replicas else None
-        if self._kept is not None and self._kept[0] == key:
+        # The domain's ranks reuse or gather together: one rank whose weights changed (or that called
+        # refresh_replicas) makes every rank of its domain gather, instead of gathering alone.
+        if self.reuse_replicas and g.any_in_domain(self._kept is None or self._kept[0] != key):
+            self._kept = None
+        if self._kept is not None:
             gathered, self.last_wire_bytes = self._kept[1], 0
             self.counter["reuses"] = self.counter.get("reuses", 0) + 1
         else:
@@ -697,8 +723,8 @@ class HybridExperts:
     def _weights_key(self, local: Sequence[Tensor]) -> tuple:
         """What a kept gather must match to be reused: the optimizer steps taken in this process, and
         each expert parameter's identity, storage, version counter (in-place changes), shape, dtype and
-        device. Every rank of a domain sees the same changes at the same forwards in data-parallel
-        training, so the ranks reuse or gather together."""
+        device. The domain's ranks agree before using it (:meth:`HybridGroups.any_in_domain`): if
+        any rank's key changed, every rank of the domain gathers."""
         return (optimizer_steps(), self.compression_ratio,
                 tuple((id(p), p.data_ptr(), p._version, tuple(p.shape), p.dtype, p.device) for p in local))
 
@@ -710,9 +736,9 @@ class HybridExperts:
         self.held = HeldGradients(boundary) if boundary is not None else None
 
     def refresh_replicas(self) -> None:
-        """Drop the kept gather: the next forward gathers again. Call it on every rank of the domain
-        after changing expert weights in a way the reuse check does not see (through ``.data``, or a
-        buffer the parameters view, without an optimizer step)."""
+        """Drop the kept gather: the next forward gathers again, on every rank of the domain (one
+        rank's call is enough). Call it after changing expert weights in a way the reuse check does
+        not see (through ``.data``, or a buffer the parameters view, without an optimizer step)."""
         self._kept = None
 
     def gather(self) -> List[Dict[str, Tensor]]:
