@@ -101,6 +101,10 @@ def parse_args(argv=None):
     p.add_argument("--fractions", type=float, nargs="+", default=[],
                    help="migrated fractions in (0, 1) timed besides whole-domain migration at every domain size "
                    "(\"migrated_fraction\": each rank migrates its first round(f L) experts); options S=n m=j")
+    p.add_argument("--compressions", type=float, nargs="+", default=[],
+                   help="compression ratios in (0, 1] timed besides dense migration at every domain size (every "
+                   "expert migrated, \"compression\": {\"ratio\": r}: a shared base plus each expert's top-r "
+                   "residual positions; lossy below 1, so their errors are reported, not checked); options S=n c=r")
     p.add_argument("--quick", action="store_true", help="a short sweep (GPU: 2 points; CPU: 4 tiny points)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default="bench_out/hybrid", help="directory for bench_hybrid.json and .png")
@@ -118,6 +122,8 @@ def parse_args(argv=None):
     if any(not 0 < f < 1 for f in args.fractions):
         p.error(f"--fractions: every fraction must be in (0, 1) (1, whole domains, is always timed), "
                 f"got {args.fractions}")
+    if any(not 0 < r <= 1 for r in args.compressions):
+        p.error(f"--compressions: every ratio must be in (0, 1], got {args.compressions}")
     args.expert_sizes = [parse_expert(s) for s in args.experts]
     return args
 
@@ -237,29 +243,24 @@ def finish(layer, state, device, dtype, pacing):
     return layer
 
 
-def option_names(sizes, fractions, local_experts):
-    """``EP``, then per domain size ``S=n`` (every expert migrated) and ``S=n m=j`` (j of the L local
-    experts migrated, one per distinct rounding of ``fractions``)."""
+def option_specs(sizes, fractions, compressions, local_experts):
+    """``{name: (S, m, ratio)}``: ``EP`` (1, 0, None), then per domain size ``S=n`` (every expert
+    migrated, dense), ``S=n m=j`` (j of the L local experts migrated, one per distinct rounding of
+    ``fractions``) and ``S=n c=r`` (every expert migrated, compressed at ratio r)."""
     from ds_uniep.hybrid.runtime import migrated_experts
-    names = ["EP"]
+    specs = {"EP": (1, 0, None)}
     for S in sizes:
-        names.append(f"S={S}")
+        specs[f"S={S}"] = (S, local_experts, None)
         for m in sorted({migrated_experts(f, local_experts) for f in fractions} - {local_experts}):
-            names.append(f"S={S} m={m}")
-    return names
+            specs[f"S={S} m={m}"] = (S, m, None)
+        for r in sorted(set(compressions)):
+            specs[f"S={S} c={r:g}"] = (S, local_experts, r)
+    return specs
 
 
-def parse_option(name, local_experts):
-    """(S, m) of an option name (EP: (1, 0))."""
-    if name == "EP":
-        return 1, 0
-    parts = dict(p.split("=") for p in name.split())
-    return int(parts["S"]), int(parts.get("m", local_experts))
-
-
-def build_layers(M, F, args, names, device, dtype, pacing):
-    """``{"EP": plain, "S=n": HybridEP, "S=n m=j": partial ...}`` with the same weights, the ep-1
-    compute layer, and the state."""
+def build_layers(M, F, args, specs, device, dtype, pacing):
+    """``{"EP": plain, "S=n": HybridEP, "S=n m=j": partial, "S=n c=r": compressed ...}`` (``specs``, see
+    :func:`option_specs`) with the same weights, the ep-1 compute layer, and the state."""
     G, rank = dist.get_world_size(), dist.get_rank()
     proto = make_layer(M, F, args, G)
     g = torch.Generator().manual_seed(1 + rank)  # every rank's experts differ
@@ -269,9 +270,12 @@ def build_layers(M, F, args, names, device, dtype, pacing):
     state = proto.state_dict()
     layers = {"EP": finish(make_layer(M, F, args, G), state, device, dtype, pacing)}
     L = args.num_experts // G
-    for name in names[1:]:
-        S, m = parse_option(name, L)
+    for name, (S, m, ratio) in specs.items():
+        if S == 1:
+            continue
         hybrid = {"enabled": True, "domain_size": S, "site_size": args.site_size, "migrated_fraction": m / L}
+        if ratio is not None:
+            hybrid["compression"] = {"enabled": True, "ratio": ratio}
         layers[name] = finish(make_layer(M, F, args, G, hybrid), state, device, dtype, pacing)
         assert layers[name].hybrid_migrated_experts == m, (name, layers[name].hybrid_migrated_experts)
     ep1 = make_layer(M, F, args, 1)
@@ -281,7 +285,7 @@ def build_layers(M, F, args, names, device, dtype, pacing):
 
 
 # --------------------------------------------------------------------------- one point
-def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, timer):
+def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacing, timer):
     from timing import rotating
 
     from ds_uniep.config import UniEPConfig
@@ -364,18 +368,21 @@ def measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, time
     cl = Cluster(num_ranks=G, site_size=L, intra_site_bandwidth_bytes_per_s=b_f, inter_site_bandwidth_bytes_per_s=b_s)
     options = {}
     for name in layers:
-        S, m = parse_option(name, E // G)
-        lt = predict(wl, cl, S, m / (E // G))
+        S, m, comp = specs[name]
+        lt = predict(wl, cl, S, m / (E // G), compression_ratio=comp, bytes_per_value=elsize)
         pred_ms = lt.total_s * 1e3
         model_bytes = 4 * lt.token_bytes_inter + lt.gather_bytes_inter + lt.grad_return_bytes_inter
         if mb > 1:  # a whole step: 4 token all-to-alls per micro-batch, one gather, one return
             checks[name]["step_inter_bytes_model"] = (4 * mb * lt.token_bytes_inter + lt.gather_bytes_inter
                                                       + lt.grad_return_bytes_inter)
         ratio = measured[name] / pred_ms
-        options[name] = {"S": S, "migrated_experts": m, "measured_ms": measured[name], "predicted_ms": pred_ms,
+        # Compression is lossy below ratio 1: its errors against plain EP are reported, not checked.
+        lossy = comp is not None and comp < 1
+        options[name] = {"S": S, "migrated_experts": m, "compression_ratio": comp,
+                         "measured_ms": measured[name], "predicted_ms": pred_ms,
                          "ratio": ratio,
                          "within_15pct": abs(ratio - 1) <= 0.15, "inter_bytes_model": model_bytes, **checks[name],
-                         "outputs_match": None if checks[name]["rel_err_out"] is None else
+                         "outputs_match": None if checks[name]["rel_err_out"] is None or lossy else
                          checks[name]["rel_err_out"] <= TOLERANCE[args.dtype]
                          and checks[name]["rel_err_dx"] <= TOLERANCE[args.dtype]}
     # Whole domains migrated (migrated_fraction 1), as the timed options are: the planner picks one of them.
@@ -441,7 +448,8 @@ def run(args, log=print):
     bw = parse_bandwidth(args.inter_bw)
     pacing = InterSitePacing(L, bw, hold=args.hold)
     sizes = [S for S in Cluster(G, L, 1.0, 1.0).valid_domain_sizes() if S > 1]
-    names = option_names(sizes, args.fractions, args.num_experts // G)
+    specs = option_specs(sizes, args.fractions, args.compressions, args.num_experts // G)
+    names = list(specs)
     say = log if rank == 0 else (lambda *a, **k: None)
 
     fast_f, fast_s = measure_bandwidths(dist.group.WORLD, L, nbytes=args.probe_bytes, repeats=3)
@@ -459,10 +467,10 @@ def run(args, log=print):
     t_start = time.perf_counter()
     timer = Timer(args, device)
     for M, F in args.expert_sizes:
-        layers, ep1, state = build_layers(M, F, args, names, device, dtype, pacing)
+        layers, ep1, state = build_layers(M, F, args, specs, device, dtype, pacing)
         for T in args.tokens:
             t0 = time.perf_counter()
-            pt = measure_point(M, F, T, layers, ep1, state, args, device, dtype, pacing, timer)
+            pt = measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacing, timer)
             results["points"].append(pt)
             opts = ", ".join(f"{name} {o['measured_ms']:.2f} ms (model {o['predicted_ms']:.2f})"
                              for name, o in pt["options"].items())

@@ -216,6 +216,33 @@ def _bench_fractions(rank, world_size):
         bench_hybrid.print_table(results)
 
 
+def _bench_compressions(rank, world_size):
+    """--compressions 0.25 1: compressed options beside dense ones; ratio 1 gives plain EP's numbers,
+    0.25 is lossy (errors reported, not checked) and puts fewer bytes on the links, the model's."""
+    bench_hybrid, results = _one_tiny_point("--compressions", "0.25", "1")
+    (p, ) = results["points"]
+    assert results["option_names"] == ["EP", "S=2", "S=2 c=0.25", "S=2 c=1", "S=4", "S=4 c=0.25", "S=4 c=1"], \
+        results["option_names"]
+    for name, o in p["options"].items():
+        assert o["compression_ratio"] == {"c=0.25": 0.25, "c=1": 1.0}.get(name.split()[-1]), (name, o)
+        assert o["measured_ms"] > 0 and o["predicted_ms"] > 0, (name, o)
+        if name.endswith("c=0.25"):
+            assert o["outputs_match"] is None and o["rel_err_out"] > 1e-4, (name, o)
+        elif name != "EP":
+            assert o["outputs_match"], (name, o)
+    # One domain of 4: the gather's inter-site bytes are the model's, and compression sends fewer.
+    for name in ("S=4", "S=4 c=0.25", "S=4 c=1"):
+        o = p["options"][name]
+        assert o["inter_bytes_measured"] == o["inter_bytes_model"], (name, o)
+    assert p["options"]["S=4 c=0.25"]["inter_bytes_model"] < p["options"]["S=4"]["inter_bytes_model"]
+    if rank == 0:
+        bench_hybrid.print_table(results)
+
+
+def test_bench_hybrid_times_compressed_migration_options():
+    run_distributed(_bench_compressions, 4)
+
+
 def test_bench_hybrid_times_partial_migration_options():
     run_distributed(_bench_fractions, 4)
 

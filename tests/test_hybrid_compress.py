@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from conftest import needs_gpus
 
 from ds_uniep.hybrid.compress import (decode, decode_experts, encode, encode_experts, num_kept, shared_base,
                                       wire_bytes)
@@ -81,6 +82,31 @@ def test_selection_is_the_stable_sort_rule(numel, ratio, levels):
     enc = encode(w, base, ratio)
     assert enc.indices.tolist() == want.tolist()
     assert torch.equal(enc.values, w[want])
+
+
+@needs_gpus(1)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("levels", [None, 3])
+def test_gpu_encode_never_synchronises_and_keeps_the_cpu_positions(dtype, levels):
+    """On a GPU, encoding and decoding queue without a host synchronisation (CUDA's sync debug mode
+    raises on one), keep the CPU's positions and values, and decode to the CPU's bits."""
+    g = torch.Generator().manual_seed(7)
+    numel = 1 << 20
+    w = torch.randn(numel, generator=g)
+    if levels is not None:  # many ties at the k-th magnitude
+        w = torch.randint(-levels, levels + 1, (numel, ), generator=g).float()
+    w, base = w.to(dtype), (torch.randn(numel, generator=g) * 0.1).to(dtype)
+    want = encode(w, base, 0.03)
+    wc, bc = w.cuda(), base.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        enc = encode(wc, bc, 0.03)
+        dec = decode(enc, bc)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(enc.indices.cpu(), want.indices) and torch.equal(enc.values.cpu(), want.values)
+    assert torch.equal(dec.cpu(), decode(want, base))
 
 
 @pytest.mark.parametrize("dtype, itemsize", [(torch.float32, 4), (torch.bfloat16, 2), (torch.float16, 2)])

@@ -86,11 +86,14 @@ def encode(weight: torch.Tensor, base: torch.Tensor, ratio: float) -> SparseExpe
         mag = (flat_w.to(torch.float32) - base.reshape(-1).to(torch.float32)).abs()
         # The k-th largest magnitude by selection (no full sort; torch.topk, whose values are exact
         # whatever order it leaves ties in): every larger one is kept, then as many of those equal
-        # to it as fit, smallest index first.
+        # to it as fit, smallest index first. Exactly k positions, ascending, found without reading
+        # a count back to the host (nonzero_static), so a GPU encodes without synchronising.
         t = torch.topk(mag, k, sorted=False).values.min()
-        above = (mag > t).nonzero().flatten()
-        ties = (mag == t).nonzero().flatten()[:k - above.numel()]
-        idx = torch.sort(torch.cat([above, ties])).values
+        above = mag > t
+        ties = mag == t
+        room = k - above.sum()
+        keep = above | (ties & (torch.cumsum(ties, 0) <= room))
+        idx = torch.nonzero_static(keep, size=k).flatten()
     return SparseExpert(values=flat_w[idx].clone(), indices=idx.to(INDEX_DTYPE), shape=tuple(weight.shape))
 
 

@@ -49,10 +49,11 @@ all-to-all, as the cost model's M micro-batches assume.
 
 Compressed migration (``compression.enabled``, :class:`CompressedGather`) replaces step 1's
 all-gather: an asynchronous all-reduce of the domain's fp32 expert sums (the shared base), issued
-where the dense gather is; the encoding of each owner's experts against it (:mod:`.compress`), the
-all-gather of the encoded experts and the decoding follow when the experts need the replicas, so
-only the base all-reduce runs beside the router. The backward is the dense one (straight through
-the compression).
+where the dense gather is, then the encoding of each owner's experts against it (:mod:`.compress`),
+the all-gather of the encoded experts and the decoding. On a GPU all of it is queued there on a
+side stream, with no host synchronisation, and runs beside the router and the dispatch; on the CPU
+the encoding and what follows run when the experts need the replicas. The backward is the dense
+one (straight through the compression).
 
 :class:`InterSitePacing` (opt-in, off by default) holds a rank for the bytes it
 exchanged with other sites over a given bandwidth: slow links between sites,
@@ -351,16 +352,20 @@ class CompressedGather:
 
     Issued on construction: the fp32 sum of this rank's experts, per parameter (local experts in
     order), all-reduced over the domain group asynchronously; the base is that sum over the S * L
-    experts divided by S * L, cast to the parameter's dtype, the same bits on every rank. In
-    :meth:`wait`: each of this rank's tensors encoded against its parameter's base (the values at
-    the kept positions, in the tensor's dtype, and their int32 indices), those all-gathered (one
-    collective per dtype and one for the indices), and every other owner's tensors decoded into
-    ``outs`` (``[S, n]`` per dtype, as :class:`DomainGather`'s); this rank's own copies are its
-    exact tensors. ``ratio`` 1 keeps every position: the replicas are then the dense ones, bit for
-    bit. Gradients go back to the owners as with the dense gather (straight through the
-    compression, dense bytes). ``wire_bytes``: what one rank puts on the links for it (the base
-    all-reduce counted as a ring's ``2 (S - 1) / S`` of the fp32 sums, then the encoded tensors
-    to each of S - 1 peers)."""
+    experts divided by S * L, cast to the parameter's dtype, the same bits on every rank. Then
+    (:meth:`_exchange`) each of this rank's tensors is encoded against its parameter's base (the
+    values at the kept positions, in the tensor's dtype, and their int32 indices), those are
+    all-gathered (one collective per dtype and one for the indices), and every other owner's
+    tensors are decoded into ``outs`` (``[S, n]`` per dtype, as :class:`DomainGather`'s); this
+    rank's own copies are its exact tensors. On a GPU all of that is queued at construction on a
+    side stream that waits for the base all-reduce (the encoding synchronises nothing with the
+    host), so it runs beside the router and the token dispatch; :meth:`wait` makes the current
+    stream wait for it. On the CPU it runs in :meth:`wait`. ``ratio`` 1 keeps every position: the
+    replicas are then the dense ones, bit for bit. Gradients go back to the owners as with the
+    dense gather (straight through the compression, dense bytes). ``wire_bytes``: what one rank
+    puts on the links for it (the base all-reduce counted as a ring's ``2 (S - 1) / S`` of the fp32
+    sums, then the encoded tensors to each of S - 1 peers); with ``pacing`` the whole ring counts on
+    the slow link where the domain spans sites."""
 
     def __init__(self, local: Sequence[Tensor], group, S: int, pacing: Optional[InterSitePacing],
                  num_params: int, offset: int, ratio: float):
@@ -382,16 +387,32 @@ class CompressedGather:
                                  device=self.device) for idx in self.buckets]
         self.kept = [num_kept(t.numel(), ratio) for t in self.local]
         encoded = sum(k * (t.element_size() + 4) for k, t in zip(self.kept, self.local))
-        base_share = 2 * self.base_sum.numel() * 4 // S  # per peer: a ring moves 2 (S - 1) / S of it in all
-        self.wire_bytes = (S - 1) * (encoded + base_share)
-        per_peer = [encoded + base_share] * S
-        self.transfer = pacing.start(group, per_peer, per_peer, self.device) if pacing is not None else None
+        ring = 2 * (S - 1) * self.base_sum.numel() * 4 // S  # what a ring all-reduce moves per rank
+        self.wire_bytes = (S - 1) * encoded + ring
+        self.transfer = None
+        if pacing is not None:
+            # Every step of a ring waits for its slowest hop: where the domain spans sites, the whole
+            # ring crosses the slow link (as the cost model charges it), spread over the remote peers.
+            per_peer = [encoded] * S
+            far = [i for i, f in enumerate(pacing.remote(group)) if f]
+            for j, i in enumerate(far):
+                per_peer[i] += ring // len(far) + (j < ring % len(far))
+            self.transfer = pacing.start(group, per_peer, per_peer, self.device)
         self._done = False
+        self._stream = self._event = None
+        if self.device.type == "cuda":
+            compute = torch.cuda.current_stream(self.device)
+            self._stream = side_stream(self.device, compute, "migration")
+            self._stream.wait_stream(compute)  # the experts' weights and the sums as they are now
+            with torch.cuda.stream(self._stream):
+                self._exchange()
+                self._event = torch.cuda.Event()
+                self._event.record(self._stream)
+            for out in self.outs:  # made on the compute stream, written on the side one
+                out.record_stream(self._stream)
 
-    def wait(self) -> None:
-        """Until ``outs`` hold the domain's copies (this rank's exact, the others' decoded)."""
-        if self._done:
-            return
+    def _exchange(self) -> None:
+        """Encode this rank's tensors against the base, all-gather them, decode the others' into ``outs``."""
         from .compress import SparseExpert, decode, encode
         self.base_work.wait()
         P, S, n_exp = self.num_params, self.S, self.local_experts * self.S
@@ -429,6 +450,15 @@ class CompressedGather:
                         out[s, col:col + t.numel()] = decode(enc, bases[i % P]).reshape(-1)
                     col += t.numel()
                     voff += k
+
+    def wait(self) -> None:
+        """Until ``outs`` hold the domain's copies (this rank's exact, the others' decoded)."""
+        if self._done:
+            return
+        if self._event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._event)
+        else:
+            self._exchange()
         if self.pacing is not None:
             self.pacing.finish(self.transfer, self.device)
         self._done = True
