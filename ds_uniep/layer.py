@@ -168,13 +168,14 @@ class UniEPMoE(MoE):
             groups = HybridGroups(self.ep_group, S, votes=hyb.reuse_replicas)
             self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts, groups, self.num_experts, ratio,
                                          pacing=self._pacing, reuse_replicas=hyb.reuse_replicas,
-                                         boundary=boundary, name=self.layer_name, migrated=m)
+                                         boundary=boundary, name=self.layer_name, migrated=m,
+                                         choice=hyb.migrated_experts)
             reuse = ""
             if hyb.reuse_replicas:
                 reuse = (", replicas gathered and their gradients returned once per optimizer step" if boundary
                          else ", replicas kept while the weights are unchanged (gradients returned every backward: "
                          "no DeepSpeed engine tells the accumulation boundary)")
-            part = f", {m} of {L} experts per rank migrated" if m < L else ""
+            part = f", {m} of {L} experts per rank migrated ({hyb.migrated_experts})" if m < L else ""
             logger.info(f"{self.layer_name}: HybridEP with domains of {S} ranks "
                         f"(reference transport{part}{', compressed migration' if ratio else ''}{reuse})")
             if self.uniep_config.autotune.enabled:  # nothing in HybridEP's path is a tuning knob

@@ -113,6 +113,100 @@ def test_partial_migration_over_nccl():
     run_distributed(_partial, _nccl_ranks(), "cuda", backend="nccl")
 
 
+def _hottest(rank, world_size, device="cpu"):
+    """migrated_experts "hottest": every rank's tokens prefer local experts 2 and 3 of each owner, so
+    from the second forward on each rank migrates those two (first: 0 and 1), the same choice on
+    every rank; the domain peer's tokens for them then stay on the sender (fewer rows sent away
+    than with the first two migrated); outputs and every gradient match plain EP at each forward;
+    with reuse_replicas the choice changes only at the first gather after an optimizer step."""
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, distinct_experts
+    L, M, T = 4, 16, 32
+    E = L * world_size
+    g = torch.Generator().manual_seed(100 + rank)
+    group = torch.arange(T) % world_size  # token t prefers owner t % G's experts 2 and 3
+    x = torch.nn.functional.one_hot(group, world_size).repeat_interleave(M // world_size, 1).float()
+    x = x + 0.01 * torch.randn(T, M, generator=g)
+    gy = torch.randn(T, M, generator=g)
+    w = torch.zeros(E, M)
+    pref = torch.tensor([0.2, 0.1, 2.0, 1.5])
+    for e in range(E):
+        o, j = divmod(e, L)
+        w[e, o * (M // world_size):(o + 1) * (M // world_size)] = pref[j] + 0.01 * e
+    layers = {}
+    for name, hyb in (("plain", None), ("first", {"migrated_experts": "first"}),
+                      ("hottest", {"migrated_experts": "hottest"}),
+                      ("hottest reuse", {"migrated_experts": "hottest", "reuse_replicas": True})):
+        torch.manual_seed(5)
+        cfg = {"backend": "reference"}
+        if hyb is not None:
+            cfg["hybrid"] = dict(hyb, enabled=True, domain_size=2, migrated_fraction=0.5)
+        layer = UniEPMoE(M, MLP(M, 24), num_experts=E, ep_size=world_size, k=2, min_capacity=4, drop_tokens=False,
+                         use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+        distinct_experts(layer, rank)
+        with torch.no_grad():
+            layer.deepspeed_moe.gate.wg.weight.copy_(w)
+        layer = layer.to(device)
+        layer.set_deepspeed_parallelism()
+        layers[name] = layer
+    sent = {}
+    for name, layer in layers.items():
+        h = layer._hybrid
+        if h is None:
+            continue
+        orig = h.dispatcher.dispatch
+
+        def counting(*a, _orig=orig, _name=name, **kw):
+            out = _orig(*a, **kw)
+            splits = out[2].send_splits
+            sent[_name] = sum(splits) - splits[rank]  # rows this rank sent to other ranks
+            return out
+        h.dispatcher.dispatch = counting
+
+    def forward(what):
+        res = {}
+        for name, layer in layers.items():
+            xi = x.to(device).requires_grad_(True)
+            out, l_aux, _ = layer(xi)
+            ((out * gy.to(device)).sum() + l_aux).backward()
+            res[name] = [out, xi.grad] + [p.grad for p in layer.parameters()]
+            layer.zero_grad(set_to_none=True)
+        for name in ("first", "hottest", "hottest reuse"):
+            for i, (a, b) in enumerate(zip(res["plain"], res[name])):
+                assert _rel(b, a) <= 1e-5, f"rank {rank} {what}, {name} tensor {i}: relative error {_rel(b, a)}"
+
+    def chosen(name):
+        h = layers[name]._hybrid
+        everyone = [None] * world_size
+        torch.distributed.all_gather_object(everyone, h.dispatcher.chosen)
+        assert all(c == everyone[0] for c in everyone), f"rank {rank} {name}: ranks route differently {everyone}"
+        assert h.chosen == h.dispatcher.chosen[rank]
+        return h.chosen
+
+    forward("forward 1")
+    assert chosen("first") == chosen("hottest") == chosen("hottest reuse") == [0, 1]  # no tokens seen yet
+    assert sent["hottest"] == sent["first"]
+    forward("forward 2")
+    assert chosen("first") == [0, 1] and chosen("hottest") == [2, 3], rank
+    assert chosen("hottest reuse") == [0, 1], rank  # no optimizer step yet: the kept gather serves
+    assert sent["hottest"] < sent["first"], (rank, sent)
+    for layer in layers.values():
+        _DataSGD(layer.parameters(), 0.0).step()  # a step (lr 0: the weights stay, the comparison holds)
+    forward("forward 3, after an optimizer step")
+    assert chosen("hottest reuse") == [2, 3], rank
+    assert sent["hottest reuse"] == sent["hottest"] < sent["first"], (rank, sent)
+    assert layers["hottest reuse"]._hybrid.counter["gathers"] == 2
+
+
+def test_hottest_migration_chooses_the_experts_that_keep_tokens_local():
+    run_distributed(_hottest, 4)
+
+
+@needs_gpus(2)
+def test_hottest_migration_over_nccl():
+    run_distributed(_hottest, _nccl_ranks(), "cuda", backend="nccl")
+
+
 def _grouped_replicas(rank, world_size):
     """bf16 SwiGLU / GELU experts: the replicas run as grouped GEMMs (never one by one) and match plain EP."""
     from ds_uniep.experts import GeLUExpert, SwiGLUExpert

@@ -626,32 +626,104 @@ class _ReplicaViews(torch.autograd.Function):
 
 
 class PartialMigrationDispatcher(ReferenceDispatcher):
-    """The reference dispatcher over the whole EP group when each rank migrates only its first ``m``
-    of ``L`` experts inside its domain (``0 < m < L``).
+    """The reference dispatcher over the whole EP group when each rank migrates only ``m`` of its
+    ``L`` experts inside its domain (``0 < m < L``): its first m, or those :meth:`set_migrated` names.
 
     A token routed to a migrated expert goes to the rank of that expert's domain with the sender's
     offset, which holds a replica; a token routed to any other expert goes to its owner. So rank r
     hosts ``V = S * m + (L - m)`` virtual experts: the replicas of its domain's migrated experts
-    (domain offset, then local index; its own among them) and its own experts that stay. Each
-    expert index is mapped to its virtual expert on the sender (``route [E]``, which depends on the
-    sender's offset) and the reference dispatch runs unchanged on ``G * V`` virtual experts: rows land expert-major,
-    sources in rank order, and the combine sums each token's slots in slot order, as before."""
+    (domain offset, then the owner's migrated experts in index order; its own among them) and its
+    own experts that stay, in index order. Each expert index is mapped to its virtual expert on the
+    sender (``route [E]``, which depends on the sender's offset) and the reference dispatch runs
+    unchanged on ``G * V`` virtual experts: rows land expert-major, sources in rank order, and the
+    combine sums each token's slots in slot order, as before.
+
+    With ``track_load`` each dispatch also adds the tokens every EP rank routed to every expert
+    (``[G, E]``, one all-gather of ``[E]`` counts, no host synchronisation) to :attr:`load`."""
 
     def __init__(self, num_experts: int, groups: "HybridGroups", local_experts: int, migrated: int):
         G, S, L, m = groups.ep_size, groups.domain_size, local_experts, migrated
         self.virtual_per_rank = V = S * m + (L - m)
         super().__init__(G * V, G, groups.ep_group, rank=groups.ep_rank)
-        e = torch.arange(num_experts)
-        owner, j = e // L, e % L
-        moved = j < m
-        dest = torch.where(moved, (owner // S) * S + groups.offset, owner)
-        local = torch.where(moved, (owner % S) * m + j, S * m + (j - m))
+        self.groups, self.real_experts, self.local_experts, self.migrated = groups, num_experts, L, m
+        self.track_load = False
+        #: ``[G, E]`` int64 tokens each EP rank routed to each expert since :meth:`take_load` (with track_load)
+        self.load: Optional[Tensor] = None
+        self._load_host = self._load_event = None
+        self.set_migrated([list(range(m))] * G)
+
+    def set_migrated(self, chosen: Sequence[Sequence[int]]) -> None:
+        """Route to the replicas of ``chosen[o]`` (EP rank o's migrated local experts, m of them,
+        ascending) from now on; every rank of the EP group must set the same ``chosen``."""
+        G, S, L, m, V = (self.groups.ep_size, self.groups.domain_size, self.local_experts, self.migrated,
+                         self.virtual_per_rank)
+        if len(chosen) != G or any(list(c) != sorted(set(c)) or len(c) != m or not all(0 <= j < L for j in c)
+                                   for c in chosen):
+            raise ValueError(f"HybridEP: expected, for each of {G} ranks, {m} distinct ascending local experts "
+                             f"in 0..{L - 1}, got {chosen!r}")
+        self.chosen = [list(c) for c in chosen]
+        moved = torch.zeros(G, L, dtype=torch.bool)
+        for o, c in enumerate(self.chosen):
+            moved[o, c] = True
+        rank_moved = (moved.long().cumsum(1) - 1).reshape(-1)  # place among its owner's migrated experts
+        rank_kept = ((~moved).long().cumsum(1) - 1).reshape(-1)  # ... among those that stay
+        moved = moved.reshape(-1)
+        owner = torch.arange(self.real_experts) // L
+        dest = torch.where(moved, (owner // S) * S + self.groups.offset, owner)
+        local = torch.where(moved, (owner % S) * m + rank_moved, S * m + rank_kept)
         self.route = dest * V + local  # [E]: this rank's virtual expert for each expert
 
+    def _note_load(self, expert_idx: Tensor) -> None:
+        flat = expert_idx.reshape(-1).long()
+        E, G = self.real_experts, self.groups.ep_size
+        mine = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
+        mine = mine.scatter_add_(0, flat + 1, torch.ones_like(flat))[1:].contiguous()  # dropped (-1) at 0
+        rows = mine.new_empty(G, E)
+        fn = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
+        fn(rows.view(-1), mine, group=self.groups.ep_group)
+        self.load = rows if self.load is None else self.load + rows
+        if self.load.is_cuda:  # a host copy that :meth:`take_load` reads without stalling the stream
+            if self._load_host is None:
+                self._load_host = torch.empty(G, E, dtype=torch.long, pin_memory=True)
+            self._load_host.copy_(self.load, non_blocking=True)
+            self._load_event = torch.cuda.Event()
+            self._load_event.record()
+
+    def take_load(self) -> Optional[List[List[int]]]:
+        """The ``[G, E]`` tokens routed since the last call (None if none), and start counting anew."""
+        if self.load is None:
+            return None
+        if self.load.is_cuda:
+            self._load_event.synchronize()
+            load = self._load_host.tolist()
+        else:
+            load = self.load.tolist()
+        self.load = None
+        return load
+
     def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
+        if self.track_load:
+            self._note_load(expert_idx)
         route = self.route.to(expert_idx.device)
         virtual = torch.where(expert_idx >= 0, route[expert_idx.clamp_min(0).long()], expert_idx.long())
         return super().dispatch(x, virtual, capacity)
+
+
+def hottest_experts(load: Sequence[Sequence[int]], groups: "HybridGroups", local_experts: int,
+                    migrated: int) -> List[List[int]]:
+    """For each EP rank (owner), the ``migrated`` of its ``local_experts`` experts whose migration
+    keeps the most tokens from crossing to it: those the other ranks of its domain routed to them
+    (``load [G, E]``, :attr:`PartialMigrationDispatcher.load`; a token from a domain peer to a
+    migrated expert stays on that peer), ties to the smaller index; ascending. The same on every
+    rank given the same ``load``."""
+    G, S, L = groups.ep_size, groups.domain_size, local_experts
+    chosen = []
+    for o in range(G):
+        peers = [r for r in range((o // S) * S, (o // S + 1) * S) if r != o]
+        saved = [sum(load[r][o * L + j] for r in peers) for j in range(L)]
+        best = sorted(range(L), key=lambda j: (-saved[j], j))[:migrated]
+        chosen.append(sorted(best))
+    return chosen
 
 
 class HybridExperts:
@@ -661,7 +733,7 @@ class HybridExperts:
     def __init__(self, experts: Sequence[nn.Module], groups: HybridGroups, num_experts: int,
                  compression_ratio: Optional[float] = None, pacing: Optional[InterSitePacing] = None,
                  reuse_replicas: bool = False, boundary: Optional[Callable[[], bool]] = None,
-                 name: str = "HybridEP", migrated: Optional[int] = None):
+                 name: str = "HybridEP", migrated: Optional[int] = None, choice: str = "first"):
         self.experts = list(experts)
         self.groups = groups
         L = len(self.experts)
@@ -669,6 +741,13 @@ class HybridExperts:
         self.migrated = L if migrated is None else migrated
         if isinstance(self.migrated, bool) or not isinstance(self.migrated, int) or not 1 <= self.migrated <= L:
             raise ValueError(f"{name}: migrated experts per rank must be an integer in 1..{L}, got {migrated!r}")
+        if choice not in MIGRATION_CHOICES:
+            raise ValueError(f"{name}: migrated_experts must be one of {', '.join(MIGRATION_CHOICES)}, got {choice!r}")
+        #: which m experts each rank migrates: "first" (its first m) or "hottest" (see :meth:`prefetch`)
+        self.choice = choice if self.migrated < L else "first"
+        #: this rank's migrated experts (local indices, ascending)
+        self.chosen = list(range(self.migrated))
+        self._chosen_at_step = None  # optimizer_steps() when the choice was last made ("hottest")
         self.compression_ratio = compression_ratio
         self.name = name
         #: Keep a gather for later forwards while the weights it copied are unchanged (see :meth:`prefetch`).
@@ -689,6 +768,7 @@ class HybridExperts:
                                                   groups.offset_group, rank=groups.domain)
         else:
             self.dispatcher = PartialMigrationDispatcher(num_experts, groups, L, self.migrated)
+            self.dispatcher.track_load = self.choice == "hottest"
         self.pacing = None
         self.set_pacing(pacing)
         self._inflight: Optional[tuple] = None  # (DomainGather or CompressedGather, its _OwnerSum outputs)
@@ -719,8 +799,7 @@ class HybridExperts:
         g = self.groups
         if self._inflight is not None:  # issued and never used (a forward that stopped early)
             self._inflight[0].gathered.wait()
-        local = [p for e in self.experts[:self.migrated] for p in e.parameters()]
-        key = self._weights_key(local) if self.reuse_replicas else None
+        key = self._weights_key([p for e in self.experts for p in e.parameters()]) if self.reuse_replicas else None
         # The domain's ranks reuse or gather together: one rank whose weights changed (or that called
         # refresh_replicas) makes every rank of its domain gather, instead of gathering alone.
         if self.reuse_replicas and g.any_in_domain(self._kept is None or self._kept[0] != key):
@@ -737,6 +816,8 @@ class HybridExperts:
                     "engine.step() after every engine.backward(); with UniEPMoE.set_accumulation_boundary, "
                     "its function must return True in the step's last backward")
             self._kept = None  # its buffers go before the new gather's are allocated
+            self._choose()
+            local = self._migrated_params()
             if self.compression_ratio is None:
                 gathered = DomainGather(local, g.domain_group, g.domain_size, self.pacing)
             else:
@@ -748,7 +829,33 @@ class HybridExperts:
                 self._kept = (key, gathered)
         self.last_gather = weakref.ref(gathered)
         use = _GatherUse(gathered, self.held)
-        self._inflight = (use, _OwnerSum.apply(use, self.counter, *local))
+        self._inflight = (use, _OwnerSum.apply(use, self.counter, *self._migrated_params()))
+
+    def _migrated_params(self) -> List[Tensor]:
+        return [p for l in self.chosen for p in self.experts[l].parameters()]
+
+    def _choose(self) -> None:
+        """With ``choice`` "hottest", at a gather: migrate, on every rank, the experts that keep the
+        most tokens local (:func:`hottest_experts`) by the tokens routed since the last choice, and
+        route to them from now on. Without ``reuse_replicas`` every forward chooses (from the tokens
+        of the forwards since the last); with it, the first gather after each optimizer step does
+        (a domain that gathers again for another reason keeps the step's choice, so every rank of
+        the EP group routes alike). No tokens seen yet: the first m stay."""
+        if self.choice != "hottest":
+            return
+        step = optimizer_steps()
+        if self.reuse_replicas and step == self._chosen_at_step:
+            return
+        load = self.dispatcher.take_load()
+        self._chosen_at_step = step
+        if load is None:
+            return
+        g = self.groups
+        chosen = hottest_experts(load, g, len(self.experts), self.migrated)
+        if chosen != self.dispatcher.chosen:
+            self.dispatcher.set_migrated(chosen)
+            self.counter["choices_changed"] = self.counter.get("choices_changed", 0) + 1
+        self.chosen = chosen[g.ep_rank]
 
     def _weights_key(self, local: Sequence[Tensor]) -> tuple:
         """What a kept gather must match to be reused: the optimizer steps taken in this process, and
@@ -790,9 +897,9 @@ class HybridExperts:
         experts run as one grouped GEMM per projection over all of them (on ``gemm``, as the plain
         EP path); other experts are called one by one with their weights."""
         params = self.gather()
-        m = self.migrated
-        modules = [self.experts[l] for _ in range(self.groups.domain_size) for l in range(m)] + self.experts[m:]
-        params = params + [dict(e.named_parameters()) for e in self.experts[m:]]
+        stay = [self.experts[j] for j in range(len(self.experts)) if j not in self.chosen]
+        modules = [self.experts[l] for _ in range(self.groups.domain_size) for l in self.chosen] + stay
+        params = params + [dict(e.named_parameters()) for e in stay]
         stacked = stack_experts(modules, recv.dtype, recv.device, params)
         if stacked is not None:
             return run_grouped(modules, recv, counts, gemm, stacked=stacked)
@@ -907,6 +1014,9 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     p = plan(wl, cl, hybrid_cfg.domain_size, compression_ratio=ratio, fractions=fractions,
              bytes_per_value=elsize)
     return (p.domain_size if p.migrated_fraction > 0 else 1), p
+
+
+MIGRATION_CHOICES = ("first", "hottest")
 
 
 def migrated_experts(fraction: float, local_experts: int) -> int:
