@@ -209,8 +209,8 @@ class HybridConfig(_Block):
         "through torch.optim step hooks, which DeepSpeed's optimizers run, or an in-place change of an expert "
         "parameter; weights changed otherwise, through .data or a buffer the parameters view, need "
         "UniEPMoE.refresh_replicas() on any rank of the domain; the domain's ranks agree at each forward, "
-        "through a small gloo all-reduce, whether to gather, so they never diverge), and under a DeepSpeed engine the replica gradients are "
-        "summed over the step's micro-batches and returned at its last one (the engine's accumulation "
+        "through a small gloo all-reduce, whether to gather, so they never diverge), and under a DeepSpeed "
+        "engine the replica gradients are summed over the step's micro-batches and returned at its last one (the engine's accumulation "
         "boundary; without an engine, the one UniEPMoE.set_accumulation_boundary marks, else every backward). "
         "domain_size auto then plans with M = gradient_accumulation_steps.")
 
