@@ -257,3 +257,15 @@ def test_bench_hybrid_core_reports_every_option_and_matches_plain_ep(tmp_path, c
         saved = json.load(f)
     assert len(saved["points"]) == 2 and saved["summary"]["outputs_match"]
     assert (tmp_path / "bench_hybrid.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flag, values", [("--fractions", ["1.0"]), ("--fractions", ["0"]),
+                                          ("--compressions", ["0"]), ("--compressions", ["1.5"]),
+                                          ("--microbatches", ["0"])])
+def test_bench_hybrid_refuses_out_of_range_options(flag, values, capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_hybrid
+    with pytest.raises(SystemExit) as exc:
+        bench_hybrid.parse_args(["--device", "cpu", flag, *values])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err

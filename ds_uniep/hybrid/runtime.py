@@ -288,7 +288,6 @@ class HybridGroups:
                 if list(ranks) == mine and o == self.offset:
                     self.offset_group = g
 
-
     def any_in_domain(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank of this rank's domain (collective over the domain,
         built with ``votes``): decisions that choose whether the domain's ranks run a collective
