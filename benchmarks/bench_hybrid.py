@@ -22,7 +22,11 @@ slowest rank):
 
 - ``EP``: ``UniEPMoE`` on the reference backend, no HybridEP;
 - ``S=<n>``: HybridEP at every domain size n > 1 the runtime accepts (whole domains migrated);
-- ``S=<n> m=<j>`` (with ``--fractions``): the same with j of each rank's experts migrated;
+- ``S=<n> m=<j>`` (with ``--fractions``): the same with j of each rank's experts migrated (its
+  first j), and ``S=<n> m=<j> hot`` (with ``--hottest`` too) the j that keep the most tokens local
+  (``"migrated_experts": "hottest"``; chosen from the forwards before, so their checked run
+  follows one forward+backward that chooses);
+- ``S=<n> c=<r>`` (with ``--compressions``): every expert migrated, compressed at ratio r;
 - the planner: ``choose_domain_size``, the function ``"domain_size": "auto"`` runs, fed with the
   bandwidths measured here. Where it keeps plain EP a layer built with ``"domain_size": "auto"``
   is timed as well, in alternation with plain EP (what choosing costs); elsewhere its time is
@@ -105,6 +109,13 @@ def parse_args(argv=None):
                    help="compression ratios in (0, 1] timed besides dense migration at every domain size (every "
                    "expert migrated, \"compression\": {\"ratio\": r}: a shared base plus each expert's top-r "
                    "residual positions; lossy below 1, so their errors are reported, not checked); options S=n c=r")
+    p.add_argument("--hottest", action="store_true",
+                   help="with --fractions: also time each partial option migrating the experts that keep the most "
+                   "tokens local (\"migrated_experts\": \"hottest\"); options S=n m=j hot")
+    p.add_argument("--skew", type=float, default=0.0,
+                   help="routing skew a >= 0: every token gets a constant first feature and expert e's gate weight on "
+                   "it is a * z_e (z standard normal, the same on every rank), so some experts draw more tokens; the "
+                   "cost model assumes even routing (default 0: none)")
     p.add_argument("--quick", action="store_true", help="a short sweep (GPU: 2 points; CPU: 4 tiny points)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default="bench_out/hybrid", help="directory for bench_hybrid.json and .png")
@@ -122,6 +133,13 @@ def parse_args(argv=None):
     if any(not 0 < f < 1 for f in args.fractions):
         p.error(f"--fractions: every fraction must be in (0, 1) (1, whole domains, is always timed), "
                 f"got {args.fractions}")
+    if args.hottest and not args.fractions:
+        p.error("--hottest: needs --fractions (it chooses which of a rank's experts migrate when only some do)")
+    if args.hottest and args.microbatches > 1:
+        p.error("--hottest: the choice is made again only after an optimizer step with reused replicas, and the "
+                "timed steps take none; use --microbatches 1")
+    if not args.skew >= 0:
+        p.error(f"--skew: must be >= 0, got {args.skew}")
     if any(not 0 < r <= 1 for r in args.compressions):
         p.error(f"--compressions: every ratio must be in (0, 1], got {args.compressions}")
     args.expert_sizes = [parse_expert(s) for s in args.experts]
@@ -243,18 +261,21 @@ def finish(layer, state, device, dtype, pacing):
     return layer
 
 
-def option_specs(sizes, fractions, compressions, local_experts):
-    """``{name: (S, m, ratio)}``: ``EP`` (1, 0, None), then per domain size ``S=n`` (every expert
-    migrated, dense), ``S=n m=j`` (j of the L local experts migrated, one per distinct rounding of
-    ``fractions``) and ``S=n c=r`` (every expert migrated, compressed at ratio r)."""
+def option_specs(sizes, fractions, compressions, local_experts, hottest=False):
+    """``{name: (S, m, ratio, choice)}``: ``EP`` (1, 0, None, "first"), then per domain size ``S=n``
+    (every expert migrated, dense), ``S=n m=j`` (the first j of the L local experts migrated, one
+    per distinct rounding of ``fractions``; with ``hottest`` also ``S=n m=j hot``, the j hottest)
+    and ``S=n c=r`` (every expert migrated, compressed at ratio r)."""
     from ds_uniep.hybrid.runtime import migrated_experts
-    specs = {"EP": (1, 0, None)}
+    specs = {"EP": (1, 0, None, "first")}
     for S in sizes:
-        specs[f"S={S}"] = (S, local_experts, None)
+        specs[f"S={S}"] = (S, local_experts, None, "first")
         for m in sorted({migrated_experts(f, local_experts) for f in fractions} - {local_experts}):
-            specs[f"S={S} m={m}"] = (S, m, None)
+            specs[f"S={S} m={m}"] = (S, m, None, "first")
+            if hottest:
+                specs[f"S={S} m={m} hot"] = (S, m, None, "hottest")
         for r in sorted(set(compressions)):
-            specs[f"S={S} c={r:g}"] = (S, local_experts, r)
+            specs[f"S={S} c={r:g}"] = (S, local_experts, r, "first")
     return specs
 
 
@@ -267,13 +288,17 @@ def build_layers(M, F, args, specs, device, dtype, pacing):
     with torch.no_grad():
         for p in proto.deepspeed_moe.experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
+        if args.skew:  # the inputs' first feature is 1 (see measure_point): expert e's logit gains a * z_e
+            z = torch.randn(args.num_experts, generator=torch.Generator().manual_seed(7))
+            proto.deepspeed_moe.gate.wg.weight[:, 0] = args.skew * z
     state = proto.state_dict()
     layers = {"EP": finish(make_layer(M, F, args, G), state, device, dtype, pacing)}
     L = args.num_experts // G
-    for name, (S, m, ratio) in specs.items():
+    for name, (S, m, ratio, choice) in specs.items():
         if S == 1:
             continue
-        hybrid = {"enabled": True, "domain_size": S, "site_size": args.site_size, "migrated_fraction": m / L}
+        hybrid = {"enabled": True, "domain_size": S, "site_size": args.site_size, "migrated_fraction": m / L,
+                  "migrated_experts": choice}
         if ratio is not None:
             hybrid["compression"] = {"enabled": True, "ratio": ratio}
         layers[name] = finish(make_layer(M, F, args, G, hybrid), state, device, dtype, pacing)
@@ -300,8 +325,10 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
 
     def inputs(i):
         gen = torch.Generator(device=device).manual_seed(1000 * rank + i)
-        x = torch.randn(T, M, dtype=dtype, device=device, generator=gen).requires_grad_(True)
-        return x, torch.randn(T, M, dtype=dtype, device=device, generator=gen)
+        x = torch.randn(T, M, dtype=dtype, device=device, generator=gen)
+        if args.skew:
+            x[:, 0] = 1.0  # the gate's skewed column (build_layers)
+        return x.requires_grad_(True), torch.randn(T, M, dtype=dtype, device=device, generator=gen)
     pool = rotating(inputs, 2)
 
     # 1. One checked run per option: outputs and input gradients against plain EP (the reference:
@@ -311,6 +338,9 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
     ref = None
     LAST_MICROBATCH[0] = True  # a step of one micro-batch: one gather, one gradient return
     for name, layer in layers.items():
+        if specs[name][3] == "hottest":  # a forward+backward whose tokens choose the experts
+            fwd_bwd(layer)(pool(1)[0].detach().clone().requires_grad_(True), pool(1)[1])
+            layer.zero_grad(set_to_none=True)
         layer.refresh_replicas()
         x = pool(0)[0].detach().clone().requires_grad_(True)
         before, transfers = pacing.paced_bytes, pacing.paced_transfers
@@ -368,7 +398,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
     cl = Cluster(num_ranks=G, site_size=L, intra_site_bandwidth_bytes_per_s=b_f, inter_site_bandwidth_bytes_per_s=b_s)
     options = {}
     for name in layers:
-        S, m, comp = specs[name]
+        S, m, comp, _ = specs[name]
         lt = predict(wl, cl, S, m / (E // G), compression_ratio=comp, bytes_per_value=elsize)
         pred_ms = lt.total_s * 1e3
         model_bytes = 4 * lt.token_bytes_inter + lt.gather_bytes_inter + lt.grad_return_bytes_inter
@@ -378,7 +408,10 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         ratio = measured[name] / pred_ms
         # Compression is lossy below ratio 1: its errors against plain EP are reported, not checked.
         lossy = comp is not None and comp < 1
-        options[name] = {"S": S, "migrated_experts": m, "compression_ratio": comp,
+        h = layers[name]._hybrid
+        options[name] = {"S": S, "migrated_experts": m, "migration_choice": specs[name][3],
+                         "chosen_experts": h.dispatcher.chosen if h is not None and m < E // G else None,
+                         "compression_ratio": comp,
                          "measured_ms": measured[name], "predicted_ms": pred_ms,
                          "ratio": ratio,
                          "within_15pct": abs(ratio - 1) <= 0.15, "inter_bytes_model": model_bytes, **checks[name],
@@ -448,7 +481,7 @@ def run(args, log=print):
     bw = parse_bandwidth(args.inter_bw)
     pacing = InterSitePacing(L, bw, hold=args.hold)
     sizes = [S for S in Cluster(G, L, 1.0, 1.0).valid_domain_sizes() if S > 1]
-    specs = option_specs(sizes, args.fractions, args.compressions, args.num_experts // G)
+    specs = option_specs(sizes, args.fractions, args.compressions, args.num_experts // G, args.hottest)
     names = list(specs)
     say = log if rank == 0 else (lambda *a, **k: None)
 

@@ -243,6 +243,29 @@ def test_bench_hybrid_times_compressed_migration_options():
     run_distributed(_bench_compressions, 4)
 
 
+def _bench_hottest(rank, world_size):
+    """--fractions 0.5 --hottest --skew 3: beside each partial option its hottest form, matching plain
+    EP; with every rank's tokens skewed to the same experts, in one domain of 4 the hottest form moves
+    fewer inter-site bytes than migrating each rank's first expert, and chooses differently."""
+    bench_hybrid, results = _one_tiny_point("--fractions", "0.5", "--hottest", "--skew", "3")
+    (p, ) = results["points"]
+    assert results["option_names"] == ["EP", "S=2", "S=2 m=1", "S=2 m=1 hot", "S=4", "S=4 m=1", "S=4 m=1 hot"], \
+        results["option_names"]
+    for name, o in p["options"].items():
+        assert o["migration_choice"] == ("hottest" if name.endswith("hot") else "first"), (name, o)
+        if name != "EP":
+            assert o["outputs_match"], (name, o)
+    first, hot = p["options"]["S=4 m=1"], p["options"]["S=4 m=1 hot"]
+    assert first["chosen_experts"] == [[0]] * 4 and hot["chosen_experts"] != first["chosen_experts"], (first, hot)
+    assert hot["inter_bytes_measured"] < first["inter_bytes_measured"], (first, hot)
+    if rank == 0:
+        bench_hybrid.print_table(results)
+
+
+def test_bench_hybrid_times_hottest_migration_under_skewed_routing():
+    run_distributed(_bench_hottest, 4)
+
+
 def test_bench_hybrid_times_partial_migration_options():
     run_distributed(_bench_fractions, 4)
 
@@ -261,7 +284,7 @@ def test_bench_hybrid_core_reports_every_option_and_matches_plain_ep(tmp_path, c
 
 @pytest.mark.parametrize("flag, values", [("--fractions", ["1.0"]), ("--fractions", ["0"]),
                                           ("--compressions", ["0"]), ("--compressions", ["1.5"]),
-                                          ("--microbatches", ["0"])])
+                                          ("--microbatches", ["0"]), ("--hottest", []), ("--skew", ["-1"])])
 def test_bench_hybrid_refuses_out_of_range_options(flag, values, capsys):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import bench_hybrid
