@@ -192,15 +192,16 @@ class HybridConfig(_Block):
         "measure", description="Bytes/s per rank between sites (planner input), or measure: timed ring "
         "exchanges at start-up.")
     migrated_fraction: Union[float, Literal["auto"]] = Field(
-        "auto", description="Share of each rank's experts migrated inside its domain: its first round(f * L) of "
-        "L (the others keep taking tokens from the domain's ranks; 0 is plain EP), or auto: with domain_size auto "
+        "auto", description="Share of each rank's experts migrated inside its domain: round(f * L) of its "
+        "L (which ones: migrated_experts; the others keep taking tokens from the domain's ranks; 0 is plain EP), or auto: with domain_size auto "
         "chosen by the planner with it (in whole experts), with a fixed domain_size all of them.")
     migrated_experts: Literal["first", "hottest"] = Field(
-        "first", description="Which of a rank's experts migrate when only some do (migrated_fraction < 1): its "
+        "hottest", description="Which of a rank's experts migrate when only some do (migrated_fraction < 1): its "
         "first ones, or the hottest: at each gather (with reuse_replicas, the first after each optimizer step) "
         "those that the other ranks of the owner's domain routed the most tokens to since the last choice (their "
         "tokens then stay on those ranks instead of crossing to the owner), ties to the smaller index; the same "
-        "choice on every rank, from token counts all-gathered at each dispatch.")
+        "choice on every rank, from token counts all-gathered at each dispatch; before any token is seen, the "
+        "first ones.")
     compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
                                                  description="Compressed expert migration.")
     reuse_replicas: bool = Field(

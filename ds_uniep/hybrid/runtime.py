@@ -36,8 +36,8 @@ its own tensor in the graph, so its gradient goes into the all-to-all's send
 buffer without an ``[S, ...]`` zero-filled intermediate.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
-Partial migration (``migrated_fraction``, ``m < L`` experts per rank): step 1 gathers only each
-rank's first m experts; the dispatch runs over the whole EP group
+Partial migration (``migrated_fraction``, ``m < L`` experts per rank): step 1 gathers only m of
+each rank's experts (its first m, or the hottest: :meth:`HybridExperts._choose`); the dispatch runs over the whole EP group
 (:class:`PartialMigrationDispatcher`): a token for a migrated expert goes where step 2 sends it, a
 token for any other expert to its owner, which runs those experts with its own weights.
 
@@ -732,11 +732,11 @@ class HybridExperts:
     def __init__(self, experts: Sequence[nn.Module], groups: HybridGroups, num_experts: int,
                  compression_ratio: Optional[float] = None, pacing: Optional[InterSitePacing] = None,
                  reuse_replicas: bool = False, boundary: Optional[Callable[[], bool]] = None,
-                 name: str = "HybridEP", migrated: Optional[int] = None, choice: str = "first"):
+                 name: str = "HybridEP", migrated: Optional[int] = None, choice: str = "hottest"):
         self.experts = list(experts)
         self.groups = groups
         L = len(self.experts)
-        #: m: experts per rank migrated inside the domain (its first m); the others take tokens
+        #: m: experts per rank migrated inside the domain (which: ``choice``); the others take tokens
         self.migrated = L if migrated is None else migrated
         if isinstance(self.migrated, bool) or not isinstance(self.migrated, int) or not 1 <= self.migrated <= L:
             raise ValueError(f"{name}: migrated experts per rank must be an integer in 1..{L}, got {migrated!r}")
