@@ -104,8 +104,8 @@ def parse_args(argv=None):
                    "and one gradient return per step), against the model at this M")
     p.add_argument("--fractions", type=float, nargs="+", default=[],
                    help="migrated fractions in (0, 1) timed besides whole-domain migration at every domain size "
-                   "(\"migrated_fraction\": each rank migrates its first round(f L) experts, \"migrated_experts\": \"first\"); "
-                   "options S=n m=j")
+                   "(\"migrated_fraction\": each rank migrates its first round(f L) experts, "
+                   "\"migrated_experts\": \"first\"); options S=n m=j")
     p.add_argument("--compressions", type=float, nargs="+", default=[],
                    help="compression ratios in (0, 1] timed besides dense migration at every domain size (every "
                    "expert migrated, \"compression\": {\"ratio\": r}: a shared base plus each expert's top-r "

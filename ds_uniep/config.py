@@ -193,8 +193,9 @@ class HybridConfig(_Block):
         "exchanges at start-up.")
     migrated_fraction: Union[float, Literal["auto"]] = Field(
         "auto", description="Share of each rank's experts migrated inside its domain: round(f * L) of its "
-        "L (which ones: migrated_experts; the others keep taking tokens from the domain's ranks; 0 is plain EP), or auto: with domain_size auto "
-        "chosen by the planner with it (in whole experts), with a fixed domain_size all of them.")
+        "L (which ones: migrated_experts; the others keep taking tokens from the domain's ranks; 0 is plain "
+        "EP), or auto: with domain_size auto chosen by the planner with it (in whole experts), with a fixed "
+        "domain_size all of them.")
     migrated_experts: Literal["first", "hottest"] = Field(
         "hottest", description="Which of a rank's experts migrate when only some do (migrated_fraction < 1): its "
         "first ones, or the hottest: at each gather (with reuse_replicas, the first after each optimizer step) "
@@ -211,9 +212,9 @@ class HybridConfig(_Block):
         "parameter; weights changed otherwise, through .data or a buffer the parameters view, need "
         "UniEPMoE.refresh_replicas() on any rank of the domain; the domain's ranks agree at each forward, "
         "through a small gloo all-reduce, whether to gather, so they never diverge), and under a DeepSpeed "
-        "engine the replica gradients are summed over the step's micro-batches and returned at its last one (the engine's accumulation "
-        "boundary; without an engine, the one UniEPMoE.set_accumulation_boundary marks, else every backward). "
-        "domain_size auto then plans with M = gradient_accumulation_steps.")
+        "engine the replica gradients are summed over the step's micro-batches and returned at its last one "
+        "(the engine's accumulation boundary; without an engine, the one UniEPMoE.set_accumulation_boundary "
+        "marks, else every backward). domain_size auto then plans with M = gradient_accumulation_steps.")
 
     @field_validator("site_size", "domain_size")
     @classmethod

@@ -37,9 +37,10 @@ buffer without an ``[S, ...]`` zero-filled intermediate.
 With S = 1 the layer takes the plain EP path, so it is bitwise plain EP.
 
 Partial migration (``migrated_fraction``, ``m < L`` experts per rank): step 1 gathers only m of
-each rank's experts (its first m, or the hottest: :meth:`HybridExperts._choose`); the dispatch runs over the whole EP group
-(:class:`PartialMigrationDispatcher`): a token for a migrated expert goes where step 2 sends it, a
-token for any other expert to its owner, which runs those experts with its own weights.
+each rank's experts (its first m, or the hottest: :meth:`HybridExperts._choose`); the dispatch
+runs over the whole EP group (:class:`PartialMigrationDispatcher`): a token for a migrated expert
+goes where step 2 sends it, a token for any other expert to its owner, which runs those experts
+with its own weights.
 
 Once per optimizer step (``reuse_replicas``): a gather is kept while the weights it copied are
 unchanged (:meth:`HybridExperts.prefetch`), so the micro-batches of a step share one; under a
