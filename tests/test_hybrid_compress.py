@@ -95,7 +95,12 @@ def test_gpu_encode_never_synchronises_and_keeps_the_cpu_positions(dtype, levels
     w = torch.randn(numel, generator=g)
     if levels is not None:  # many ties at the k-th magnitude
         w = torch.randint(-levels, levels + 1, (numel, ), generator=g).float()
-    w, base = w.to(dtype), (torch.randn(numel, generator=g) * 0.1).to(dtype)
+    base = torch.zeros(numel) if levels is not None else torch.randn(numel, generator=g) * 0.1
+    w, base = w.to(dtype), base.to(dtype)
+    k = num_kept(numel, 0.03)
+    mag = (w.float() - base.float()).abs()
+    kth = torch.sort(mag, descending=True).values[k - 1]
+    assert levels is None or int((mag == kth).sum()) > k // 2  # many ties at the k-th magnitude
     want = encode(w, base, 0.03)
     wc, bc = w.cuda(), base.cuda()
     torch.cuda.synchronize()
