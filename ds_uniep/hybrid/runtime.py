@@ -74,6 +74,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from ..commfuse.ops import side_stream
+from ..env import logger
 from ..experts import run_grouped, stack_experts
 from ..reference import ReferenceDispatcher
 
@@ -855,6 +856,9 @@ class HybridExperts:
         if chosen != self.dispatcher.chosen:
             self.dispatcher.set_migrated(chosen)
             self.counter["choices_changed"] = self.counter.get("choices_changed", 0) + 1
+            if self.counter["choices_changed"] == 1 and g.ep_rank == 0:  # once: the choice follows the tokens
+                logger.info(f"{self.name}: HybridEP migrates the hottest experts now (local indices per EP rank "
+                            f"{chosen}); later changes are counted in counter['choices_changed']")
         self.chosen = chosen[g.ep_rank]
 
     def _weights_key(self, local: Sequence[Tensor]) -> tuple:
