@@ -29,7 +29,9 @@ from torch import Tensor
 def expert_counts(expert_idx: Tensor, num_experts: int) -> Tensor:
     """``[E]`` int64 kept pairs per expert. ``expert_idx``: ``[T, k]`` int, -1 for a dropped pair."""
     flat = expert_idx.reshape(-1).long()
-    return torch.bincount(flat[flat >= 0], minlength=num_experts)
+    # Dropped pairs land in an extra bin 0, cut off: no boolean indexing, so no host synchronisation.
+    bins = torch.zeros(num_experts + 1, dtype=torch.long, device=flat.device)
+    return bins.scatter_add_(0, flat + 1, torch.ones_like(flat))[1:]
 
 
 def _exclusive_cumsum(x: Tensor, dim: int) -> Tensor:

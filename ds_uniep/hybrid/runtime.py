@@ -76,7 +76,8 @@ from torch.func import functional_call
 from ..commfuse.ops import side_stream
 from ..env import logger
 from ..experts import run_grouped, stack_experts
-from ..reference import ReferenceDispatcher
+from ..layout import expert_counts
+from ..reference import ReferenceDispatcher, gather_counts
 
 
 class PacedTransfer:
@@ -675,13 +676,8 @@ class PartialMigrationDispatcher(ReferenceDispatcher):
         self.route = dest * V + local  # [E]: this rank's virtual expert for each expert
 
     def _note_load(self, expert_idx: Tensor) -> None:
-        flat = expert_idx.reshape(-1).long()
         E, G = self.real_experts, self.groups.ep_size
-        mine = torch.zeros(E + 1, dtype=torch.long, device=flat.device)
-        mine = mine.scatter_add_(0, flat + 1, torch.ones_like(flat))[1:].contiguous()  # dropped (-1) at 0
-        rows = mine.new_empty(G, E)
-        fn = getattr(torch_dist, "all_gather_single", None) or torch_dist.all_gather_into_tensor
-        fn(rows.view(-1), mine, group=self.groups.ep_group)
+        rows = gather_counts(expert_counts(expert_idx, E), self.groups.ep_group, G)  # [G, E]
         self.load = rows if self.load is None else self.load + rows
         if self.load.is_cuda:  # a host copy that :meth:`take_load` reads without stalling the stream
             if self._load_host is None:
