@@ -43,7 +43,15 @@ Cost model inputs (:mod:`ds_uniep.hybrid.model`), all measured in this run, at e
   per step (default 1: the runtime gathers replicas at every forward; more: every option is timed
   over whole steps, HybridEP with ``"reuse_replicas"`` and the step's last micro-batch marked by
   ``UniEPMoE.set_accumulation_boundary``, so one gather and one gradient return per step, and
-  times are per micro-batch).
+  times are per micro-batch);
+- the routing: the ``[G, E]`` token copies every rank's gate sends every expert (``load``, the
+  mean over the two timed inputs). The prediction checked is
+  :func:`~ds_uniep.hybrid.model.predict_routed` with that load and each option's migrated
+  experts (the busiest rank's link bytes and rows); ``predicted_uniform_ms`` is
+  :func:`~ds_uniep.hybrid.model.predict`'s, which assumes every rank sends every expert alike.
+  The model's inter-site bytes are those of the checked run's input and migrated experts.
+  The model's planner is fed with the same load and chooses among whole domains and, with
+  ``--hottest``, the timed hottest partial migrations.
 
 Reported per point: measured and predicted ms per option (ratio, within 15%?), inter-site
 bytes per forward+backward as paced against the model's, the paced collectives per
@@ -310,13 +318,26 @@ def build_layers(M, F, args, specs, device, dtype, pacing):
     return layers, ep1, state
 
 
+def routed_load(layer, pool, num_experts, device, inputs=(0, 1)):
+    """``[G, E]`` token copies each rank's gate routes to each expert, averaged over ``inputs`` (by
+    default the two the options are timed on; the same on every rank)."""
+    counts = torch.zeros(num_experts, dtype=torch.float64, device=device)
+    for i in inputs:
+        _, _, _, idx, _, _, _ = layer.deepspeed_moe.gate(pool(i)[0].detach(), None, True)
+        idx = idx.flatten().long()
+        counts += torch.bincount(idx[idx >= 0], minlength=num_experts).double() / len(inputs)
+    rows = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, counts)
+    return torch.stack(rows).tolist()
+
+
 # --------------------------------------------------------------------------- one point
 def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacing, timer):
     from timing import rotating
 
     from ds_uniep.config import UniEPConfig
     from ds_uniep.experts import run_experts
-    from ds_uniep.hybrid.model import Cluster, Workload, plan, predict
+    from ds_uniep.hybrid.model import Cluster, Workload, plan, predict, predict_routed
     from ds_uniep.hybrid.runtime import choose_domain_size, measure_bandwidths
     from ds_uniep.reference import ReferenceDispatcher
 
@@ -346,13 +367,15 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         x = pool(0)[0].detach().clone().requires_grad_(True)
         before, transfers = pacing.paced_bytes, pacing.paced_transfers
         out = fwd_bwd(layer)(x, pool(0)[1])
+        h = layer._hybrid  # the experts it migrated (a hottest choice is made at its forward's gather)
+        chosen = h.dispatcher.chosen if h is not None and h.migrated < len(h.experts) else None
         nbytes = pacing.paced_bytes - before
         transfers = pacing.paced_transfers - transfers
         layer.zero_grad(set_to_none=True)
         is_ref = ref is None
         if is_ref:
             ref = (out.detach(), x.grad)
-        checks[name] = {"inter_bytes_measured": slowest(nbytes, device),
+        checks[name] = {"inter_bytes_measured": slowest(nbytes, device), "chosen_checked": chosen,
                         "inter_transfers_measured": int(slowest(transfers, device)),
                         "rel_err_out": None if is_ref else slowest(rel_err(out.detach(), ref[0]), device),
                         "rel_err_dx": None if is_ref else slowest(rel_err(x.grad, ref[1]), device)}
@@ -376,6 +399,8 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         x0 = pool(0)[0].detach()
         _, _, _, idx, _, _, _ = ep1.deepspeed_moe.gate(x0, None, True)
         recv, counts, _ = ReferenceDispatcher(E, 1).dispatch(x0, idx.t())
+        load = routed_load(ep1, pool, E, device)
+        load_checked = routed_load(ep1, pool, E, device, inputs=(0, ))  # the checked runs' routing
     recv = recv.detach().requires_grad_(True)
     experts = list(ep1.deepspeed_moe.experts.deepspeed_experts)
     exp_fwd = timer(lambda x, gy: run_experts(experts, recv, counts), pool, [ep1])
@@ -400,20 +425,27 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
     options = {}
     for name in layers:
         S, m, comp, _ = specs[name]
-        lt = predict(wl, cl, S, m / (E // G), compression_ratio=comp, bytes_per_value=elsize)
+        h = layers[name]._hybrid
+        chosen = h.dispatcher.chosen if h is not None and m < E // G else None
+        # The model fed with this point's routing (load): the prediction checked; the uniform
+        # routing's beside it.
+        lt = predict_routed(wl, cl, load, S, chosen, compression_ratio=comp, bytes_per_value=elsize)
+        uniform_ms = predict(wl, cl, S, m / (E // G), compression_ratio=comp, bytes_per_value=elsize).total_s * 1e3
         pred_ms = lt.total_s * 1e3
-        model_bytes = 4 * lt.token_bytes_inter + lt.gather_bytes_inter + lt.grad_return_bytes_inter
+        # The inter-site bytes of the checked run, for its input's routing and its migrated experts.
+        lt0 = predict_routed(wl, cl, load_checked, S, checks[name]["chosen_checked"], compression_ratio=comp,
+                             bytes_per_value=elsize)
+        model_bytes = 4 * lt0.token_bytes_inter + lt0.gather_bytes_inter + lt0.grad_return_bytes_inter
         if mb > 1:  # a whole step: 4 token all-to-alls per micro-batch, one gather, one return
-            checks[name]["step_inter_bytes_model"] = (4 * mb * lt.token_bytes_inter + lt.gather_bytes_inter
-                                                      + lt.grad_return_bytes_inter)
+            checks[name]["step_inter_bytes_model"] = (4 * mb * lt0.token_bytes_inter + lt0.gather_bytes_inter
+                                                      + lt0.grad_return_bytes_inter)
         ratio = measured[name] / pred_ms
         # Compression is lossy below ratio 1: its errors against plain EP are reported, not checked.
         lossy = comp is not None and comp < 1
-        h = layers[name]._hybrid
         options[name] = {"S": S, "migrated_experts": m, "migration_choice": specs[name][3],
-                         "chosen_experts": h.dispatcher.chosen if h is not None and m < E // G else None,
-                         "compression_ratio": comp,
+                         "chosen_experts": chosen, "compression_ratio": comp,
                          "measured_ms": measured[name], "predicted_ms": pred_ms,
+                         "predicted_uniform_ms": uniform_ms,
                          "ratio": ratio,
                          "within_15pct": abs(ratio - 1) <= 0.15, "inter_bytes_model": model_bytes, **checks[name],
                          "outputs_match": None if checks[name]["rel_err_out"] is None or lossy else
@@ -424,11 +456,14 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
                 "inter_site_bandwidth": float(b_s), "migrated_fraction": 1.0}
     hyb = UniEPConfig.from_dict({"hybrid": auto_cfg}).hybrid
     s_rt, rt_plan = choose_domain_size(hyb, G, expert0, M, k, T, E // G, L, dist.group.WORLD, num_microbatches=mb)
-    mp = plan(wl, cl, "auto", fractions=(0.0, 1.0))
-    s_model = mp.domain_size if mp.migrated_fraction > 0 else 1
+    # The model's planner, fed with this point's routing: among whole domains, and with --hottest
+    # the timed partial migrations too (the hottest experts, as the planner assumes).
+    fractions = (0.0, 1.0) + (tuple(args.fractions) if args.hottest else ())
+    def name_of(S, m=None, L=None):
+        return "EP" if S == 1 else f"S={S}" if m is None or m == L else f"S={S} m={m} hot"
 
-    def name_of(S):
-        return "EP" if S == 1 else f"S={S}"
+    mp = plan(wl, cl, "auto", fractions=fractions, load=load)
+    model_name = name_of(mp.domain_size, round(mp.migrated_fraction * (E // G)), E // G)
 
     # 6. Where the planner keeps plain EP: a layer built with "domain_size": "auto", timed in
     #    alternation with plain EP (its overhead is a difference of a few percent at most).
@@ -447,7 +482,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
     best_hybrid = min(hybrid_names, key=measured.get)
     return {
         "M": M, "F": F, "T": T, "E": E, "k": k, "G": G, "site_size": L, "dtype": args.dtype, "microbatches": mb,
-        "token_bytes": D, "expert_bytes": P,
+        "token_bytes": D, "expert_bytes": P, "load": load,
         "bandwidth_bytes_per_s": {"intra_site": b_f, "inter_site": b_s},
         "compute": {"ep1_fwd_ms": ep1_fwd, "ep1_fwdbwd_ms": ep1_fwdbwd, "experts_fwd_ms": exp_fwd,
                     "t_pre_ms": t_pre * 1e3, "t_exp_ms": t_exp * 1e3, "c_b": c_b},
@@ -456,8 +491,8 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         "planner": {"runtime_choice": name_of(s_rt), "runtime_ms": auto_ms,
                     "runtime_predicted_speedup": rt_plan.speedup,
                     "within_5pct": auto_ms <= 1.05 * measured[best],
-                    "model_choice": name_of(s_model), "model_ms": measured[name_of(s_model)],
-                    "model_within_5pct": measured[name_of(s_model)] <= 1.05 * measured[best],
+                    "model_choice": model_name, "model_ms": measured[model_name],
+                    "model_within_5pct": measured[model_name] <= 1.05 * measured[best],
                     "auto_overhead": overhead},
         "best_hybrid": best_hybrid,
         "speedup_best_hybrid": measured["EP"] / measured[best_hybrid],
@@ -532,8 +567,11 @@ def summarize(points):
         largest[name] = s[-1]
     overheads = [p["planner"]["auto_overhead"] for p in points if p["planner"]["auto_overhead"] is not None]
     errs = [abs(o["ratio"] - 1) for o in preds]
+    uniform_errs = [abs(o["measured_ms"] / o["predicted_uniform_ms"] - 1) for o in preds]
     return {
         "model_within_15pct": sum(o["within_15pct"] for o in preds), "predictions": len(preds),
+        "uniform_model_within_15pct": sum(e <= 0.15 for e in uniform_errs),
+        "uniform_model_max_abs_error": max(uniform_errs),
         "model_max_abs_error": max(errs), "model_median_abs_error": sorted(errs)[len(errs) // 2],
         "planner_within_5pct": sum(planner_ok), "model_planner_within_5pct": sum(model_ok), "points": len(points),
         "speedup_grows_with_token_bytes": grows, "speedup_at_largest_tokens": largest,
@@ -578,7 +616,9 @@ def print_table(results):
     c = s["checks"]
     ovh = s["max_auto_overhead_where_planner_keeps_ep"]
     print(f"model within 15%: {s['model_within_15pct']}/{s['predictions']} (median |err| "
-          f"{100 * s['model_median_abs_error']:.1f}%, max {100 * s['model_max_abs_error']:.1f}%); planner "
+          f"{100 * s['model_median_abs_error']:.1f}%, max {100 * s['model_max_abs_error']:.1f}%; the uniform "
+          f"routing's: {s['uniform_model_within_15pct']}/{s['predictions']}, max "
+          f"{100 * s['uniform_model_max_abs_error']:.1f}%); planner "
           f"(runtime/model inputs) within 5% of best: {s['planner_within_5pct']}/{s['points']} / "
           f"{s['model_planner_within_5pct']}/{s['points']}; speedup at largest T: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in s["speedup_at_largest_tokens"].items())

@@ -6,6 +6,7 @@ import os
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
@@ -155,9 +156,12 @@ def _bench_body(rank, world_size, out_dir):
                 continue
             assert o["rel_err_out"] <= 1e-5 and o["rel_err_dx"] <= 1e-5, (name, o)
             assert o["outputs_match"], (name, o)
-        # Expert gather and gradient return are deterministic: paced bytes are the model's exactly.
+        # Expert gather and gradient return are deterministic, and the model is fed with the checked
+        # run's routing: paced bytes are the model's exactly, tokens included.
+        for name, o in p["options"].items():
+            assert o["inter_bytes_measured"] == o["inter_bytes_model"], (name, o)
         s4 = p["options"]["S=4"]
-        assert s4["inter_bytes_measured"] == s4["inter_bytes_model"] == 4 * 2 * p["expert_bytes"], s4
+        assert s4["inter_bytes_measured"] == 4 * 2 * p["expert_bytes"], s4
         assert s4["inter_transfers_measured"] == 2 and p["options"]["EP"]["inter_transfers_measured"] == 4
         assert p["planner"]["runtime_choice"] in p["options"] and p["best"] in p["options"]
         assert p["speedup_best_hybrid"] > 0 and p["compute"]["c_b"] >= 1
@@ -258,6 +262,16 @@ def _bench_hottest(rank, world_size):
     first, hot = p["options"]["S=4 m=1"], p["options"]["S=4 m=1 hot"]
     assert first["chosen_experts"] == [[0]] * 4 and hot["chosen_experts"] != first["chosen_experts"], (first, hot)
     assert hot["inter_bytes_measured"] < first["inter_bytes_measured"], (first, hot)
+    # The model fed with the checked run's routing and migrated experts: its inter-site bytes are the
+    # paced ones exactly for every option, tokens included (the uniform routing's are not, here).
+    for name, o in p["options"].items():
+        assert o["inter_bytes_measured"] == o["inter_bytes_model"], (name, o)
+    ep = p["options"]["EP"]
+    assert abs(ep["predicted_uniform_ms"] / ep["predicted_ms"] - 1) > 0.01, ep
+    load = np.asarray(p["load"])
+    assert load.shape == (4, 8) and abs(load.sum() - 4 * 32 * 2) < 1e-9, load
+    # The model's planner saw the same routing and picked a timed option.
+    assert p["planner"]["model_choice"] in p["options"], p["planner"]
     if rank == 0:
         bench_hybrid.print_table(results)
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from ds_uniep.hybrid.model import (GBPS, Cluster, Workload, compressed_expert_bytes, kept_count, plan, predict)
+from ds_uniep.hybrid.model import (GBPS, Cluster, Workload, compressed_expert_bytes, hottest_choice, kept_count, plan,
+                                   predict, predict_routed, token_flows)
 from ds_uniep.hybrid.presets import PRESETS, parse_bandwidth
 
 INF = math.inf
@@ -219,3 +220,99 @@ def test_cluster_and_domain_validation():
     with pytest.raises(ValueError, match="compression.ratio"):
         compressed_expert_bytes(100.0, 2, 1.5)
     assert Cluster(24, 4, 1.0, 1.0).valid_domain_sizes() == [1, 2, 4, 8, 12, 24]
+
+
+# ---------------------------------------------------------------- measured routing (predict_routed)
+def _times(t):
+    return (t.forward_s, t.backward_s, t.token_bytes_intra, t.token_bytes_inter, t.gather_bytes_intra,
+            t.gather_bytes_inter, t.grad_return_bytes_intra, t.grad_return_bytes_inter)
+
+
+@pytest.mark.parametrize("site", [1, 2, 4])
+def test_routed_uniform_load_is_the_uniform_model(site):
+    """Every rank sending each expert the same copies gives predict's numbers, for every S and every
+    partial migration of the first m experts."""
+    wl = _wl(experts_per_rank=4.0, num_microbatches=3)
+    cl = Cluster(4, site, 100.0, 10.0)
+    load = [[7.0] * 16] * 4
+    for S in cl.valid_domain_sizes():
+        for m in ([0] if S == 1 else [1, 2, 3, 4]):
+            chosen = None if m in (0, 4) else [list(range(m))] * 4
+            for ratio in (None, 0.25):
+                want = predict(wl, cl, S, m / 4, compression_ratio=ratio)
+                got = predict_routed(wl, cl, load, S, chosen, compression_ratio=ratio)
+                assert _times(got) == pytest.approx(_times(want), rel=1e-12, abs=1e-12), (S, m, ratio)
+
+
+def test_routed_plain_ep_all_to_one_expert_by_hand():
+    # HAND (sites of 2, B_f 100, B_s 10), D = 400 B = 4 copies of 100 B; every copy to expert 0 (rank 0).
+    # Rank 1 sends 400 B fast, ranks 2 and 3 400 B slow each; rank 0 receives 400 B fast and 800 B slow:
+    # a = max(400/100, 800/10) = 80. Rank 0 serves 16 copies, 4 times the mean: t_exp = 8.
+    # fwd = 1 + 80 + 8 + 80 = 169; bwd = 80 + 2*8 + 80 + 2*1 = 178.
+    load = [[4, 0, 0, 0]] * 4
+    flows = token_flows(load, 1, 1)
+    assert flows.tolist() == [[4, 0, 0, 0]] * 4
+    t = predict_routed(_wl(), HAND, load, 1)
+    assert (t.token_bytes_intra, t.token_bytes_inter) == (400.0, 800.0)
+    assert (t.forward_s, t.backward_s) == (169.0, 178.0)
+    # One domain of 4, every expert migrated: no token moves and each rank serves its own 4 copies,
+    # whatever the routing: the uniform numbers (test_full_hybrid_by_hand).
+    t = predict_routed(_wl(), HAND, load, 4)
+    assert (t.forward_s, t.backward_s) == (22.0, 24.0)
+
+
+def test_routed_hottest_partial_migration_by_hand():
+    # 2 ranks on slow links (B_s 10), 2 experts each, D = 400 B = 4 copies of 100 B. Both ranks route
+    # 3 copies to expert 1 (rank 0's local 1) and 1 to expert 2 (rank 1's local 0).
+    cl = Cluster(2, 1, 100.0, 10.0)
+    wl = _wl(experts_per_rank=2.0)
+    load = [[0, 3, 1, 0], [0, 3, 1, 0]]
+    hot = hottest_choice(load, 2, 2, 2, 1)
+    assert hot == [[1], [0]]
+    # Hottest: every copy stays on its rank; gather 1 expert of 100 B (10 s).
+    # fwd = max(1, 10) + 2 = 12; bwd = 4 + max(2, 100/10) = 14.
+    assert token_flows(load, 2, 2, hot).tolist() == [[4, 0], [0, 4]]
+    t = predict_routed(wl, cl, load, 2, hot)
+    assert (t.token_bytes_inter, t.forward_s, t.backward_s) == (0.0, 12.0, 14.0)
+    # First experts: rank 1's 3 copies for expert 1 cross (300 B: a = 30); rank 0 serves 7 copies
+    # (t_exp = 2 * 7/4 = 3.5). fwd = max(1, 10) + 30 + 3.5 + 30 = 73.5; bwd = 30 + 7 + max(32, 400/10) = 77.
+    first = [[0], [0]]
+    assert token_flows(load, 2, 2, first).tolist() == [[4, 0], [3, 1]]
+    t = predict_routed(wl, cl, load, 2, first)
+    assert (t.token_bytes_inter, t.forward_s, t.backward_s) == (300.0, 73.5, 77.0)
+    # Plain EP: rank 1 sends 300 B, rank 0 sends 100 B (a = 30); rank 0 serves 6 copies (t_exp 3).
+    # fwd = 1 + 30 + 3 + 30 = 64; bwd = 30 + 6 + 30 + 2 = 68.
+    ep = predict_routed(wl, cl, load, 1)
+    assert (ep.forward_s, ep.backward_s) == (64.0, 68.0)
+    # The planner fed with this routing migrates the hottest half (26 s) over whole domains (46 s)
+    # and plain EP (132 s); the uniform model sees no skew and chooses otherwise.
+    p = plan(wl, cl, fractions=(0.5, 1.0), load=load)
+    assert (p.domain_size, p.migrated_fraction, p.migrated) == (2, 0.5, [[1], [0]])
+    assert p.hybrid.total_s == 26.0 and p.ep.total_s == 132.0 and p.speedup == pytest.approx(132 / 26)
+    assert plan(wl, cl, fractions=(0.5, 1.0)).migrated_fraction == 1.0
+
+
+def test_routed_plan_with_uniform_load_matches_the_uniform_plan():
+    wl = PRESETS["dsv2lite-like"].workload(16, num_microbatches=4)
+    for cl in (Cluster(16, 8, 4e11, 10 * GBPS), Cluster(16, 4, 4e11, 100 * GBPS), Cluster(16, 1, 4e11, 4e11)):
+        L = int(wl.experts_per_rank)
+        a = plan(wl, cl, fractions=(0.0, 1.0))
+        b = plan(wl, cl, fractions=(0.0, 1.0), load=[[1.0] * (16 * L)] * 16)
+        assert (a.domain_size, a.migrated_fraction) == (b.domain_size, b.migrated_fraction), cl
+        assert a.hybrid.total_s == pytest.approx(b.hybrid.total_s, rel=1e-12) and b.migrated is None
+
+
+def test_routed_validation():
+    wl = _wl(experts_per_rank=2.0)
+    with pytest.raises(ValueError, match=r"load: expected \[G=4, E=8\]"):
+        predict_routed(wl, HAND, [[1.0] * 4] * 4)
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        predict_routed(wl, HAND, [[-1.0] + [1.0] * 7] * 4)
+    with pytest.raises(ValueError, match="no token"):
+        predict_routed(wl, HAND, [[0.0] * 8] * 4)
+    with pytest.raises(ValueError, match=r"migrated\[1\]"):
+        predict_routed(wl, HAND, [[1.0] * 8] * 4, 2, [[0], [0, 1], [0], [0]])
+    with pytest.raises(ValueError, match="one list of local experts per rank"):
+        predict_routed(wl, HAND, [[1.0] * 8] * 4, 2, [[0]])
+    with pytest.raises(ValueError, match="experts_per_rank must be whole"):
+        predict_routed(_wl(experts_per_rank=1.5), HAND, [[1.0] * 6] * 4)

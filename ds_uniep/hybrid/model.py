@@ -30,7 +30,8 @@ M    micro-batches per optimizer step: replicas are gathered once per step
 t_pre, t_exp  forward pre-expert and expert compute; backward takes
      ``c_b`` times as long (``backward_compute_factor``, default 2).
 
-Routing is uniform: each rank sends D/G to every rank (itself included).
+Routing is uniform: each rank sends D/G to every rank (itself included); see "Measured
+routing" below for any other.
 
 Bytes each rank sends per all-to-all (dispatch; combine is its mirror)
 ---------------------------------------------------------------------
@@ -106,16 +107,25 @@ larger, and then the first forward may be the longer pass); with infinite inter-
 and L = 1 plain EP is pure compute and HybridEP can only tie; with both
 bandwidths infinite every plan ties and the planner keeps plain EP.
 
+Measured routing: :func:`predict_routed` takes the token copies every rank routes to every
+expert (``load [G, E]``) instead of the uniform routing above. It routes them as the runtime
+does (:func:`token_flows`: a copy for a migrated expert to the sender's offset in the expert's
+domain, any other to the owner) and puts into the same formulas the busiest rank's bytes per
+level, ``max(sent, received)``, for ``tok_x``, and ``t_exp`` scaled by the busiest rank's rows
+over the mean. Partial migration then depends on *which* experts migrate (for instance the
+hottest, :func:`hottest_choice`), not only on how many. With a uniform load it gives
+:func:`predict`'s numbers. :func:`plan` takes the same ``load``.
+
 What the model leaves out: per-message latency (HybridEP's fewer peers help
 there; see :mod:`ds_uniep.hybrid.topology` for the pair counts), routing
-imbalance, pipelining of expert compute with the all-to-alls, and link
-contention between levels that share a NIC.
+imbalance (unless fed with a load), pipelining of expert compute with the all-to-alls,
+and link contention between levels that share a NIC.
 """
 
 import math
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -261,17 +271,21 @@ class LayerTime:
 
 
 def layer_times(d, pe_wire, pe_grad, base_bytes, e_r, g, s, l, b_f, b_s, t_pre, t_exp, c_b, m, phi,
-                returns_every_microbatch=False):
+                returns_every_microbatch=False, tok=None):
     """The formulas of the module docstring on numpy-broadcastable arguments.
 
-    Returns ``(forward_s, backward_s, tok_f, tok_s, g_f, g_s, r_f, r_s)``; no
-    validation (callers validate once)."""
+    ``tok``: ``(tok_f, tok_s)`` token bytes per all-to-all and level in place of the uniform
+    routing's (:func:`predict_routed` passes the busiest rank's). Returns ``(forward_s, backward_s,
+    tok_f, tok_s, g_f, g_s, r_f, r_s)``; no validation (callers validate once)."""
     d, g, s, l, phi, m = (np.asarray(x, dtype=np.float64) for x in (d, g, s, l, phi, m))
     per_dest = d / g
     p_f = np.minimum(s, l) - 1
     p_s = s - np.minimum(s, l)
-    tok_f = per_dest * ((1 - phi) * p_f + np.maximum(l - s, 0))
-    tok_s = per_dest * ((1 - phi) * p_s + g - np.maximum(s, l))
+    if tok is None:
+        tok_f = per_dest * ((1 - phi) * p_f + np.maximum(l - s, 0))
+        tok_s = per_dest * ((1 - phi) * p_s + g - np.maximum(s, l))
+    else:
+        tok_f, tok_s = (np.asarray(x, dtype=np.float64) for x in tok)
     migrated = phi * e_r
     base = np.where((phi > 0) & (s > 1), 2 * (s - 1) / s * base_bytes, 0.0)
     g_f = migrated * pe_wire * p_f + np.where(s > l, 0.0, base)
@@ -324,6 +338,125 @@ def predict(workload: Workload, cluster: Cluster, domain_size: int = 1, migrated
     return LayerTime(*(float(x) for x in out))
 
 
+# --------------------------------------------------------------------------- measured routing
+def migrated_count(fraction: float, local_experts: int) -> int:
+    """m: experts per rank a migrated ``fraction`` moves, the nearest whole number to
+    ``fraction * L`` (exact rational arithmetic, halves up; 0 means plain EP)."""
+    if fraction <= 0:
+        return 0
+    return kept_count(local_experts, fraction)
+
+
+def _load_array(load, num_ranks: int, num_experts: int) -> np.ndarray:
+    arr = np.asarray(load, dtype=np.float64)
+    if arr.shape != (num_ranks, num_experts):
+        raise ValueError(f"load: expected [G={num_ranks}, E={num_experts}] token copies (each rank's tokens "
+                         f"routed to each expert, all k slots), got shape {list(arr.shape)}")
+    if not np.isfinite(arr).all() or (arr < 0).any():
+        raise ValueError("load: every count must be finite and >= 0")
+    if not arr.sum() > 0:
+        raise ValueError("load: no token is routed anywhere")
+    return arr
+
+
+def hottest_choice(load, num_ranks: int, domain_size: int, local_experts: int,
+                   migrated: int) -> List[List[int]]:
+    """For each rank (owner), the ``migrated`` of its ``local_experts`` experts whose migration
+    keeps the most tokens from crossing to it: those the other ranks of its domain routed to
+    them (``load [G, E]``), ties to the smaller index; ascending. What the runtime's
+    ``"migrated_experts": "hottest"`` migrates given the same load."""
+    G, S, L = num_ranks, domain_size, local_experts
+    load = np.asarray(load)
+    chosen = []
+    for o in range(G):
+        peers = [r for r in range((o // S) * S, (o // S + 1) * S) if r != o]
+        saved = [sum(load[r][o * L + j] for r in peers) for j in range(L)]
+        best = sorted(range(L), key=lambda j: (-saved[j], j))[:migrated]
+        chosen.append(sorted(int(j) for j in best))
+    return chosen
+
+
+def token_flows(load, domain_size: int, local_experts: int, migrated=None) -> np.ndarray:
+    """``[G, G]``: token copies rank i sends rank j (j = i included) in one dispatch, given the
+    copies each rank routes to each expert (``load [G, E]``), as the runtime routes them: a copy
+    for a migrated expert goes to the rank of that expert's domain with the sender's offset
+    (which holds the replica; the sender itself inside its own domain), any other copy to the
+    expert's owner. ``migrated``: per owner, its migrated local experts; None migrates every
+    expert (at S > 1). At S = 1 nothing migrates."""
+    load = np.asarray(load, dtype=np.float64)
+    G, E = load.shape
+    S, L = domain_size, local_experts
+    owner = np.arange(E) // L
+    moved = np.zeros((G, L), dtype=bool)
+    if S > 1:
+        if migrated is None:
+            moved[:] = True
+        else:
+            for o, c in enumerate(migrated):
+                moved[o, list(c)] = True
+    moved = moved.reshape(-1)
+    flows = np.zeros((G, G))
+    for i in range(G):
+        np.add.at(flows[i], np.where(moved, (owner // S) * S + i % S, owner), load[i])
+    return flows
+
+
+def _check_migrated(migrated, G: int, L: int) -> int:
+    if len(migrated) != G:
+        raise ValueError(f"migrated: expected one list of local experts per rank ({G}), got {len(migrated)}")
+    m = len(migrated[0])
+    for o, c in enumerate(migrated):
+        if len(c) != m or len(set(c)) != m or not all(isinstance(j, (int, np.integer)) and 0 <= j < L for j in c):
+            raise ValueError(f"migrated[{o}]: expected {m} distinct local experts in 0..{L - 1} "
+                             f"(the same count on every rank), got {list(c)}")
+    return m
+
+
+def predict_routed(workload: Workload, cluster: Cluster, load, domain_size: int = 1, migrated=None,
+                   compression_ratio: Optional[float] = None, bytes_per_value: int = 2) -> LayerTime:
+    """:func:`predict` for a measured routing instead of the uniform one.
+
+    ``load [G, E]``: token copies each rank routes to each expert (all k slots; E = G * E_r, so
+    E_r must be whole). The routing decides where every copy goes (:func:`token_flows`), so:
+
+    - token bytes per all-to-all and level are the busiest rank's ``max(sent, received)`` on
+      that level (a collective lasts until its slowest rank is done; the combine is the
+      dispatch's mirror), at ``D / (copies per rank, mean)`` bytes per copy;
+    - expert compute is ``t_exp`` times the busiest rank's rows over the mean rows (every rank
+      waits for it in the combine);
+    - ``migrated``: per owner, its migrated local experts (for instance :func:`hottest_choice`'s);
+      None with S > 1 migrates every expert. Replica bytes follow m = the count per owner.
+
+    With a uniform load it gives :func:`predict`'s numbers (``phi = m / E_r``)."""
+    cluster.check_domain_size(domain_size)
+    G, S = cluster.num_ranks, domain_size
+    L = workload.experts_per_rank
+    if L != int(L):
+        raise ValueError(f"predict_routed: experts_per_rank must be whole, got {L}")
+    L = int(L)
+    arr = _load_array(load, G, G * L)
+    if S == 1:
+        phi, migrated = 0.0, None
+    elif migrated is None:
+        phi = 1.0
+    else:
+        phi = _check_migrated(migrated, G, L) / L
+    flows = token_flows(arr, S, L, migrated)
+    mean = arr.sum() / G
+    site = np.arange(G) // cluster.site_size
+    far = site[:, None] != site[None, :]
+    near = ~far & ~np.eye(G, dtype=bool)
+    per_copy = workload.token_bytes / mean
+    tok = [max((flows * lvl).sum(1).max(), (flows * lvl).sum(0).max()) * per_copy for lvl in (near, far)]
+    t_exp = workload.expert_compute_s * flows.sum(0).max() / mean
+    pe_wire, base = migration_bytes(workload, compression_ratio, bytes_per_value)
+    out = layer_times(workload.token_bytes, pe_wire, workload.grad_bytes, base, L, G, S, cluster.site_size,
+                      cluster.intra_site_bandwidth_bytes_per_s, cluster.inter_site_bandwidth_bytes_per_s,
+                      workload.pre_expert_compute_s, t_exp, workload.backward_compute_factor,
+                      workload.num_microbatches, phi, workload.returns_every_microbatch, tok=tok)
+    return LayerTime(*(float(x) for x in out))
+
+
 @dataclass(frozen=True)
 class Plan:
     """The planner's choice and the plain-EP baseline it beats (or keeps)."""
@@ -334,6 +467,9 @@ class Plan:
     ep: LayerTime
     hybrid: LayerTime
     compression_ratio: Optional[float] = None
+    migrated: Optional[List[List[int]]] = None
+    """With a measured routing (``plan(load=...)``) and 0 < phi < 1: the migrated local experts per
+    owner the prediction assumed, the hottest (:func:`hottest_choice`); else None."""
 
     @property
     def token_fraction(self) -> float:
@@ -348,12 +484,17 @@ class Plan:
 
 def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "auto",
          compression_ratio: Optional[float] = None, fractions: Sequence[float] = DEFAULT_FRACTIONS,
-         bytes_per_value: int = 2) -> Plan:
+         bytes_per_value: int = 2, load=None) -> Plan:
     """Choose (S, phi) minimising forward + backward time.
 
     ``domain_size="auto"`` tries every S of :meth:`Cluster.valid_domain_sizes`;
     an int fixes S and only phi is chosen. Ties keep the smaller S, then the
-    smaller phi (less migration for the same predicted time)."""
+    smaller phi (less migration for the same predicted time).
+
+    ``load [G, E]`` (token copies each rank routes to each expert): plan for that routing with
+    :func:`predict_routed` instead of the uniform routing. Each fraction is rounded to whole
+    experts (:func:`migrated_count`), and a partial migration moves the hottest experts
+    (:func:`hottest_choice`, as ``"migrated_experts": "hottest"`` does)."""
     if domain_size == "auto":
         sizes = cluster.valid_domain_sizes()
     else:
@@ -362,6 +503,8 @@ def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "a
     phis = np.asarray(sorted(set(float(f) for f in fractions) | {0.0}), dtype=np.float64)
     if phis.min() < 0 or phis.max() > 1:
         raise ValueError(f"fractions: every fraction must be in [0, 1], got {list(fractions)}")
+    if load is not None:
+        return _plan_routed(workload, cluster, sizes, phis, load, compression_ratio, bytes_per_value)
     pe_wire, base = migration_bytes(workload, compression_ratio, bytes_per_value)
     s_grid = np.asarray(sizes, dtype=np.float64)[:, None]
     fwd, bwd, *_ = layer_times(workload.token_bytes, pe_wire, workload.grad_bytes, base, workload.experts_per_rank,
@@ -379,3 +522,27 @@ def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "a
                 ep=predict(workload, cluster, 1, 0.0),
                 hybrid=predict(workload, cluster, s_best, phi_best, compression_ratio, bytes_per_value),
                 compression_ratio=compression_ratio)
+
+
+def _plan_routed(workload: Workload, cluster: Cluster, sizes, phis, load, compression_ratio,
+                 bytes_per_value) -> Plan:
+    """:func:`plan` for a measured routing: every (S, m) with the hottest m migrated."""
+    G, L = cluster.num_ranks, workload.experts_per_rank
+    if L != int(L):
+        raise ValueError(f"plan: experts_per_rank must be whole to plan for a load, got {L}")
+    L = int(L)
+    arr = _load_array(load, G, G * L)
+    ep = predict_routed(workload, cluster, arr, 1)
+    counts = sorted({migrated_count(float(f), L) for f in phis})
+    best = (ep.total_s, 1, 0, None, ep)
+    for S in sizes:
+        for m in counts:
+            if S == 1 or m == 0:
+                continue
+            chosen = None if m == L else hottest_choice(arr, G, S, L, m)
+            lt = predict_routed(workload, cluster, arr, S, chosen, compression_ratio, bytes_per_value)
+            if lt.total_s < best[0]:
+                best = (lt.total_s, S, m, chosen, lt)
+    _, S, m, chosen, lt = best
+    return Plan(domain_size=S, migrated_fraction=m / L, ep=ep, hybrid=lt,
+                compression_ratio=compression_ratio if S > 1 else None, migrated=chosen)

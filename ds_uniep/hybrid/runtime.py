@@ -712,15 +712,10 @@ def hottest_experts(load: Sequence[Sequence[int]], groups: "HybridGroups", local
     keeps the most tokens from crossing to it: those the other ranks of its domain routed to them
     (``load [G, E]``, :attr:`PartialMigrationDispatcher.load`; a token from a domain peer to a
     migrated expert stays on that peer), ties to the smaller index; ascending. The same on every
-    rank given the same ``load``."""
-    G, S, L = groups.ep_size, groups.domain_size, local_experts
-    chosen = []
-    for o in range(G):
-        peers = [r for r in range((o // S) * S, (o // S + 1) * S) if r != o]
-        saved = [sum(load[r][o * L + j] for r in peers) for j in range(L)]
-        best = sorted(range(L), key=lambda j: (-saved[j], j))[:migrated]
-        chosen.append(sorted(best))
-    return chosen
+    rank given the same ``load`` (:func:`ds_uniep.hybrid.model.hottest_choice`, which the cost model
+    plans with)."""
+    from .model import hottest_choice
+    return hottest_choice(load, groups.ep_size, groups.domain_size, local_experts, migrated)
 
 
 class HybridExperts:
@@ -1022,7 +1017,5 @@ MIGRATION_CHOICES = ("first", "hottest")
 def migrated_experts(fraction: float, local_experts: int) -> int:
     """m: experts per rank a migrated ``fraction`` moves, the nearest whole number to
     ``fraction * L`` (exact rational arithmetic, halves up; 0 means plain EP)."""
-    from .model import kept_count
-    if fraction <= 0:
-        return 0
-    return kept_count(local_experts, fraction)
+    from .model import migrated_count
+    return migrated_count(fraction, local_experts)
