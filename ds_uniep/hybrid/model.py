@@ -394,11 +394,11 @@ def token_flows(load, domain_size: int, local_experts: int, migrated=None) -> np
         else:
             for o, c in enumerate(migrated):
                 moved[o, list(c)] = True
-    moved = moved.reshape(-1)
-    flows = np.zeros((G, G))
-    for i in range(G):
-        np.add.at(flows[i], np.where(moved, (owner // S) * S + i % S, owner), load[i])
-    return flows
+    sender = np.arange(G)[:, None]
+    dest = np.where(moved.reshape(1, -1), (owner // S * S)[None, :] + sender % S, owner[None, :])  # [G, E]
+    flows = np.zeros(G * G)
+    np.add.at(flows, (sender * G + dest).ravel(), load.ravel())
+    return flows.reshape(G, G)
 
 
 def _check_migrated(migrated, G: int, L: int) -> int:
