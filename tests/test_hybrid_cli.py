@@ -57,6 +57,36 @@ def test_plan_explicit_sizes_and_measured_times(capsys):
     assert "pre-expert 2.000 ms, expert 3.000 ms" in out
 
 
+def test_plan_for_a_measured_load(tmp_path, capsys):
+    """--load: the same routing skewed on both ranks (each rank's experts 1 and 2 hot): the plan
+    migrates the hottest half of the experts and prints them; a uniform load gives the uniform plan."""
+    argv = ["plan", "--model", "hidden=2048,ffn=768,experts=8,topk=2,tokens=8192", "--gpus", "2", "--site-size",
+            "1", "--inter-bw", "2GB/s", "--intra-bw", "100GB/s", "--pre-expert-ms", "4", "--expert-ms", "1"]
+    row = [100, 4000, 4000, 100, 100, 4000, 4000, 100]
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps({"load": [row, row]}))
+    assert main(argv + ["--load", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "routing: measured load" in out and "migrated fraction 0.50" in out, out
+    assert "migrated experts (local indices per rank): [[1, 2], [1, 2]]" in out, out
+    path.write_text(json.dumps([[1] * 8] * 2))
+    assert main(argv + ["--load", str(path)]) == 0
+    routed = capsys.readouterr().out
+    assert main(argv) == 0
+    uniform = capsys.readouterr().out
+    assert routed.split("plan: ")[1].split("\n")[0] == uniform.split("plan: ")[1].split("\n")[0]
+
+
+@pytest.mark.parametrize("content, message", [("[1, 2]", "list of lists"), ('{"x": 1}', '"load" key'),
+                                              ("not json", "cannot read"), ("[[1, 2]]", "load: expected")])
+def test_plan_refuses_a_bad_load(tmp_path, capsys, content, message):
+    path = tmp_path / "load.json"
+    path.write_text(content)
+    rc = main(["plan", "--model", "mixtral-like", "--gpus", "2", "--site-size", "1", "--inter-bw", "2GB/s",
+               "--load", str(path)])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
 def test_bad_unit_is_rejected(capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "mixtral-like", "--gpus", "8", "--inter-bw", "10Gbs"])

@@ -4,6 +4,8 @@ Examples::
 
     python -m ds_uniep.hybrid plan --model dsv2lite-like --gpus 16 --site-size 8 \\
         --domain-size auto --inter-bw 10Gbps --intra-bw 400GB/s --microbatches 8
+    python -m ds_uniep.hybrid plan --model hidden=2048,ffn=768,experts=16,topk=2,tokens=8192 --gpus 2 \\
+        --site-size 1 --inter-bw 2GB/s --load load.json     # a measured [G, E] routing
     python -m ds_uniep.hybrid simulate --max-sites 1000 --out hybrid_sweep.png
 """
 
@@ -85,7 +87,9 @@ def cmd_plan(args) -> int:
                         None if args.pre_expert_ms is None else args.pre_expert_ms / 1e3,
                         None if args.expert_ms is None else args.expert_ms / 1e3, args.experts_per_rank,
                         returns_every_microbatch=args.returns_every_microbatch)
-    p = plan(wl, cluster, args.domain_size, args.compression_ratio, bytes_per_value=shape.bytes_per_value)
+    load = None if args.load is None else read_load(args.load)
+    p = plan(wl, cluster, args.domain_size, args.compression_ratio, bytes_per_value=shape.bytes_per_value,
+             load=load)
     print(f"model {shape.name}: M={shape.hidden} F={shape.ffn} E={shape.num_experts} k={shape.top_k} "
           f"T={shape.tokens_per_rank}")
     print(f"  token bytes/rank D = {wl.token_bytes / MIB:.1f} MiB, expert bytes P_E = {wl.expert_bytes / MIB:.1f} MiB, "
@@ -94,15 +98,42 @@ def cmd_plan(args) -> int:
           + (", replica gradients returned every micro-batch" if wl.returns_every_microbatch else ""))
     print(f"cluster: {args.gpus} ranks in sites of {site}; intra-site {format_bandwidth(args.intra_bw)}, "
           f"inter-site {format_bandwidth(args.inter_bw)}")
+    if load is not None:
+        per_rank = np.asarray(load, dtype=np.float64).sum(0)
+        print(f"routing: measured load from {args.load} (busiest expert {per_rank.max() / per_rank.mean():.2f}x "
+              "the mean); partial migration moves the hottest experts")
     kind = "plain EP kept" if p.domain_size == 1 or p.migrated_fraction == 0 else "HybridEP"
-    print(f"plan: {kind}; domain size {p.domain_size}, migrated fraction {p.migrated_fraction:.2f} "
-          f"(token all-to-all keeps {p.token_fraction:.2f} of domain peers' expert work)"
+    kept = "the hottest experts" if p.migrated is not None else \
+        f"token all-to-all keeps {p.token_fraction:.2f} of domain peers' expert work"
+    print(f"plan: {kind}; domain size {p.domain_size}, migrated fraction {p.migrated_fraction:.2f} ({kept})"
           + (f", compression ratio {p.compression_ratio:g}" if p.compression_ratio is not None else ""))
+    if p.migrated is not None:
+        print("migrated experts (local indices per rank): " + json.dumps(p.migrated))
     print(f"{'':<10} {'forward ms':>12} {'backward ms':>12} {'total ms':>12}")
     print(_row("EP", p.ep))
     print(_row("HybridEP", p.hybrid))
     print(f"speedup {p.speedup:.3f}x")
     return 0
+
+
+def read_load(path: str):
+    """``[G, E]`` token copies from a JSON file: a list of G lists of E numbers, or an object with a
+    ``"load"`` of that form (one point of ``bench_hybrid.py``'s output, or what
+    ``PartialMigrationDispatcher.take_load()`` returns, dumped as JSON)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--load {path}: cannot read a JSON load ({e})") from None
+    if isinstance(data, dict):
+        if "load" not in data:
+            hint = " (bench_hybrid.py's output holds one per point: points[i][\"load\"])" if "points" in data else ""
+            raise ValueError(f"--load {path}: expected a [G, E] list or an object with a \"load\" key, got keys "
+                             f"{sorted(data)}{hint}")
+        data = data["load"]
+    if not isinstance(data, list) or not data or not all(isinstance(r, list) for r in data):
+        raise ValueError(f"--load {path}: expected a [G, E] list of lists of token counts")
+    return data
 
 
 def cmd_simulate(args) -> int:
@@ -155,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pre-expert-ms", type=float, default=None, help="measured pre-expert forward time")
     p.add_argument("--expert-ms", type=float, default=None, help="measured expert forward time")
     p.add_argument("--experts-per-rank", type=float, default=None, help="default: experts / gpus")
+    p.add_argument("--load", default=None, metavar="JSON",
+                   help="plan for a measured routing: a JSON [G, E] list of the token copies each rank routes to "
+                   "each expert (or an object with a \"load\" key, as each point of bench_hybrid.py's output has); "
+                   "partial migration then moves the hottest experts")
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("simulate", help="sweep sites, bandwidth and domain size; write the plot")
