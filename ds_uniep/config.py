@@ -215,6 +215,19 @@ class HybridConfig(_Block):
         "engine the replica gradients are summed over the step's micro-batches and returned at its last one "
         "(the engine's accumulation boundary; without an engine, the one UniEPMoE.set_accumulation_boundary "
         "marks, else every backward). domain_size auto then plans with M = gradient_accumulation_steps.")
+    replan_after_steps: int = Field(
+        0, ge=0, description="With domain_size auto: at the first forward after this many optimizer steps, plan "
+        "again for the routing seen until then (every rank's tokens per expert, all-gathered once over the world "
+        "and summed over its EP groups, so every rank chooses alike), the planner's other inputs unchanged, and "
+        "switch the domain size and migrated experts to that plan (partial migrations assume migrated_experts' "
+        "choice); 0: plan once, at start-up, for uniform routing.")
+
+    @model_validator(mode="after")
+    def _replan_needs_auto(self):
+        if self.replan_after_steps and self.domain_size != "auto":
+            raise ValueError(f"replan_after_steps {self.replan_after_steps} needs domain_size 'auto' (the plan is "
+                             f"what it redoes), got domain_size {self.domain_size}")
+        return self
 
     @field_validator("site_size", "domain_size")
     @classmethod

@@ -86,6 +86,9 @@ class UniEPMoE(MoE):
         self._dispatchers = {}
         self._backend_by_device = {}
         self._hybrid = None
+        self._replan = None  # "replan_after_steps" pending (set_deepspeed_parallelism)
+        self.hybrid_replanned = None
+        self._hybrid_boundary = None
         self._said_used_token = False  # the k >= 2 used_token warning, once
         self._pacing = None  # emulated slow inter-site links (set_inter_site_pacing); None: off
         self._accumulation_boundary = None  # set_accumulation_boundary; None: the engine's, if any
@@ -126,9 +129,11 @@ class UniEPMoE(MoE):
         self._applied_plan = None
         hyb = self.uniep_config.hybrid
         self._hybrid = None
+        self._replan = None
         if not hyb.enabled:
             return
-        from .hybrid.runtime import HybridExperts, HybridGroups, choose_domain_size, migrated_experts
+        from .hybrid.model import plan as plan_for
+        from .hybrid.runtime import migrated_experts, optimizer_steps, planner_inputs
         if tp_context()[1] > 1 and self.enable_expert_tensor_parallelism:
             # HybridEP moves whole experts between the ranks of a domain; a TP shard is not one.
             raise ValueError(f'{self.layer_name}: "uniep": {{"hybrid": {{"enabled": true}}}} needs whole experts '
@@ -150,26 +155,47 @@ class UniEPMoE(MoE):
         S, L = hyb.domain_size, self.num_local_experts
         if S == "auto":
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
-            S, plan = choose_domain_size(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
-                                         self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank,
-                                         L, local_world, self.ep_group, pacing=self._pacing,
-                                         num_microbatches=micro)
+            inputs = planner_inputs(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
+                                    self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank, L, local_world,
+                                    self.ep_group, pacing=self._pacing, num_microbatches=micro)
+            wl, cl, fractions, ratio, elsize = inputs
+            plan = plan_for(wl, cl, "auto", compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize)
+            S = plan.domain_size if plan.migrated_fraction > 0 else 1
             m = round(plan.migrated_fraction * L) if S > 1 else 0
             logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S}, {m} of {L} experts per rank "
                         f"migrated (predicted speedup {plan.speedup:.2f}x over plain EP)")
+            if hyb.replan_after_steps:
+                #: planning again for the routing seen (``"replan_after_steps"``): the planner's inputs,
+                #: the optimizer step to plan at, the tokens per expert counted until then
+                self._replan = {"inputs": inputs, "at": optimizer_steps() + hyb.replan_after_steps, "counts": None}
         else:
             m = L if hyb.migrated_fraction == "auto" else migrated_experts(hyb.migrated_fraction, L)
             if S > 1 and m == 0:
                 logger.info(f"{self.layer_name}: HybridEP migrated_fraction 0 migrates no expert: plain EP")
+        self._hybrid_boundary = boundary
+        self._build_hybrid(S, m)
+
+    def _build_hybrid(self, S: int, m: int, chosen=None) -> None:
+        """HybridEP with domains of S ranks and m of each rank's experts migrated (``chosen``: which,
+        per EP rank; else the configured choice's start), or plain EP where S or m is 1 or 0. Collective
+        over the world (the domain groups are created)."""
+        from .hybrid.runtime import HybridExperts, HybridGroups
+        hyb, L = self.uniep_config.hybrid, self.num_local_experts
         S = S if m > 0 else 1
         self.hybrid_domain_size, self.hybrid_migrated_experts = S, (m if S > 1 else 0)
+        self._hybrid = None
         if S > 1:
+            boundary = self._accumulation_boundary if self._accumulation_boundary is not None else \
+                self._hybrid_boundary
             ratio = hyb.compression.ratio if hyb.compression.enabled else None
             groups = HybridGroups(self.ep_group, S, votes=hyb.reuse_replicas)
             self._hybrid = HybridExperts(self.deepspeed_moe.experts.deepspeed_experts, groups, self.num_experts, ratio,
                                          pacing=self._pacing, reuse_replicas=hyb.reuse_replicas,
                                          boundary=boundary, name=self.layer_name, migrated=m,
                                          choice=hyb.migrated_experts)
+            if chosen is not None and m < L:
+                self._hybrid.dispatcher.set_migrated(chosen)
+                self._hybrid.chosen = list(chosen[groups.ep_rank])
             reuse = ""
             if hyb.reuse_replicas:
                 reuse = (", replicas gathered and their gradients returned once per optimizer step" if boundary
@@ -181,6 +207,61 @@ class UniEPMoE(MoE):
             if self.uniep_config.autotune.enabled:  # nothing in HybridEP's path is a tuning knob
                 logger.warning(f"{self.layer_name}: uniep.autotune is not run under HybridEP (its reference "
                                "transport has no overlap or kernel knobs); the configured plan runs")
+
+    def _count_routes(self, expert_idx: torch.Tensor) -> None:
+        """Add this forward's tokens per expert to what ``"replan_after_steps"`` plans with (on the
+        device, no host synchronisation)."""
+        from .layout import expert_counts
+        c = expert_counts(expert_idx, self.num_experts)
+        r = self._replan
+        r["counts"] = c if r["counts"] is None else r["counts"] + c
+
+    def _replan_if_due(self) -> None:
+        """``"replan_after_steps"``: once that many optimizer steps have run, plan again for the routing
+        counted so far and switch to the plan. The counts are all-gathered over the world and summed
+        per EP rank over its EP groups, so every rank plans alike (and creates the same groups)."""
+        from .hybrid.model import plan as plan_for
+        from .hybrid.runtime import optimizer_steps
+        r = self._replan
+        if optimizer_steps() < r["at"]:
+            return
+        self._replan = None
+        E, G, L = self.num_experts, self.ep_size, self.num_local_experts
+        hyb = self.uniep_config.hybrid
+        device = next(self.deepspeed_moe.experts.parameters()).device
+        mine = torch.zeros(E + 1, dtype=torch.float64, device=device)
+        if r["counts"] is not None:
+            mine[:E] = r["counts"].to(device, torch.float64)
+        mine[E] = torch.distributed.get_rank(self.ep_group)
+        parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
+        torch.distributed.all_gather(parts, mine)
+        load = torch.zeros(G, E, dtype=torch.float64)
+        for t in parts:
+            t = t.cpu()
+            load[int(t[E])] += t[:E]
+        before = (self.hybrid_domain_size, self.hybrid_migrated_experts)
+        if not load.sum() > 0:
+            logger.warning(f"{self.layer_name}: HybridEP replan_after_steps: no token was routed before step "
+                           f"{r['at']}; the start-up plan stays (domain size {before[0]})")
+            return
+        wl, cl, fractions, ratio, elsize = r["inputs"]
+        p = plan_for(wl, cl, "auto", compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize,
+                     load=load.tolist(), migrated_experts=hyb.migrated_experts)
+        S = p.domain_size if p.migrated_fraction > 0 else 1
+        m = round(p.migrated_fraction * L) if S > 1 else 0
+        #: what the last replan chose: ``(S, m, migrated or None, predicted speedup over plain EP)``
+        self.hybrid_replanned = (S, m, p.migrated, p.speedup)
+        if (S, m) == before and self._hybrid is not None and p.migrated is not None:
+            self._hybrid.dispatcher.set_migrated(p.migrated)
+            self._hybrid.chosen = list(p.migrated[self._hybrid.groups.ep_rank])
+        elif (S, m) != before:
+            self._build_hybrid(S, m, p.migrated)
+        if torch.distributed.get_rank() == 0:
+            logger.info(f"{self.layer_name}: HybridEP planned again for the routing of the first "
+                        f"{hyb.replan_after_steps} steps: domain size {S}, {m} of {L} experts per rank migrated"
+                        + (f" (local indices per EP rank {p.migrated})" if p.migrated is not None else "")
+                        + f", predicted speedup {p.speedup:.2f}x over plain EP (was domain size {before[0]}, "
+                        f"{before[1]} migrated)")
 
     def set_accumulation_boundary(self, boundary) -> None:
         """With ``"hybrid": {"reuse_replicas": true}`` in a training loop without a DeepSpeed engine:
@@ -274,9 +355,11 @@ class UniEPMoE(MoE):
             self._autotune(hidden_states)
         moe = self.deepspeed_moe
         x = hidden_states.reshape(-1, self.hidden_size)
+        if self._replan is not None:  # "replan_after_steps": plan again once its steps have run
+            self._replan_if_due()
         if self._hybrid is not None:  # HybridEP: the domain's replicas travel while the gate and dispatch run
             self._hybrid.prefetch()
-        elif self.route_early:
+        elif self.route_early and self._replan is None:  # (a replan counts the routes below)
             early = self._forward_dispatch_early(hidden_states, x, used_token)
             if early is not None:
                 return early
@@ -285,6 +368,8 @@ class UniEPMoE(MoE):
         l_aux, capacity, route_idx, route_gates, exp_counts = gating.route(moe.gate, x, used_token)
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         expert_idx, gates = route_idx.t(), route_gates.t()
+        if self._replan is not None:
+            self._count_routes(expert_idx)
         tp_group, tp, tp_rank = tp_context()
         if tp > 1:  # this TP rank moves only its slice of the (replicated) tokens
             sizes = even_sizes(x.shape[0], tp)

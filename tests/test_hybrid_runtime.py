@@ -207,6 +207,105 @@ def test_hottest_migration_over_nccl():
     run_distributed(_hottest, _nccl_ranks(), "cuda", backend="nccl")
 
 
+def _replan(rank, world_size, device="cpu"):
+    """replan_after_steps 1: every rank's tokens prefer experts 2 and 3 of each owner. Planned at
+    start-up for uniform routing, the layer migrates every expert in one domain of 4; after one
+    optimizer step its next forward plans again with the tokens per expert routed so far (all-gathered)
+    and switches to the plan the cost model gives for that load (the test computes it from the gate's
+    own top-2), migrating the hot experts; every rank chooses alike, and outputs and every gradient
+    match plain EP before and after the switch."""
+    from ds_uniep import UniEPMoE
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.hybrid.model import plan
+    from ds_uniep.hybrid.runtime import planner_inputs
+    from moe_models import MLP, distinct_experts
+    L, M, T, F, T_MAX = 4, 16, 32, 64, 1024
+    E = L * world_size
+    g = torch.Generator().manual_seed(200 + rank)
+    group = torch.arange(T) % world_size  # token t prefers owner t % G's experts 2 and 3
+    x = torch.nn.functional.one_hot(group, world_size).repeat_interleave(M // world_size, 1).float()
+    x = x + 0.01 * torch.randn(T, M, generator=g)
+    gy = torch.randn(T, M, generator=g)
+    w = torch.zeros(E, M)
+    pref = torch.tensor([0.2, 0.1, 2.0, 1.5])
+    for e in range(E):
+        o, j = divmod(e, L)
+        w[e, o * (M // world_size):(o + 1) * (M // world_size)] = pref[j] + 0.01 * e
+    hyb = {"enabled": True, "domain_size": "auto", "site_size": 1, "intra_site_bandwidth": 4e11,
+           "inter_site_bandwidth": 1.25e7, "replan_after_steps": 1}
+    layers = {}
+    for name, h in (("plain", None), ("replan", hyb)):
+        torch.manual_seed(5)
+        cfg = {"backend": "reference", "max_tokens_per_rank": T_MAX}
+        if h is not None:
+            cfg["hybrid"] = h
+        layer = UniEPMoE(M, MLP(M, F), num_experts=E, ep_size=world_size, k=2, drop_tokens=False, use_rts=False,
+                         top2_2nd_expert_sampling=False, config=cfg)
+        distinct_experts(layer, rank)
+        with torch.no_grad():
+            layer.deepspeed_moe.gate.wg.weight.copy_(w)
+        layer = layer.to(device)
+        layer.set_deepspeed_parallelism()
+        layers[name] = layer
+    replan = layers["replan"]
+
+    def forward(what):
+        res = {}
+        for name, layer in layers.items():
+            xi = x.to(device).requires_grad_(True)
+            out, l_aux, _ = layer(xi)
+            ((out * gy.to(device)).sum() + l_aux).backward()
+            res[name] = [out, xi.grad] + [p.grad for p in layer.parameters()]
+            layer.zero_grad(set_to_none=True)
+        for i, (a, b) in enumerate(zip(res["plain"], res["replan"])):
+            assert _rel(b, a) <= 1e-5, f"rank {rank} {what}, tensor {i}: relative error {_rel(b, a)}"
+
+    start = (replan.hybrid_domain_size, replan.hybrid_migrated_experts)
+    forward("forward 1")
+    forward("forward 2, no optimizer step yet")
+    assert (replan.hybrid_domain_size, replan.hybrid_migrated_experts) == start and replan.hybrid_replanned is None
+    for layer in layers.values():
+        _DataSGD(layer.parameters(), 0.0).step()  # a step (lr 0: the weights stay, the comparison holds)
+    forward("forward 3, planned again")
+    # What the cost model plans for the routing of forwards 1 and 2 (the gate's top-2, twice).
+    counts = torch.bincount(torch.topk(x @ w.t(), 2, dim=1).indices.flatten(), minlength=E).double() * 2
+    rows = [None] * world_size
+    torch.distributed.all_gather_object(rows, counts.tolist())
+    cfg = UniEPConfig.from_dict({"hybrid": hyb}).hybrid
+    wl, cl, fractions, ratio, elsize = planner_inputs(cfg, world_size, MLP(M, F), M, 2, T_MAX, L, world_size)
+    want = plan(wl, cl, "auto", ratio, fractions, elsize, load=rows, migrated_experts="hottest")
+    m = round(want.migrated_fraction * L)
+    uniform = plan(wl, cl, "auto", ratio, fractions, elsize)
+    assert start == (uniform.domain_size, round(uniform.migrated_fraction * L)) == (world_size, L), start
+    assert want.domain_size > 1 and 0 < m < L, want  # the test's point: the skew changes the plan
+    assert replan.hybrid_replanned == (want.domain_size, m, want.migrated, want.speedup), \
+        (rank, replan.hybrid_replanned)
+    assert (replan.hybrid_domain_size, replan.hybrid_migrated_experts) == (want.domain_size, m), rank
+    h = replan._hybrid
+    assert h.dispatcher.chosen == want.migrated and all(c == [2, 3][:m] for c in want.migrated), want.migrated
+    assert h.chosen == want.migrated[rank]
+    forward("forward 4")
+    assert replan.hybrid_domain_size == want.domain_size and replan._replan is None
+    assert h.counter["gathers"] == 2, h.counter
+
+
+def test_replan_after_steps_switches_to_the_plan_for_the_routing_seen():
+    run_distributed(_replan, 4)
+
+
+@needs_gpus(2)
+def test_replan_after_steps_over_nccl():
+    run_distributed(_replan, _nccl_ranks(), "cuda", backend="nccl")
+
+
+def test_replan_after_steps_needs_an_automatic_domain_size():
+    from ds_uniep.config import UniEPConfig
+    with pytest.raises(ValueError, match="replan_after_steps 2 needs domain_size 'auto'"):
+        UniEPConfig.from_dict({"hybrid": {"enabled": True, "domain_size": 2, "replan_after_steps": 2}})
+    with pytest.raises(ValueError, match="replan_after_steps"):
+        UniEPConfig.from_dict({"hybrid": {"enabled": True, "replan_after_steps": -1}})
+
+
 def _grouped_replicas(rank, world_size):
     """bf16 SwiGLU / GELU experts: the replicas run as grouped GEMMs (never one by one) and match plain EP."""
     from ds_uniep.experts import GeLUExpert, SwiGLUExpert

@@ -484,7 +484,7 @@ class Plan:
 
 def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "auto",
          compression_ratio: Optional[float] = None, fractions: Sequence[float] = DEFAULT_FRACTIONS,
-         bytes_per_value: int = 2, load=None) -> Plan:
+         bytes_per_value: int = 2, load=None, migrated_experts: str = "hottest") -> Plan:
     """Choose (S, phi) minimising forward + backward time.
 
     ``domain_size="auto"`` tries every S of :meth:`Cluster.valid_domain_sizes`;
@@ -494,7 +494,10 @@ def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "a
     ``load [G, E]`` (token copies each rank routes to each expert): plan for that routing with
     :func:`predict_routed` instead of the uniform routing. Each fraction is rounded to whole
     experts (:func:`migrated_count`), and a partial migration moves the hottest experts
-    (:func:`hottest_choice`, as ``"migrated_experts": "hottest"`` does)."""
+    (:func:`hottest_choice`, as ``"migrated_experts": "hottest"`` does; ``migrated_experts="first"``:
+    each rank's first m, as ``"first"`` does)."""
+    if migrated_experts not in ("first", "hottest"):
+        raise ValueError(f'migrated_experts: must be "first" or "hottest", got {migrated_experts!r}')
     if domain_size == "auto":
         sizes = cluster.valid_domain_sizes()
     else:
@@ -504,7 +507,8 @@ def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "a
     if phis.min() < 0 or phis.max() > 1:
         raise ValueError(f"fractions: every fraction must be in [0, 1], got {list(fractions)}")
     if load is not None:
-        return _plan_routed(workload, cluster, sizes, phis, load, compression_ratio, bytes_per_value)
+        return _plan_routed(workload, cluster, sizes, phis, load, compression_ratio, bytes_per_value,
+                            migrated_experts)
     pe_wire, base = migration_bytes(workload, compression_ratio, bytes_per_value)
     s_grid = np.asarray(sizes, dtype=np.float64)[:, None]
     fwd, bwd, *_ = layer_times(workload.token_bytes, pe_wire, workload.grad_bytes, base, workload.experts_per_rank,
@@ -525,8 +529,8 @@ def plan(workload: Workload, cluster: Cluster, domain_size: Union[int, str] = "a
 
 
 def _plan_routed(workload: Workload, cluster: Cluster, sizes, phis, load, compression_ratio,
-                 bytes_per_value) -> Plan:
-    """:func:`plan` for a measured routing: every (S, m) with the hottest m migrated."""
+                 bytes_per_value, choice: str) -> Plan:
+    """:func:`plan` for a measured routing: every (S, m) with the hottest (or first) m migrated."""
     G, L = cluster.num_ranks, workload.experts_per_rank
     if L != int(L):
         raise ValueError(f"plan: experts_per_rank must be whole to plan for a load, got {L}")
@@ -539,7 +543,8 @@ def _plan_routed(workload: Workload, cluster: Cluster, sizes, phis, load, compre
         for m in counts:
             if S == 1 or m == 0:
                 continue
-            chosen = None if m == L else hottest_choice(arr, G, S, L, m)
+            chosen = None if m == L else hottest_choice(arr, G, S, L, m) if choice == "hottest" \
+                else [list(range(m))] * G
             lt = predict_routed(workload, cluster, arr, S, chosen, compression_ratio, bytes_per_value)
             if lt.total_s < best[0]:
                 best = (lt.total_s, S, m, chosen, lt)

@@ -980,7 +980,21 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     ``num_microbatches``: forwards served by one gather and one gradient return (the engine's
     gradient accumulation steps when replicas are kept, else 1).
     """
-    from .model import Cluster, Workload, plan
+    wl, cl, fractions, ratio, elsize = planner_inputs(hybrid_cfg, ep_size, expert, hidden_size, k,
+                                                      max_tokens_per_rank, experts_per_rank, local_world_size,
+                                                      ep_group, pacing, num_microbatches)
+    from .model import plan
+    p = plan(wl, cl, hybrid_cfg.domain_size, compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize)
+    return (p.domain_size if p.migrated_fraction > 0 else 1), p
+
+
+def planner_inputs(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int, k: int,
+                   max_tokens_per_rank: int, experts_per_rank: int, local_world_size: int, ep_group=None,
+                   pacing: Optional[InterSitePacing] = None, num_microbatches: int = 1):
+    """``(workload, cluster, fractions, compression_ratio, bytes_per_value)``: what
+    :func:`choose_domain_size` plans with (see there); a layer keeps them to plan again for the
+    routing it has seen (``"replan_after_steps"``)."""
+    from .model import Cluster, Workload
     from .presets import DEFAULT_TFLOPS
     site = hybrid_cfg.site_size if hybrid_cfg.site_size != "auto" else math.gcd(local_world_size, ep_size)
     if ep_size % site != 0:
@@ -1006,9 +1020,7 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     L, frac = experts_per_rank, hybrid_cfg.migrated_fraction
     fractions = (tuple(j / L for j in range(L + 1)) if frac == "auto"
                  else (0.0, migrated_experts(frac, L) / L))
-    p = plan(wl, cl, hybrid_cfg.domain_size, compression_ratio=ratio, fractions=fractions,
-             bytes_per_value=elsize)
-    return (p.domain_size if p.migrated_fraction > 0 else 1), p
+    return wl, cl, fractions, ratio, elsize
 
 
 MIGRATION_CHOICES = ("first", "hottest")
