@@ -30,7 +30,11 @@ slowest rank):
 - the planner: ``choose_domain_size``, the function ``"domain_size": "auto"`` runs, fed with the
   bandwidths measured here. Where it keeps plain EP a layer built with ``"domain_size": "auto"``
   is timed as well, in alternation with plain EP (what choosing costs); elsewhere its time is
-  that of the chosen S.
+  that of the chosen S;
+- with ``--replan``: a layer with ``"domain_size"`` and ``"migrated_fraction"`` auto and
+  ``"replan_after_steps": 1``, timed after one forward+backward, an optimizer step and the
+  forward+backward that plans again for the routing it saw (checked against plain EP): what the
+  runtime chooses by itself (``replanned``: its start-up and new plans, ms, against the best option).
 
 Cost model inputs (:mod:`ds_uniep.hybrid.model`), all measured in this run, at every point:
 
@@ -123,8 +127,12 @@ def parse_args(argv=None):
                    "tokens local (\"migrated_experts\": \"hottest\"); options S=n m=j hot")
     p.add_argument("--skew", type=float, default=0.0,
                    help="routing skew a >= 0: every token gets a constant first feature and expert e's gate weight on "
-                   "it is a * z_e (z standard normal, the same on every rank), so some experts draw more tokens; the "
-                   "cost model assumes even routing (default 0: none)")
+                   "it is a * z_e (z standard normal, the same on every rank), so some experts draw more tokens "
+                   "(default 0: none)")
+    p.add_argument("--replan", action="store_true",
+                   help="also time a layer built with domain_size and migrated_fraction auto and "
+                   "\"replan_after_steps\": 1, after one forward+backward and an optimizer step (so it has planned "
+                   "again for the routing it saw): what the runtime chooses by itself")
     p.add_argument("--quick", action="store_true", help="a short sweep (GPU: 2 points; CPU: 4 tiny points)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default="bench_out/hybrid", help="directory for bench_hybrid.json and .png")
@@ -144,6 +152,8 @@ def parse_args(argv=None):
                 f"got {args.fractions}")
     if args.hottest and not args.fractions:
         p.error("--hottest: needs --fractions (it chooses which of a rank's experts migrate when only some do)")
+    if args.replan and args.microbatches > 1:
+        p.error("--replan: times the replanned layer one micro-batch per step; use --microbatches 1")
     if args.hottest and args.microbatches > 1:
         p.error("--hottest: the choice is made again only after an optimizer step with reused replicas, and the "
                 "timed steps take none; use --microbatches 1")
@@ -480,6 +490,29 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
     best = min(measured, key=measured.get)
     hybrid_names = [n for n in measured if n != "EP"]
     best_hybrid = min(hybrid_names, key=measured.get)
+    replanned = None
+    if args.replan:
+        # 7. The runtime planning by itself: planned at construction for uniform routing, then,
+        #    after one forward+backward and one optimizer step (lr 0: the weights stay), again for
+        #    the routing it saw. Its checked forward+backward (the one that plans again) against EP.
+        cfg = dict(auto_cfg, migrated_fraction="auto", replan_after_steps=1)
+        layer = finish(make_layer(M, F, args, G, cfg, T), state, device, dtype, pacing)
+        start = (layer.hybrid_domain_size, layer.hybrid_migrated_experts)
+        fwd_bwd(layer)(pool(1)[0].detach().clone().requires_grad_(True), pool(1)[1])
+        layer.zero_grad(set_to_none=True)
+        torch.optim.SGD(layer.parameters(), lr=0.0).step()
+        x = pool(0)[0].detach().clone().requires_grad_(True)
+        out = fwd_bwd(layer)(x, pool(0)[1])
+        err = (slowest(rel_err(out.detach(), ref[0]), device), slowest(rel_err(x.grad, ref[1]), device))
+        layer.zero_grad(set_to_none=True)
+        ms = timer(step(layer, 1), pool, [layer])
+        S_r, m_r, chosen_r, speedup_r = layer.hybrid_replanned
+        replanned = {"start": list(start), "domain_size": S_r, "migrated_experts": m_r, "chosen_experts": chosen_r,
+                     "predicted_speedup": speedup_r, "ms": ms, "vs_best": ms / measured[best],
+                     "within_5pct": ms <= 1.05 * measured[best], "speedup_vs_ep": measured["EP"] / ms,
+                     "rel_err_out": err[0], "rel_err_dx": err[1],
+                     "outputs_match": err[0] <= TOLERANCE[args.dtype] and err[1] <= TOLERANCE[args.dtype]}
+        del layer
     return {
         "M": M, "F": F, "T": T, "E": E, "k": k, "G": G, "site_size": L, "dtype": args.dtype, "microbatches": mb,
         "token_bytes": D, "expert_bytes": P, "load": load,
@@ -497,6 +530,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         "best_hybrid": best_hybrid,
         "speedup_best_hybrid": measured["EP"] / measured[best_hybrid],
         "speedup_planner": measured["EP"] / auto_ms,
+        "replanned": replanned,
     }
 
 
@@ -624,6 +658,13 @@ def print_table(results):
           + ", ".join(f"{k} {v:.2f}x" for k, v in s["speedup_at_largest_tokens"].items())
           + f"; grows with token bytes: {c['speedup_grows_with_token_bytes']}; auto overhead where EP is kept: "
           + ("-" if ovh is None else f"{100 * ovh:+.1f}%") + f"; outputs match EP: {s['outputs_match']}")
+    for p in results["points"]:
+        r = p.get("replanned")
+        if r is not None:
+            print(f"replanned at {p['M']}x{p['F']} T={p['T']}: started S={r['start'][0]} m={r['start'][1]}, planned "
+                  f"S={r['domain_size']} m={r['migrated_experts']} {r['chosen_experts'] or ''}, {r['ms']:.2f} ms = "
+                  f"{r['vs_best']:.3f}x the best option ({p['best']}), {r['speedup_vs_ep']:.2f}x EP, outputs match "
+                  f"EP: {r['outputs_match']}")
     print("checks: " + ", ".join(f"{k}={v}" for k, v in c.items()))
 
 

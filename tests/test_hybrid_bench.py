@@ -251,7 +251,7 @@ def _bench_hottest(rank, world_size):
     """--fractions 0.5 --hottest --skew 3: beside each partial option its hottest form, matching plain
     EP; with every rank's tokens skewed to the same experts, in one domain of 4 the hottest form moves
     fewer inter-site bytes than migrating each rank's first expert, and chooses differently."""
-    bench_hybrid, results = _one_tiny_point("--fractions", "0.5", "--hottest", "--skew", "3")
+    bench_hybrid, results = _one_tiny_point("--fractions", "0.5", "--hottest", "--skew", "3", "--replan")
     (p, ) = results["points"]
     assert results["option_names"] == ["EP", "S=2", "S=2 m=1", "S=2 m=1 hot", "S=4", "S=4 m=1", "S=4 m=1 hot"], \
         results["option_names"]
@@ -272,6 +272,11 @@ def _bench_hottest(rank, world_size):
     assert load.shape == (4, 8) and abs(load.sum() - 4 * 32 * 2) < 1e-9, load
     # The model's planner saw the same routing and picked a timed option.
     assert p["planner"]["model_choice"] in p["options"], p["planner"]
+    # --replan: the layer planned again after its first step (the same plan on every rank, as the
+    # bench's slowest() reductions need), and it matches plain EP.
+    r = p["replanned"]
+    assert r["domain_size"] in (1, 2, 4) and 0 <= r["migrated_experts"] <= 2 and r["ms"] > 0, r
+    assert r["outputs_match"] and r["rel_err_out"] <= 1e-5, r
     if rank == 0:
         bench_hybrid.print_table(results)
 
@@ -297,6 +302,7 @@ def test_bench_hybrid_core_reports_every_option_and_matches_plain_ep(tmp_path, c
 
 
 @pytest.mark.parametrize("flag, values", [("--fractions", ["1.0"]), ("--fractions", ["0"]),
+                                          ("--replan", ["--microbatches", "2"]),
                                           ("--compressions", ["0"]), ("--compressions", ["1.5"]),
                                           ("--microbatches", ["0"]), ("--hottest", []), ("--skew", ["-1"])])
 def test_bench_hybrid_refuses_out_of_range_options(flag, values, capsys):
