@@ -113,18 +113,11 @@ def test_partial_migration_over_nccl():
     run_distributed(_partial, _nccl_ranks(), "cuda", backend="nccl")
 
 
-def _hottest(rank, world_size, device="cpu"):
-    """migrated_experts "hottest": every rank's tokens prefer local experts 2 and 3 of each owner, so
-    from the second forward on each rank migrates those two (first: 0 and 1), the same choice on
-    every rank; the domain peer's tokens for them then stay on the sender (fewer rows sent away
-    than with the first two migrated); outputs and every gradient match plain EP at each forward;
-    with reuse_replicas the choice changes only at the first gather after an optimizer step."""
-    from ds_uniep import UniEPMoE
-    from moe_models import MLP, distinct_experts
-    L, M, T = 4, 16, 32
+def _hot_routing(rank, world_size, L, M, T, seed):
+    """``(x, gy, gate weight)``: token t prefers owner t % G's experts 2 and 3 (then 0, then 1)."""
     E = L * world_size
-    g = torch.Generator().manual_seed(100 + rank)
-    group = torch.arange(T) % world_size  # token t prefers owner t % G's experts 2 and 3
+    g = torch.Generator().manual_seed(seed + rank)
+    group = torch.arange(T) % world_size
     x = torch.nn.functional.one_hot(group, world_size).repeat_interleave(M // world_size, 1).float()
     x = x + 0.01 * torch.randn(T, M, generator=g)
     gy = torch.randn(T, M, generator=g)
@@ -133,22 +126,55 @@ def _hottest(rank, world_size, device="cpu"):
     for e in range(E):
         o, j = divmod(e, L)
         w[e, o * (M // world_size):(o + 1) * (M // world_size)] = pref[j] + 0.01 * e
+    return x, gy, w
+
+
+def _gated_layer(rank, world_size, M, F, w, cfg, device):
+    """A reference-backend top-2 layer (dropless) with rank-distinct experts and gate weight ``w``."""
+    from ds_uniep import UniEPMoE
+    from moe_models import MLP, distinct_experts
+    torch.manual_seed(5)
+    layer = UniEPMoE(M, MLP(M, F), num_experts=w.shape[0], ep_size=world_size, k=2, min_capacity=4, drop_tokens=False,
+                     use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
+    distinct_experts(layer, rank)
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight.copy_(w)
+    layer = layer.to(device)
+    layer.set_deepspeed_parallelism()
+    return layer
+
+
+def _forward_against_plain(layers, x, gy, device, rank, what):
+    """One forward+backward of every layer on ``x``; each layer's output, input gradient and parameter
+    gradients match the ``"plain"`` layer's (1e-5)."""
+    res = {}
+    for name, layer in layers.items():
+        xi = x.to(device).requires_grad_(True)
+        out, l_aux, _ = layer(xi)
+        ((out * gy.to(device)).sum() + l_aux).backward()
+        res[name] = [out, xi.grad] + [p.grad for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+    for name in layers:
+        for i, (a, b) in enumerate(zip(res["plain"], res[name])):
+            assert _rel(b, a) <= 1e-5, f"rank {rank} {what}, {name} tensor {i}: relative error {_rel(b, a)}"
+
+
+def _hottest(rank, world_size, device="cpu"):
+    """migrated_experts "hottest": every rank's tokens prefer local experts 2 and 3 of each owner, so
+    from the second forward on each rank migrates those two (first: 0 and 1), the same choice on
+    every rank; the domain peer's tokens for them then stay on the sender (fewer rows sent away
+    than with the first two migrated); outputs and every gradient match plain EP at each forward;
+    with reuse_replicas the choice changes only at the first gather after an optimizer step."""
+    L, M, T = 4, 16, 32
+    x, gy, w = _hot_routing(rank, world_size, L, M, T, 100)
     layers = {}
     for name, hyb in (("plain", None), ("first", {"migrated_experts": "first"}),
                       ("hottest", {"migrated_experts": "hottest"}),
                       ("hottest reuse", {"migrated_experts": "hottest", "reuse_replicas": True})):
-        torch.manual_seed(5)
         cfg = {"backend": "reference"}
         if hyb is not None:
             cfg["hybrid"] = dict(hyb, enabled=True, domain_size=2, migrated_fraction=0.5)
-        layer = UniEPMoE(M, MLP(M, 24), num_experts=E, ep_size=world_size, k=2, min_capacity=4, drop_tokens=False,
-                         use_rts=False, top2_2nd_expert_sampling=False, config=cfg)
-        distinct_experts(layer, rank)
-        with torch.no_grad():
-            layer.deepspeed_moe.gate.wg.weight.copy_(w)
-        layer = layer.to(device)
-        layer.set_deepspeed_parallelism()
-        layers[name] = layer
+        layers[name] = _gated_layer(rank, world_size, M, 24, w, cfg, device)
     sent = {}
     for name, layer in layers.items():
         h = layer._hybrid
@@ -164,16 +190,7 @@ def _hottest(rank, world_size, device="cpu"):
         h.dispatcher.dispatch = counting
 
     def forward(what):
-        res = {}
-        for name, layer in layers.items():
-            xi = x.to(device).requires_grad_(True)
-            out, l_aux, _ = layer(xi)
-            ((out * gy.to(device)).sum() + l_aux).backward()
-            res[name] = [out, xi.grad] + [p.grad for p in layer.parameters()]
-            layer.zero_grad(set_to_none=True)
-        for name in ("first", "hottest", "hottest reuse"):
-            for i, (a, b) in enumerate(zip(res["plain"], res[name])):
-                assert _rel(b, a) <= 1e-5, f"rank {rank} {what}, {name} tensor {i}: relative error {_rel(b, a)}"
+        _forward_against_plain(layers, x, gy, device, rank, what)
 
     def chosen(name):
         h = layers[name]._hybrid
@@ -214,51 +231,25 @@ def _replan(rank, world_size, device="cpu"):
     and switches to the plan the cost model gives for that load (the test computes it from the gate's
     own top-2), migrating the hot experts; every rank chooses alike, and outputs and every gradient
     match plain EP before and after the switch."""
-    from ds_uniep import UniEPMoE
     from ds_uniep.config import UniEPConfig
     from ds_uniep.hybrid.model import plan
     from ds_uniep.hybrid.runtime import planner_inputs
-    from moe_models import MLP, distinct_experts
+    from moe_models import MLP
     L, M, T, F, T_MAX = 4, 16, 32, 64, 1024
     E = L * world_size
-    g = torch.Generator().manual_seed(200 + rank)
-    group = torch.arange(T) % world_size  # token t prefers owner t % G's experts 2 and 3
-    x = torch.nn.functional.one_hot(group, world_size).repeat_interleave(M // world_size, 1).float()
-    x = x + 0.01 * torch.randn(T, M, generator=g)
-    gy = torch.randn(T, M, generator=g)
-    w = torch.zeros(E, M)
-    pref = torch.tensor([0.2, 0.1, 2.0, 1.5])
-    for e in range(E):
-        o, j = divmod(e, L)
-        w[e, o * (M // world_size):(o + 1) * (M // world_size)] = pref[j] + 0.01 * e
+    x, gy, w = _hot_routing(rank, world_size, L, M, T, 200)
     hyb = {"enabled": True, "domain_size": "auto", "site_size": 1, "intra_site_bandwidth": 4e11,
            "inter_site_bandwidth": 1.25e7, "replan_after_steps": 1}
     layers = {}
     for name, h in (("plain", None), ("replan", hyb)):
-        torch.manual_seed(5)
         cfg = {"backend": "reference", "max_tokens_per_rank": T_MAX}
         if h is not None:
             cfg["hybrid"] = h
-        layer = UniEPMoE(M, MLP(M, F), num_experts=E, ep_size=world_size, k=2, drop_tokens=False, use_rts=False,
-                         top2_2nd_expert_sampling=False, config=cfg)
-        distinct_experts(layer, rank)
-        with torch.no_grad():
-            layer.deepspeed_moe.gate.wg.weight.copy_(w)
-        layer = layer.to(device)
-        layer.set_deepspeed_parallelism()
-        layers[name] = layer
+        layers[name] = _gated_layer(rank, world_size, M, F, w, cfg, device)
     replan = layers["replan"]
 
     def forward(what):
-        res = {}
-        for name, layer in layers.items():
-            xi = x.to(device).requires_grad_(True)
-            out, l_aux, _ = layer(xi)
-            ((out * gy.to(device)).sum() + l_aux).backward()
-            res[name] = [out, xi.grad] + [p.grad for p in layer.parameters()]
-            layer.zero_grad(set_to_none=True)
-        for i, (a, b) in enumerate(zip(res["plain"], res["replan"])):
-            assert _rel(b, a) <= 1e-5, f"rank {rank} {what}, tensor {i}: relative error {_rel(b, a)}"
+        _forward_against_plain(layers, x, gy, device, rank, what)
 
     start = (replan.hybrid_domain_size, replan.hybrid_migrated_experts)
     forward("forward 1")
