@@ -469,7 +469,8 @@ class Plan:
     compression_ratio: Optional[float] = None
     migrated: Optional[List[List[int]]] = None
     """With a measured routing (``plan(load=...)``) and 0 < phi < 1: the migrated local experts per
-    owner the prediction assumed, the hottest (:func:`hottest_choice`); else None."""
+    owner the prediction assumed (the hottest, :func:`hottest_choice`, or with
+    ``migrated_experts="first"`` each owner's first m); else None."""
 
     @property
     def token_fraction(self) -> float:
