@@ -506,9 +506,12 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         err = (slowest(rel_err(out.detach(), ref[0]), device), slowest(rel_err(x.grad, ref[1]), device))
         layer.zero_grad(set_to_none=True)
         ms = timer(step(layer, 1), pool, [layer])
-        S_r, m_r, chosen_r, speedup_r = layer.hybrid_replanned
-        replanned = {"start": list(start), "domain_size": S_r, "migrated_experts": m_r, "chosen_experts": chosen_r,
-                     "predicted_speedup": speedup_r, "ms": ms, "vs_best": ms / measured[best],
+        rp, h = layer.hybrid_replanned, layer._hybrid
+        replanned = {"start": list(start), "planned": list(rp["plan"][:2]), "predicted_speedup": rp["speedup"],
+                     "predicted_gain": rp["gain"], "switched": rp["switched"],
+                     "domain_size": layer.hybrid_domain_size, "migrated_experts": layer.hybrid_migrated_experts,
+                     "chosen_experts": h.dispatcher.chosen if h is not None and h.migrated < len(h.experts) else None,
+                     "ms": ms, "vs_best": ms / measured[best],
                      "within_5pct": ms <= 1.05 * measured[best], "speedup_vs_ep": measured["EP"] / ms,
                      "rel_err_out": err[0], "rel_err_dx": err[1],
                      "outputs_match": err[0] <= TOLERANCE[args.dtype] and err[1] <= TOLERANCE[args.dtype]}
@@ -662,7 +665,9 @@ def print_table(results):
         r = p.get("replanned")
         if r is not None:
             print(f"replanned at {p['M']}x{p['F']} T={p['T']}: started S={r['start'][0]} m={r['start'][1]}, planned "
-                  f"S={r['domain_size']} m={r['migrated_experts']} {r['chosen_experts'] or ''}, {r['ms']:.2f} ms = "
+                  f"S={r['planned'][0]} m={r['planned'][1]} ({100 * r['predicted_gain']:.1f}% predicted gain), "
+                  f"{'switched' if r['switched'] else 'kept'}: runs S={r['domain_size']} m={r['migrated_experts']} "
+                  f"{r['chosen_experts'] or ''}, {r['ms']:.2f} ms = "
                   f"{r['vs_best']:.3f}x the best option ({p['best']}), {r['speedup_vs_ep']:.2f}x EP, outputs match "
                   f"EP: {r['outputs_match']}")
     print("checks: " + ", ".join(f"{k}={v}" for k, v in c.items()))

@@ -221,6 +221,10 @@ class HybridConfig(_Block):
         "and summed over its EP groups, so every rank chooses alike), the planner's other inputs unchanged, and "
         "switch the domain size and migrated experts to that plan (partial migrations assume migrated_experts' "
         "choice); 0: plan once, at start-up, for uniform routing.")
+    replan_min_gain: float = Field(
+        0.05, ge=0, lt=1, description="replan_after_steps switches only where the new plan's predicted time, "
+        "for the routing seen, is at least this fraction below the current plan's for the same routing (a switch "
+        "builds new groups, and the plan's compute times are estimates); else the current plan stays.")
 
     @model_validator(mode="after")
     def _replan_needs_auto(self):

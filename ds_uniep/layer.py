@@ -221,6 +221,7 @@ class UniEPMoE(MoE):
         counted so far and switch to the plan. The counts are all-gathered over the world and summed
         per EP rank over its EP groups, so every rank plans alike (and creates the same groups)."""
         from .hybrid.model import plan as plan_for
+        from .hybrid.model import predict_routed
         from .hybrid.runtime import optimizer_steps
         r = self._replan
         if optimizer_steps() < r["at"]:
@@ -245,23 +246,35 @@ class UniEPMoE(MoE):
                            f"{r['at']}; the start-up plan stays (domain size {before[0]})")
             return
         wl, cl, fractions, ratio, elsize = r["inputs"]
+        load = load.tolist()
         p = plan_for(wl, cl, "auto", compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize,
-                     load=load.tolist(), migrated_experts=hyb.migrated_experts)
+                     load=load, migrated_experts=hyb.migrated_experts)
         S = p.domain_size if p.migrated_fraction > 0 else 1
         m = round(p.migrated_fraction * L) if S > 1 else 0
-        #: what the last replan chose: ``(S, m, migrated or None, predicted speedup over plain EP)``
-        self.hybrid_replanned = (S, m, p.migrated, p.speedup)
+        new_s = (p.hybrid if S > 1 else p.ep).total_s
+        # The current plan, for the same routing (its migrated experts as they route now).
+        current = None if self._hybrid is None or before[1] == L else self._hybrid.dispatcher.chosen
+        now_s = predict_routed(wl, cl, load, before[0], current, ratio if before[0] > 1 else None, elsize).total_s
+        gain = 1 - new_s / now_s
+        switch = (S, m) != before and gain >= hyb.replan_min_gain
+        #: what the last replan found: the plan for the routing seen ``(S, m, migrated or None)``, its
+        #: predicted speedup over plain EP, its predicted gain over the current plan, and whether the
+        #: layer switched to it (a plan of the same S and m only updates which experts migrate)
+        self.hybrid_replanned = {"plan": (S, m, p.migrated), "speedup": p.speedup, "gain": gain, "switched": switch}
         if (S, m) == before and self._hybrid is not None and p.migrated is not None:
             self._hybrid.dispatcher.set_migrated(p.migrated)
             self._hybrid.chosen = list(p.migrated[self._hybrid.groups.ep_rank])
-        elif (S, m) != before:
+        elif switch:
             self._build_hybrid(S, m, p.migrated)
         if torch.distributed.get_rank() == 0:
+            planned = (f"domain size {S}, {m} of {L} experts per rank migrated"
+                       + (f" (local indices per EP rank {p.migrated})" if p.migrated is not None else "")
+                       + f", predicted speedup {p.speedup:.2f}x over plain EP and {100 * gain:.1f}% less time than "
+                       f"the current plan (domain size {before[0]}, {before[1]} migrated)")
+            what = "switched" if switch else "kept the current plan" if (S, m) != before else "the same plan"
             logger.info(f"{self.layer_name}: HybridEP planned again for the routing of the first "
-                        f"{hyb.replan_after_steps} steps: domain size {S}, {m} of {L} experts per rank migrated"
-                        + (f" (local indices per EP rank {p.migrated})" if p.migrated is not None else "")
-                        + f", predicted speedup {p.speedup:.2f}x over plain EP (was domain size {before[0]}, "
-                        f"{before[1]} migrated)")
+                        f"{hyb.replan_after_steps} steps: {planned}; {what}"
+                        + (f" (gain under replan_min_gain {hyb.replan_min_gain})" if what.startswith("kept") else ""))
 
     def set_accumulation_boundary(self, boundary) -> None:
         """With ``"hybrid": {"reuse_replicas": true}`` in a training loop without a DeepSpeed engine:

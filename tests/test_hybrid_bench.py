@@ -276,6 +276,8 @@ def _bench_hottest(rank, world_size):
     # bench's slowest() reductions need), and it matches plain EP.
     r = p["replanned"]
     assert r["domain_size"] in (1, 2, 4) and 0 <= r["migrated_experts"] <= 2 and r["ms"] > 0, r
+    assert (r["domain_size"], r["migrated_experts"]) == (tuple(r["planned"]) if r["switched"] else tuple(r["start"]))
+    assert r["switched"] == (r["planned"] != r["start"] and r["predicted_gain"] >= 0.05), r
     assert r["outputs_match"] and r["rel_err_out"] <= 1e-5, r
     if rank == 0:
         bench_hybrid.print_table(results)

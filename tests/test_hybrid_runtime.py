@@ -232,7 +232,7 @@ def _replan(rank, world_size, device="cpu"):
     own top-2), migrating the hot experts; every rank chooses alike, and outputs and every gradient
     match plain EP before and after the switch."""
     from ds_uniep.config import UniEPConfig
-    from ds_uniep.hybrid.model import plan
+    from ds_uniep.hybrid.model import plan, predict_routed
     from ds_uniep.hybrid.runtime import planner_inputs
     from moe_models import MLP
     L, M, T, F, T_MAX = 4, 16, 32, 64, 1024
@@ -241,7 +241,8 @@ def _replan(rank, world_size, device="cpu"):
     hyb = {"enabled": True, "domain_size": "auto", "site_size": 1, "intra_site_bandwidth": 4e11,
            "inter_site_bandwidth": 1.25e7, "replan_after_steps": 1}
     layers = {}
-    for name, h in (("plain", None), ("replan", hyb)):
+    # "kept": the same, but it switches only for a 99% predicted gain, so it keeps its start-up plan.
+    for name, h in (("plain", None), ("replan", hyb), ("kept", dict(hyb, replan_min_gain=0.99))):
         cfg = {"backend": "reference", "max_tokens_per_rank": T_MAX}
         if h is not None:
             cfg["hybrid"] = h
@@ -269,8 +270,14 @@ def _replan(rank, world_size, device="cpu"):
     uniform = plan(wl, cl, "auto", ratio, fractions, elsize)
     assert start == (uniform.domain_size, round(uniform.migrated_fraction * L)) == (world_size, L), start
     assert want.domain_size > 1 and 0 < m < L, want  # the test's point: the skew changes the plan
-    assert replan.hybrid_replanned == (want.domain_size, m, want.migrated, want.speedup), \
-        (rank, replan.hybrid_replanned)
+    got = replan.hybrid_replanned
+    assert got["plan"] == (want.domain_size, m, want.migrated) and got["speedup"] == want.speedup, (rank, got)
+    # Predicted gain over the start-up plan (all experts in one domain) for the same routing.
+    now = predict_routed(wl, cl, rows, world_size, None, ratio, elsize).total_s
+    assert got["switched"] and got["gain"] == pytest.approx(1 - want.hybrid.total_s / now) and got["gain"] > 0.05, got
+    kept = layers["kept"]
+    assert kept.hybrid_replanned["plan"] == got["plan"] and not kept.hybrid_replanned["switched"], kept.hybrid_replanned
+    assert (kept.hybrid_domain_size, kept.hybrid_migrated_experts) == start
     assert (replan.hybrid_domain_size, replan.hybrid_migrated_experts) == (want.domain_size, m), rank
     h = replan._hybrid
     assert h.dispatcher.chosen == want.migrated and all(c == [2, 3][:m] for c in want.migrated), want.migrated
