@@ -218,7 +218,8 @@ class UniEPMoE(MoE):
 
     def _replan_if_due(self) -> None:
         """``"replan_after_steps"``: once that many optimizer steps have run, plan again for the routing
-        counted so far and switch to the plan. The counts are all-gathered over the world and summed
+        counted so far and switch to the plan where it predicts at least ``replan_min_gain`` less time
+        than the current plan for that routing. The counts are all-gathered over the world and summed
         per EP rank over its EP groups, so every rank plans alike (and creates the same groups)."""
         from .hybrid.model import plan as plan_for
         from .hybrid.model import predict_routed
