@@ -328,17 +328,14 @@ def build_layers(M, F, args, specs, device, dtype, pacing):
     return layers, ep1, state
 
 
-def routed_load(layer, pool, num_experts, device, inputs=(0, 1)):
+def routed_load(layer, pool, num_experts, inputs=(0, 1)):
     """``[G, E]`` token copies each rank's gate routes to each expert, averaged over ``inputs`` (by
     default the two the options are timed on; the same on every rank)."""
-    counts = torch.zeros(num_experts, dtype=torch.float64, device=device)
-    for i in inputs:
-        _, _, _, idx, _, _, _ = layer.deepspeed_moe.gate(pool(i)[0].detach(), None, True)
-        idx = idx.flatten().long()
-        counts += torch.bincount(idx[idx >= 0], minlength=num_experts).double() / len(inputs)
-    rows = [torch.empty_like(counts) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, counts)
-    return torch.stack(rows).tolist()
+    from ds_uniep.layout import expert_counts
+    from ds_uniep.reference import gather_counts
+    counts = sum(expert_counts(layer.deepspeed_moe.gate(pool(i)[0].detach(), None, True)[3], num_experts)
+                 for i in inputs)
+    return (gather_counts(counts, dist.group.WORLD, dist.get_world_size()).double() / len(inputs)).tolist()
 
 
 # --------------------------------------------------------------------------- one point
@@ -378,7 +375,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         before, transfers = pacing.paced_bytes, pacing.paced_transfers
         out = fwd_bwd(layer)(x, pool(0)[1])
         h = layer._hybrid  # the experts it migrated (a hottest choice is made at its forward's gather)
-        chosen = h.dispatcher.chosen if h is not None and h.migrated < len(h.experts) else None
+        chosen = h.migrated_by_rank if h is not None else None
         nbytes = pacing.paced_bytes - before
         transfers = pacing.paced_transfers - transfers
         layer.zero_grad(set_to_none=True)
@@ -409,8 +406,8 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         x0 = pool(0)[0].detach()
         _, _, _, idx, _, _, _ = ep1.deepspeed_moe.gate(x0, None, True)
         recv, counts, _ = ReferenceDispatcher(E, 1).dispatch(x0, idx.t())
-        load = routed_load(ep1, pool, E, device)
-        load_checked = routed_load(ep1, pool, E, device, inputs=(0, ))  # the checked runs' routing
+        load = routed_load(ep1, pool, E)
+        load_checked = routed_load(ep1, pool, E, inputs=(0, ))  # the checked runs' routing
     recv = recv.detach().requires_grad_(True)
     experts = list(ep1.deepspeed_moe.experts.deepspeed_experts)
     exp_fwd = timer(lambda x, gy: run_experts(experts, recv, counts), pool, [ep1])
@@ -436,7 +433,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
     for name in layers:
         S, m, comp, _ = specs[name]
         h = layers[name]._hybrid
-        chosen = h.dispatcher.chosen if h is not None and m < E // G else None
+        chosen = h.migrated_by_rank if h is not None else None
         # The model fed with this point's routing (load): the prediction checked; the uniform
         # routing's beside it.
         lt = predict_routed(wl, cl, load, S, chosen, compression_ratio=comp, bytes_per_value=elsize)
@@ -469,6 +466,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
     # The model's planner, fed with this point's routing: among whole domains, and with --hottest
     # the timed partial migrations too (the hottest experts, as the planner assumes).
     fractions = (0.0, 1.0) + (tuple(args.fractions) if args.hottest else ())
+
     def name_of(S, m=None, L=None):
         return "EP" if S == 1 else f"S={S}" if m is None or m == L else f"S={S} m={m} hot"
 
@@ -510,7 +508,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         replanned = {"start": list(start), "planned": list(rp["plan"][:2]), "predicted_speedup": rp["speedup"],
                      "predicted_gain": rp["gain"], "switched": rp["switched"],
                      "domain_size": layer.hybrid_domain_size, "migrated_experts": layer.hybrid_migrated_experts,
-                     "chosen_experts": h.dispatcher.chosen if h is not None and h.migrated < len(h.experts) else None,
+                     "chosen_experts": h.migrated_by_rank if h is not None else None,
                      "ms": ms, "vs_best": ms / measured[best],
                      "within_5pct": ms <= 1.05 * measured[best], "speedup_vs_ep": measured["EP"] / ms,
                      "rel_err_out": err[0], "rel_err_dx": err[1],

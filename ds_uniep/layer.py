@@ -224,6 +224,7 @@ class UniEPMoE(MoE):
         from .hybrid.model import plan as plan_for
         from .hybrid.model import predict_routed
         from .hybrid.runtime import optimizer_steps
+        from .reference import gather_counts
         r = self._replan
         if optimizer_steps() < r["at"]:
             return
@@ -235,11 +236,8 @@ class UniEPMoE(MoE):
         if r["counts"] is not None:
             mine[:E] = r["counts"].to(device, torch.float64)
         mine[E] = torch.distributed.get_rank(self.ep_group)
-        parts = [torch.empty_like(mine) for _ in range(torch.distributed.get_world_size())]
-        torch.distributed.all_gather(parts, mine)
         load = torch.zeros(G, E, dtype=torch.float64)
-        for t in parts:
-            t = t.cpu()
+        for t in gather_counts(mine, None, torch.distributed.get_world_size()).cpu():  # every rank of the world
             load[int(t[E])] += t[:E]
         before = (self.hybrid_domain_size, self.hybrid_migrated_experts)
         if not load.sum() > 0:
@@ -254,7 +252,7 @@ class UniEPMoE(MoE):
         m = round(p.migrated_fraction * L) if S > 1 else 0
         new_s = (p.hybrid if S > 1 else p.ep).total_s
         # The current plan, for the same routing (its migrated experts as they route now).
-        current = None if self._hybrid is None or before[1] == L else self._hybrid.dispatcher.chosen
+        current = None if self._hybrid is None else self._hybrid.migrated_by_rank
         now_s = predict_routed(wl, cl, load, before[0], current, ratio if before[0] > 1 else None, elsize).total_s
         gain = 1 - new_s / now_s
         switch = (S, m) != before and gain >= hyb.replan_min_gain

@@ -823,6 +823,12 @@ class HybridExperts:
         use = _GatherUse(gathered, self.held)
         self._inflight = (use, _OwnerSum.apply(use, self.counter, *self._migrated_params()))
 
+    @property
+    def migrated_by_rank(self) -> Optional[List[List[int]]]:
+        """Per EP rank, the local experts its domain peers hold replicas of now (the dispatcher's
+        routes); None where every expert migrates."""
+        return self.dispatcher.chosen if self.migrated < len(self.experts) else None
+
     def _migrated_params(self) -> List[Tensor]:
         return [p for l in self.chosen for p in self.experts[l].parameters()]
 
