@@ -15,7 +15,8 @@ Per op, in one run: GEMM alone, collective alone, unfused (collective then
 GEMM, or GEMM then collective), ``torch.ops.symm_mem`` fused op, and CommFuse
 per transport (``p2p``: NCCL send/recv; ``copy_engine``: copies into peers'
 symmetric buffers), schedule and chunk count (``p2p``: messages per step; copy engine,
-reduce-scatter only, ``--ce-chunks``: row chunks of the own partial's GEMM and closing sum),
+reduce-scatter only, ``--ce-chunks``: row chunks of the own partial's GEMM and closing sum;
+``relay``, reduce-scatter only: row chunks of every step's GEMM, on either transport),
 named ``cf.<transport>.<schedule>.c<chunks>``. On CUDA every variant is timed twice: launched
 (each run after a host barrier, so the ranks' launch skew counts) and queued (each run after a
 GPU spin and a GPU-side barrier, so every GPU starts at once with the run's launches queued, as
@@ -23,7 +24,9 @@ in a training step whose launches run ahead). Where the copy-engine transport ru
 that its schedules cannot beat: ``gemm_blocks`` (the G block GEMMs the ring schedules split the
 GEMM into, no communication), ``gemm_local_first`` (all-gather: the GEMMs ``local_first`` splits
 it into on this rank: its own block, then each run of the others' rows), ``sum_alone``
-(reduce-scatter: the rank-order fp32 sum of the G partials, which follows the last GEMM) and
+(reduce-scatter: the rank-order fp32 sum of the G partials, which follows the last GEMM),
+``gemm_relay.c<C>`` (with the ``relay`` schedule: its GEMMs alone, C row chunks per step, each
+from the second step on adding a running sum in its epilogue) and
 ``gemm_beside_copies`` (the whole GEMM while the same bytes are copied into the peers' symmetric
 buffers on a side stream, nothing waiting on anything: what the GEMM costs beside the
 transfers). With the ``arrival`` schedule (all-gather on ds_uniep's grouped GEMM, one launch;
@@ -64,8 +67,10 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=8192, help="T, tokens in total (split over ranks)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--schedules", nargs="+", default=["ring", "bidirectional_ring", "local_first", "arrival"],
-                   choices=["ring", "bidirectional_ring", "local_first", "arrival"],
-                   help="arrival runs on the copy engine only (all-gather; its reduce-scatter is bidirectional_ring)")
+                   choices=["ring", "bidirectional_ring", "local_first", "arrival", "relay"],
+                   help="arrival runs on the copy engine only (all-gather; its reduce-scatter is bidirectional_ring); "
+                   "relay is timed for the reduce-scatter only (its all-gather is ring's), its chunk counts from "
+                   "--num-chunks (p2p) and --ce-chunks (copy engine)")
     p.add_argument("--weight-layout", choices=["linear", "kn"], default="linear",
                    help="w: weight.t() of an nn.Linear-layout weight (what ColumnParallelLinear and "
                    "RowParallelLinear pass) or a contiguous [K, N] tensor")
@@ -113,7 +118,7 @@ def _commfuse_points(a, gloo, op):
         if t == "copy_engine" and gloo:
             continue
         for s in a.schedules:
-            if s == "arrival" and t != "copy_engine":
+            if (s == "arrival" and t != "copy_engine") or (s == "relay" and op != "matmul_reduce_scatter"):
                 continue
             ce = a.ce_chunks if op == "matmul_reduce_scatter" and s != "arrival" else [1]
             for c in (a.num_chunks if t == "p2p" else ce):
@@ -243,12 +248,30 @@ def _floors(op, a, G, group, device, dtype, rnd):
     else:
         parts = rotating(lambda i: tuple(rnd(block_rows, N) for _ in range(G)), a.pool)
         floors["sum_alone"] = (lambda *p: ordered_sum(list(p)), parts)
+        if "relay" in a.schedules:
+            from ds_uniep.commfuse.relay import acc_mm, relay_chunks
+            running = torch.zeros(block_rows, N, dtype=torch.float32, device=device)
+
+            def relay_gemms(chunks):
+                """The relay's GEMMs, no communication: per block its row chunks, the running sum
+                (here a local buffer) as C from the second step on."""
+                def run(x, w):
+                    for s in range(G):
+                        b = (rank - s - 1) % G
+                        for c0, n in relay_chunks(block_rows, chunks):
+                            rows = x[b * block_rows + c0:b * block_rows + c0 + n]
+                            acc_mm(rows, w, running[c0:c0 + n] if s else None)
+                    return out
+                return run
+            for c in a.ce_chunks:
+                floors[f"gemm_relay.c{c}"] = (relay_gemms(c), inputs)
     return floors
 
 
 def _is_bare(name):
     """Floors that run only part of the op (some of its GEMMs, or its sum): not checked."""
-    return name in ("gemm_blocks", "gemm_local_first", "sum_alone", "gemm_alone_uniep")
+    return (name in ("gemm_blocks", "gemm_local_first", "sum_alone", "gemm_alone_uniep")
+            or name.startswith("gemm_relay"))
 
 
 def _collect(timed, device, queued):
@@ -325,8 +348,10 @@ def _checks(op, variants, G, group, gloo, points):
                 out[name + "_max_diff_vs_blockwise"] = (y.float() - blockwise.float()).abs().max().item()
     if op == "matmul_reduce_scatter":
         # Bitwise promise: every rank's partials (its GEMMs: local_first's row groups, the copy
-        # engine's own partial in row chunks) added in rank order in fp32 (reference.py).
-        from ds_uniep.commfuse import matmul_reduce_scatter_impl, ref_matmul_reduce_scatter
+        # engine's own partial in row chunks) added in rank order in fp32 (reference.py); relay:
+        # the fp32 products added along the ring, per chunk.
+        from ds_uniep.commfuse import (matmul_reduce_scatter_impl, ref_matmul_reduce_scatter,
+                                       ref_matmul_reduce_scatter_relay)
         x, w = args
         me = dist.get_rank(group)
         xs = [torch.empty_like(x) for _ in range(G)]
@@ -337,7 +362,10 @@ def _checks(op, variants, G, group, gloo, points):
         ws = bases if w.is_contiguous() else [b.t() for b in bases]
         for name, t, sched, c in points:
             lf = sched == "local_first"
-            ref = ref_matmul_reduce_scatter(xs, ws, local_first=lf, own_chunks=c if t == "copy_engine" else 1)[me]
+            if sched == "relay":
+                ref = ref_matmul_reduce_scatter_relay(xs, ws, num_chunks=c)[me]
+            else:
+                ref = ref_matmul_reduce_scatter(xs, ws, local_first=lf, own_chunks=c if t == "copy_engine" else 1)[me]
             y = matmul_reduce_scatter_impl(x, w, group, sched, c, transport=t)[0]
             out[name + "_bitwise_vs_reference"] = bool(torch.equal(y, ref))
     return out

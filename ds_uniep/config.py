@@ -139,17 +139,23 @@ class CommFuseConfig(_Block):
                           "parallel linears and plain ones. ColumnParallelLinear/RowParallelLinear (config=) and "
                           "UniEPMoE's TP-sharded TPGeLUExpert experts read schedule, num_chunks and transport, "
                           "whatever enabled says.")
-    schedule: Literal["ring", "bidirectional_ring", "local_first", "arrival"] = Field(
+    schedule: Literal["ring", "bidirectional_ring", "local_first", "arrival", "relay"] = Field(
         "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
         "round, half the steps; local_first: every block moves in one step while this rank's block is "
         "multiplied, then the other rows in two GEMMs (fewer, larger GEMMs; equal to the ring schedules within "
         "the GEMM's rounding); arrival (CUDA, Hopper, bf16): blocks move as in local_first and the all-gather's "
         "GEMM is one launch of ds_uniep's grouped GEMM whose tiles wait on the GPU for their block, this rank's "
-        "block first (the bits of that GEMM; its reduce-scatter runs bidirectional_ring).")
+        "block first (the bits of that GEMM; its reduce-scatter runs bidirectional_ring); relay (reduce-scatter): "
+        "each block's running sum travels round the ring in fp32, every rank adding its product in its GEMM's "
+        "epilogue, in num_chunks row chunks, so no closing sum follows the last GEMM (a fixed ring order per "
+        "block: equal to the rank-order schedules within the input dtype's rounding; its all-gather runs ring; "
+        "measured slower than ring, see README).")
     num_chunks: int = Field(1, ge=1, le=16, description="p2p transport: chunks each peer-to-peer step is split "
                             "into. copy_engine transport (whose copies stay whole): the reduce-scatter's own partial "
                             "GEMM in that many row chunks, each chunk's rank-order sum overlapping the next chunk's "
-                            "GEMM (one GEMM per chunk, so equal to 1 chunk within the GEMM's rounding).")
+                            "GEMM (one GEMM per chunk, so equal to 1 chunk within the GEMM's rounding). relay "
+                            "schedule, either transport: each step's GEMM in that many row chunks, each passed on "
+                            "when done (with 1 every step waits for a whole block's transfer).")
     transport: Literal["auto", "p2p", "copy_engine"] = Field(
         "auto", description="p2p: NCCL/gloo send/recv; copy_engine: copies into peers' symmetric buffers (CUDA, "
         "no SMs taken from the GEMMs); auto: copy_engine where usable, else p2p. The arrival schedule moves blocks "

@@ -126,6 +126,55 @@ def _check_fp64(me, G, device, transport="auto"):
             f"fp64 reduce-scatter {schedule}: {out[0, 0].item()!r} against {acc.item()!r}"
 
 
+def _check_relay(me, G, device, transport):
+    """The ``relay`` reduce-scatter: bitwise its reference (the running sum added in ring order in
+    fp32 GEMM products), run to run, odd and empty blocks, chunks; within the input dtype's
+    rounding of the exact sum; its backward is the ring all-gather; and the order is the relay's."""
+    from ds_uniep.commfuse import (matmul_reduce_scatter, ref_all_gather_matmul, ref_matmul_reduce_scatter_relay,
+                                   ref_matmul_reduce_scatter)
+    from ds_uniep.commfuse.relay import relay_sources
+    T, N = 131, 29
+    sizes = _shard_sizes(G)
+    uneven = [0] + sizes[1:-1] + [T - sum(sizes[1:-1])]  # rank 0's block empty
+    for i, (dtype, c) in enumerate([(torch.bfloat16, 3), (torch.float32, 1), (torch.bfloat16, 1), (torch.float32, 4)]):
+        seed = 9000 + 100 * i
+        xs = [_rand((T, 11 + 7 * r), seed + r, dtype, device) for r in range(G)]
+        ws = [_rand((11 + 7 * r, N), seed + 50 + r, dtype, device) for r in range(G)]
+        for out_sizes in (None, uneven):
+            tag = f"[relay {dtype} chunks={c} {transport} out_sizes={out_sizes}]"
+            ref = ref_matmul_reduce_scatter_relay(xs, ws, out_sizes, c)
+            x = xs[me].clone().requires_grad_()
+            w = ws[me].clone().requires_grad_()
+            out = matmul_reduce_scatter(x, w, schedule="relay", num_chunks=c, out_sizes=out_sizes, transport=transport)
+            assert out.dtype == dtype and torch.equal(out, ref[me]), f"forward {tag}"
+            again = matmul_reduce_scatter(xs[me], ws[me], schedule="relay", num_chunks=c, out_sizes=out_sizes,
+                                          transport=transport)
+            assert torch.equal(again, out), f"run to run {tag}"
+            # Against the exact sum: one rounding to the output dtype (plus fp32 adds), no more.
+            exact = ref_matmul_reduce_scatter([a.double() for a in xs], [b.double() for b in ws], out_sizes)[me]
+            ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -20
+            assert ((out.double() - exact).abs() <= ulp * exact.abs() + 1e-4).all(), f"accuracy {tag}"
+            # 16-bit inputs: the rank-order schedules round each partial first; the relay does not.
+            rank_order = ref_matmul_reduce_scatter(xs, ws, out_sizes)[me]
+            assert out.numel() == 0 or dtype == torch.float32 or (out.double() - exact).abs().max() <= \
+                (rank_order.double() - exact).abs().max() + 1e-6, f"less accurate than the rank-order sum {tag}"
+            gos = [_rand(tuple(r_.shape), seed + 70 + r, dtype, device) for r, r_ in enumerate(ref)]
+            out.backward(gos[me])
+            assert torch.equal(x.grad, ref_all_gather_matmul(gos, ws[me].t())), f"d x {tag}"
+            assert torch.equal(w.grad, xs[me].t() @ torch.cat(gos)), f"d w {tag}"
+    # Partials that cancel only in the relay's order (j+1, ..., j+G-1, then the owner j).
+    vals = [1e8, 1.0, -1e8, 1.0, 3.0, 5.0, 7.0, 9.0][:G]
+    x = torch.full((G * 3, 1), vals[me], dtype=torch.float32, device=device)
+    w = torch.ones(1, 4, dtype=torch.float32, device=device)
+    order = [(me + i) % G for i in range(1, G + 1)]  # written out, not taken from the code under test
+    assert relay_sources(G, me) == order
+    acc = torch.tensor(vals[order[0]], dtype=torch.float32)
+    for r in order[1:]:
+        acc = acc + torch.tensor(vals[r], dtype=torch.float32)
+    out = matmul_reduce_scatter(x, w, schedule="relay", num_chunks=2, transport=transport)
+    assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), f"relay order {transport}: {out[0, 0]} vs {acc}"
+
+
 def _check_back_to_back(me, G, device, calls=12):
     """Copy-engine calls queued back to back (no host sync between them), all-gather and
     reduce-scatter in turn on the one workspace, with the ranks pulled apart by GPU spins of
@@ -427,6 +476,7 @@ def _body(rank, G, device_kind, bench_out=None):
         _check_ops(rank, G, device, dtype, schedule, num_chunks, 1000 * (i + 1), transport="p2p")
     _check_fixed_order(rank, G, device, "p2p")
     _check_fp64(rank, G, device, "p2p")
+    _check_relay(rank, G, device, "p2p")
     if device_kind == "cuda":
         # The copy-engine transport: the same bits as the references (chunks: the reduce-scatter's
         # own partial GEMM in row chunks, each chunk's sum overlapped with the next).
@@ -435,6 +485,7 @@ def _body(rank, G, device_kind, bench_out=None):
                                                   for c in (1, 3)]):
             _check_ops(rank, G, device, dtype, schedule, c, 5000 + 1000 * i, transport="copy_engine")
         _check_fixed_order(rank, G, device, "copy_engine")
+        _check_relay(rank, G, device, "copy_engine")
         from ds_uniep.commfuse.arrival import available
         probe = torch.empty(1, 8, dtype=torch.bfloat16, device=device)
         arrival_ok = available(probe, torch.empty(8, 8, dtype=torch.bfloat16, device=device), None)[0]

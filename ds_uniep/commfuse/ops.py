@@ -16,7 +16,9 @@ Exactness (the promise every schedule keeps):
   the input dtype and adds the partials of a block in rank order
   0, 1, ..., G-1 into an fp32 accumulator (fp64 for fp64 inputs), cast once at the end, whatever the
   schedule, so it is bitwise reproducible and equal to
-  :func:`ds_uniep.commfuse.reference.ref_matmul_reduce_scatter`.
+  :func:`ds_uniep.commfuse.reference.ref_matmul_reduce_scatter`; except the
+  ``relay`` schedule, which adds the fp32 products in ring order in the GEMMs'
+  epilogues (below).
 
 ``num_chunks`` splits each step's transfer into that many row chunks (separate
 messages). GEMMs stay whole blocks: splitting a GEMM by rows may change the
@@ -61,6 +63,15 @@ first; bitwise equal to that GEMM over the gathered rows
 other schedules within the GEMM's rounding. Its reduce-scatter (also the all-gather's backward)
 is ``bidirectional_ring``'s. Where it cannot run, both ops raise, naming why.
 
+``relay`` (reduce-scatter; ``relay.py``): block j's running sum travels round the ring from
+rank j+1 to the owner j, each rank adding its fp32 product in its GEMM's epilogue (``addmm`` with
+the sum so far as C), in ``num_chunks`` row chunks passed on one by one, so no closing sum follows
+the last GEMM. Its fixed order (j+1, ..., j+G-1, j; fp32 products, not partials rounded to the
+input dtype) makes it bitwise reproducible and equal to
+:func:`ds_uniep.commfuse.reference.ref_matmul_reduce_scatter_relay`, and equal to the rank-order
+schedules within the input dtype's rounding. Its all-gather (also the reduce-scatter's backward)
+is ``ring``'s.
+
 Streams (CUDA): transfers are issued from a side stream, so a transfer waits
 only for the GEMM that produced what it sends, and each GEMM waits (by event)
 only for the transfer that brought its block. Buffers a transfer writes are
@@ -80,7 +91,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-SCHEDULES = ("ring", "bidirectional_ring", "local_first", "arrival")
+SCHEDULES = ("ring", "bidirectional_ring", "local_first", "arrival", "relay")
 TRANSPORTS = ("auto", "p2p", "copy_engine")
 
 # cuBLAS, and on the CPU torch's BLAS, may pick a different kernel (with other
@@ -434,6 +445,8 @@ def all_gather_matmul_impl(x_shard: torch.Tensor, w: torch.Tensor, group=None, s
         raise ValueError(f"all_gather_matmul: shard_sizes {shard_sizes} must have one entry per rank ({G}) and "
                          f"entry {me} must equal x_shard.shape[0] = {x_shard.shape[0]}")
     offs = _offsets(shard_sizes)
+    if schedule == "relay":  # a reduce-scatter schedule; the all-gather has no relay form
+        schedule = "ring"
     if schedule == "arrival":
         if transport == "p2p":
             raise ValueError("all_gather_matmul: commfuse schedule 'arrival' moves blocks by the copy engines; "
@@ -530,6 +543,10 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
     offs = _offsets(out_sizes)
     if schedule == "arrival":  # no arrival form of its own (see the module doc)
         schedule = "bidirectional_ring"
+    if schedule == "relay":
+        from .relay import matmul_reduce_scatter_relay
+        return matmul_reduce_scatter_relay(x, w, g, me, G, ranks, out_sizes, offs, num_chunks,
+                                           resolve_transport(transport, g, G, x.device), timeline), out_sizes
     runs = _remote_runs(out_sizes, me) if schedule == "local_first" else None
     if resolve_transport(transport, g, G, x.device) == "copy_engine":
         from .copy_engine import matmul_reduce_scatter_ce
@@ -679,8 +696,9 @@ def all_gather_matmul(x_shard: torch.Tensor, w: torch.Tensor, group=None, schedu
         w: ``[K, N]`` same dtype and device (this rank's weight; may be a view
             such as ``weight.t()``).
         group: process group (default: the world group).
-        schedule: ``"ring"``, ``"bidirectional_ring"``, ``"local_first"`` or ``"arrival"``
-            (see the module doc; ``arrival`` runs ds_uniep's GEMM, so its bits are that GEMM's).
+        schedule: ``"ring"``, ``"bidirectional_ring"``, ``"local_first"``, ``"arrival"`` or
+            ``"relay"`` (see the module doc; ``arrival`` runs ds_uniep's GEMM, so its bits are that
+            GEMM's; ``relay`` is a reduce-scatter schedule, its all-gather is ``ring``).
         num_chunks: messages each block transfer is split into.
         shard_sizes: rows of every rank's block, if known; otherwise gathered
             once (a small all-gather and, on GPU, a host sync).
@@ -721,7 +739,10 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group=None, schedule
         ``[out_sizes[me], N]``: partials ``x_r[rows] @ w_r`` (input dtype) added
         in rank order 0..G-1 in fp32 and cast once, so bitwise reproducible and
         independent of the schedule. Each partial travels straight to the rank
-        owning its rows (step d: to me+d), not as a relayed running sum.
+        owning its rows (step d: to me+d), not as a relayed running sum; except
+        with ``schedule="relay"``, where the running sum of fp32 products is
+        relayed round the ring and added in the GEMMs' epilogues (``relay.py``:
+        its own fixed order, equal to ``ref_matmul_reduce_scatter_relay``).
     Backward: ``d x`` is an :func:`all_gather_matmul` of ``d out`` with ``w^T``;
     ``d w = x^T @ d out_full`` with the ``d out`` gathered on the way.
     """

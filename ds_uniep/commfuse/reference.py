@@ -92,3 +92,29 @@ def ref_matmul_reduce_scatter(xs: Sequence[torch.Tensor], ws: Sequence[torch.Ten
             acc.add_(partial(r, j))
         out.append(acc.to(xs[0].dtype))
     return out
+
+
+def ref_matmul_reduce_scatter_relay(xs: Sequence[torch.Tensor], ws: Sequence[torch.Tensor],
+                                    out_sizes: Optional[Sequence[int]] = None,
+                                    num_chunks: int = 1) -> List[torch.Tensor]:
+    """Every rank's output block as the ``relay`` schedule sums it: per row chunk of block j
+    (``relay_chunks``), ``acc = acc_mm(xs[j+1][rows], ws[j+1])``, then
+    ``acc = acc_mm(xs[r][rows], ws[r], acc)`` for r = j+2, ..., j+G-1, j (fp32 GEMM products, each
+    added in a GEMM's epilogue), cast once to the input dtype."""
+    from .relay import acc_mm, relay_chunks, relay_sources
+    G, T = len(xs), xs[0].shape[0]
+    sizes = even_split(T, G) if out_sizes is None else list(out_sizes)
+    offs = _offsets(sizes)
+    dtype = torch.result_type(xs[0], ws[0])
+    out = []
+    for j in range(G):
+        blk = torch.empty(sizes[j], ws[0].shape[1], dtype=dtype, device=xs[0].device)
+        for c0, n in relay_chunks(sizes[j], num_chunks):
+            if n == 0:
+                continue
+            acc = None
+            for r in relay_sources(G, j):
+                acc = acc_mm(xs[r][offs[j] + c0:offs[j] + c0 + n], ws[r], acc)
+            blk[c0:c0 + n].copy_(acc)
+        out.append(blk)
+    return out
