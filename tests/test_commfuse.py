@@ -173,6 +173,8 @@ def _check_relay(me, G, device, transport):
         acc = acc + torch.tensor(vals[r], dtype=torch.float32)
     out = matmul_reduce_scatter(x, w, schedule="relay", num_chunks=2, transport=transport)
     assert torch.equal(out.cpu(), torch.full((3, 4), acc.item())), f"relay order {transport}: {out[0, 0]} vs {acc}"
+    with pytest.raises(ValueError, match="schedule 'relay' takes at most 16 chunks per step"):
+        matmul_reduce_scatter(x, w, schedule="relay", num_chunks=17, transport=transport)
 
 
 def _check_back_to_back(me, G, device, calls=12):

@@ -41,6 +41,7 @@ import torch
 from .ops import _Exchange, _Gemm, _chunks, side_stream, sum_dtype
 
 _CHANNEL0 = 2  # signal channels 2 .. 2 + num_chunks - 1 (channel 1 is the other schedules')
+MAX_CHUNKS = 16  # the config's bound on num_chunks; the p2p tags leave room for 64
 
 
 def relay_sources(G: int, j: int) -> List[int]:
@@ -153,6 +154,9 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
                                 transport: str, timeline=None) -> torch.Tensor:
     """``out [out_sizes[me], N]``, block ``me`` summed along the ring (module doc). ``transport``:
     ``"copy_engine"`` or ``"p2p"`` (resolved by the caller)."""
+    if num_chunks > MAX_CHUNKS:
+        raise ValueError(f"matmul_reduce_scatter: schedule 'relay' takes at most {MAX_CHUNKS} chunks per step "
+                         f"(one signal channel each), got num_chunks={num_chunks}")
     dtype = torch.result_type(x, w)
     acc_dtype = sum_dtype(dtype)
     N = w.shape[1]
@@ -170,9 +174,7 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
     cast = None
     if x.is_cuda and acc_dtype != dtype:
         cast = side_stream(x.device, torch.cuda.current_stream(x.device), "sum")
-    if cast is not None:
         cast.wait_stream(torch.cuda.current_stream(x.device))
-    kept = []
     for s in range(G):
         b = (me - s - 1) % G
         rows = x[offs[b]:offs[b] + out_sizes[b]]
@@ -197,7 +199,6 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
                     if timeline:
                         timeline.entries.append(("reduce", k, t0, timeline.mark(cast)))
                 acc.record_stream(cast)
-                kept.append(acc)
         if s < G - 1:
             # Chunk indices the next step's block has beyond this one's: receives only.
             have = len(relay_chunks(out_sizes[b], num_chunks))
@@ -207,7 +208,6 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
         torch.cuda.current_stream(x.device).wait_stream(cast)
     if links is not None:
         links.finish()
-    del kept
     return out
 
 
