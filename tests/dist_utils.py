@@ -20,8 +20,9 @@ def free_port() -> int:
 
 
 def _entry(rank, world_size, port, backend, fn, args, errq):
+    # The parent holds the rendezvous store on ``port`` (see run_distributed): every rank is a client.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+                      WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         import deepspeed
         import torch
@@ -51,7 +52,12 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes."""
     ctx = mp.get_context("spawn")
     errq = ctx.SimpleQueue()
-    port = free_port()
+    # The rendezvous store lives here, on a port the OS picks and this process keeps bound until the
+    # ranks are done (the ranks connect as clients, as under torchrun's agent), so no other process
+    # can take the port between its choice and the ranks' start.
+    from torch.distributed import TCPStore
+    store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, errq)) for r in range(world_size)]
     for p in procs:
         p.start()
