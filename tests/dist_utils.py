@@ -14,6 +14,8 @@ import torch.multiprocessing as mp
 
 
 def free_port() -> int:
+    """A port free now, for launchers that bind it themselves (``deepspeed --master_port``,
+    ``torchrun``); another process can take it before they do, which run_distributed avoids."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

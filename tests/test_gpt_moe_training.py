@@ -6,11 +6,12 @@ rank-averaged loss of every step, written as ``float.hex`` so equality is exact)
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from dist_utils import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "gpt_moe", "train.py")
@@ -22,10 +23,6 @@ TINY = ["--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32
 STEPS, EXIT_AT = 200, 120
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -40,7 +37,7 @@ def _env():
 def _train(tmp_path, name, *extra):
     log = tmp_path / f"{name}.json"
     cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-           str(_free_port()), TRAIN, *TINY, "--train-iters", str(STEPS), "--loss-log", str(log), *extra]
+           str(free_port()), TRAIN, *TINY, "--train-iters", str(STEPS), "--loss-log", str(log), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{name}: exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     with open(log) as f:
@@ -86,7 +83,7 @@ def test_swiglu_experts_train(tmp_path):
     kind), and the example trains with them: every step logged, the loss falling."""
     log = tmp_path / "swiglu.json"
     cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-           str(_free_port()), TRAIN, *TINY, "--train-iters", "30", "--loss-log", str(log), "--expert-type", "swiglu"]
+           str(free_port()), TRAIN, *TINY, "--train-iters", "30", "--loss-log", str(log), "--expert-type", "swiglu"]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     with open(log) as f:
@@ -142,7 +139,7 @@ def test_hybrid_ep_with_reused_replicas_trains_as_migrating_every_micro_batch(tm
     for name, path in (("kept", src), ("every", str(every))):
         log = tmp_path / f"{name}.json"
         cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-               str(_free_port()), TRAIN, *TINY[:TINY.index("--deepspeed_config")],
+               str(free_port()), TRAIN, *TINY[:TINY.index("--deepspeed_config")],
                *TINY[TINY.index("--deepspeed_config") + 2:], "--deepspeed_config", path, "--train-iters", "20",
                "--loss-log", str(log)]
         proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)

@@ -13,11 +13,12 @@ to rank 0's host address and MASTER_PORT to the ``distributed_port`` the script 
 (the examples pass $MASTER_PORT, default 29500).
 """
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from dist_utils import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(REPO, "examples", "gpt_moe", "train.py")
@@ -28,10 +29,6 @@ GPT_TINY = ["--hidden-size", "32", "--num-attention-heads", "2", "--seq-length",
             "--eval-interval", "3", "--eval-iters", "2", "--log-interval", "0", "--corpus-max-bytes", "200000"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(**extra):
@@ -55,7 +52,7 @@ def _final_line(out: str, tag: str) -> str:
 
 
 def test_gpt_under_deepspeed_launcher():
-    proc, log = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()), GPT,
+    proc, log = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), GPT,
                       *GPT_TINY, "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero2.json"),
                       "--num-experts", "4", "--topk", "2", "--moe-expert-parallel-size", "2",
                       "--create-moe-param-group", "--backend", "reference"])
@@ -67,7 +64,7 @@ def test_gpt_under_deepspeed_launcher():
 
 def test_gpt_under_torchrun_with_stock_moe():
     proc, log = _run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                      "--master_port", str(_free_port()), GPT, *GPT_TINY,
+                      "--master_port", str(free_port()), GPT, *GPT_TINY,
                       "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero0.json"),
                       "--num-experts", "2", "--moe-expert-parallel-size", "2", "--create-moe-param-group",
                       "--backend", "deepspeed"])
@@ -82,14 +79,14 @@ def test_gpt_under_mpirun_pr_moe_dropless():
                       "--num-layers", "4", "--num-experts", "2", "4", "--mlp-type", "residual",
                       "--disable-moe-token-dropping", "--moe-expert-parallel-size", "2", "--create-moe-param-group",
                       "--backend", "reference"],
-                     env=_env(MASTER_PORT=str(_free_port())))
+                     env=_env(MASTER_PORT=str(free_port())))
     assert proc.returncode == 0, log
     assert "experts/block=[1, 2, 1, 4]" in proc.stdout, log
     assert "backend=reference ranks=2" in _final_line(proc.stdout, "[gpt_moe] final:")
 
 
 def test_cifar_under_deepspeed_launcher():
-    proc, log = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()), CIFAR,
+    proc, log = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), CIFAR,
                       "--moe", "--ep-world-size", "2", "--num-experts", "2", "--top-k", "1",
                       "--noisy-gate-policy", "RSample", "--moe-param-group", "--mlp-type", "residual",
                       "--stage", "2", "--dtype", "fp32", "--steps", "8", "--log-interval", "4",
@@ -119,7 +116,7 @@ def test_cifar_refuses_flags_its_config_file_would_override(capsys):
 
 def test_megakernel_backend_on_cpu_fails_with_the_layer_error():
     # One rank, no launcher: the error comes from UniEPMoE's constructor, before any training.
-    env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     proc, log = _run([sys.executable, GPT, *GPT_TINY, "--backend", "megakernel"], env=env)
     assert proc.returncode == 2, log
     assert "megakernel" in proc.stderr and "needs CUDA" in proc.stderr, log
