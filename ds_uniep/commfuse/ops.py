@@ -345,9 +345,9 @@ def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 class _Gemm:
     """Marks GEMM / add spans on the compute stream for the timeline."""
 
-    def __init__(self, ex: _Exchange):
-        self.tl = ex.timeline
-        self.stream = ex.compute
+    def __init__(self, timeline: Optional[Timeline], stream):
+        self.tl = timeline
+        self.stream = stream  # the compute stream (None on CPU)
 
     def __call__(self, kind: str, step: int, fn):
         if self.tl is None:
@@ -472,7 +472,7 @@ def all_gather_matmul_impl(x_shard: torch.Tensor, w: torch.Tensor, group=None, s
         return x_shard if b == me else rows(x_full, b)
 
     ex = _Exchange(x_shard.device, g, timeline)
-    gemm = _Gemm(ex)
+    gemm = _Gemm(ex.timeline, ex.compute)
     if runs is not None:
         # One step: this rank's block to every peer, every peer's block from it, all at once.
         sends, recvs = [], []
@@ -563,7 +563,7 @@ def matmul_reduce_scatter_impl(x: torch.Tensor, w: torch.Tensor, group=None, sch
     recv_bufs = {src: torch.empty(t_me, N, dtype=dtype, device=x.device) for src in range(G) if src != me}
 
     ex = _Exchange(x.device, g, timeline)
-    gemm = _Gemm(ex)
+    gemm = _Gemm(ex.timeline, ex.compute)
     if runs is not None:
         # The peers' partials first, one GEMM per run of their rows; all sent in one step while
         # this rank's own partial is computed.

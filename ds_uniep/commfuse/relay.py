@@ -169,12 +169,12 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
         links = _CopyEngineLinks(x, group, me, G, _round_up(max(out_sizes)), N, acc_dtype, timeline)
     else:
         links = _P2PLinks(x, group, me, G, ranks, acc_dtype, N, out_sizes, num_chunks, timeline)
-    gemm = _Gemm(links.ex if isinstance(links, _P2PLinks) else _StreamOf(
-        torch.cuda.current_stream(x.device) if x.is_cuda else None, timeline))
+    compute = torch.cuda.current_stream(x.device) if x.is_cuda else None
+    gemm = _Gemm(timeline, compute)
     cast = None
-    if x.is_cuda and acc_dtype != dtype:
-        cast = side_stream(x.device, torch.cuda.current_stream(x.device), "sum")
-        cast.wait_stream(torch.cuda.current_stream(x.device))
+    if compute is not None and acc_dtype != dtype:
+        cast = side_stream(x.device, compute, "sum")
+        cast.wait_stream(compute)
     for s in range(G):
         b = (me - s - 1) % G
         rows = x[offs[b]:offs[b] + out_sizes[b]]
@@ -190,9 +190,7 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
                 out[c0:c0 + n].copy_(acc)
             elif n:
                 # The last step's casts run beside the next chunk's GEMM; only the last one follows it.
-                ready = torch.cuda.Event()
-                ready.record()
-                cast.wait_event(ready)
+                cast.wait_stream(compute)
                 with torch.cuda.stream(cast):
                     t0 = timeline.mark(cast) if timeline else None
                     out[c0:c0 + n].copy_(acc)
@@ -205,14 +203,8 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
             for k in range(have, len(relay_chunks(out_sizes[(b - 1) % G], num_chunks))):
                 links.send(s, k, 0, None)
     if cast is not None:
-        torch.cuda.current_stream(x.device).wait_stream(cast)
+        compute.wait_stream(cast)
     if links is not None:
         links.finish()
     return out
 
-
-class _StreamOf:
-    """What :class:`ds_uniep.commfuse.ops._Gemm` reads from an exchange: the compute stream and timeline."""
-
-    def __init__(self, compute, timeline):
-        self.compute, self.timeline = compute, timeline
