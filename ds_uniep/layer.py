@@ -132,8 +132,7 @@ class UniEPMoE(MoE):
         self._replan = None
         if not hyb.enabled:
             return
-        from .hybrid.model import plan as plan_for
-        from .hybrid.runtime import migrated_experts, optimizer_steps, planner_inputs
+        from .hybrid.runtime import migrated_experts, optimizer_steps, plan_domains, planner_inputs
         if tp_context()[1] > 1 and self.enable_expert_tensor_parallelism:
             # HybridEP moves whole experts between the ranks of a domain; a TP shard is not one.
             raise ValueError(f'{self.layer_name}: "uniep": {{"hybrid": {{"enabled": true}}}} needs whole experts '
@@ -158,10 +157,7 @@ class UniEPMoE(MoE):
             inputs = planner_inputs(hyb, self.ep_size, self.deepspeed_moe.experts.deepspeed_experts[0],
                                     self.hidden_size, self.k, self.uniep_config.max_tokens_per_rank, L, local_world,
                                     self.ep_group, pacing=self._pacing, num_microbatches=micro)
-            wl, cl, fractions, ratio, elsize = inputs
-            plan = plan_for(wl, cl, "auto", compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize)
-            S = plan.domain_size if plan.migrated_fraction > 0 else 1
-            m = round(plan.migrated_fraction * L) if S > 1 else 0
+            S, m, plan = plan_domains(inputs, L)
             logger.info(f"{self.layer_name}: HybridEP planner chose domain size {S}, {m} of {L} experts per rank "
                         f"migrated (predicted speedup {plan.speedup:.2f}x over plain EP)")
             if hyb.replan_after_steps:
@@ -195,7 +191,6 @@ class UniEPMoE(MoE):
                                          choice=hyb.migrated_experts)
             if chosen is not None and m < L:
                 self._hybrid.dispatcher.set_migrated(chosen)
-                self._hybrid.chosen = list(chosen[groups.ep_rank])
             reuse = ""
             if hyb.reuse_replicas:
                 reuse = (", replicas gathered and their gradients returned once per optimizer step" if boundary
@@ -221,9 +216,8 @@ class UniEPMoE(MoE):
         counted so far and switch to the plan where it predicts at least ``replan_min_gain`` less time
         than the current plan for that routing. The counts are all-gathered over the world and summed
         per EP rank over its EP groups, so every rank plans alike (and creates the same groups)."""
-        from .hybrid.model import plan as plan_for
         from .hybrid.model import predict_routed
-        from .hybrid.runtime import optimizer_steps
+        from .hybrid.runtime import optimizer_steps, plan_domains
         from .reference import gather_counts
         r = self._replan
         if optimizer_steps() < r["at"]:
@@ -244,12 +238,9 @@ class UniEPMoE(MoE):
             logger.warning(f"{self.layer_name}: HybridEP replan_after_steps: no token was routed before step "
                            f"{r['at']}; the start-up plan stays (domain size {before[0]})")
             return
-        wl, cl, fractions, ratio, elsize = r["inputs"]
+        wl, cl, _, ratio, elsize = r["inputs"]
         load = load.tolist()
-        p = plan_for(wl, cl, "auto", compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize,
-                     load=load, migrated_experts=hyb.migrated_experts)
-        S = p.domain_size if p.migrated_fraction > 0 else 1
-        m = round(p.migrated_fraction * L) if S > 1 else 0
+        S, m, p = plan_domains(r["inputs"], L, load=load, migrated_experts=hyb.migrated_experts)
         new_s = (p.hybrid if S > 1 else p.ep).total_s
         # The current plan, for the same routing (its migrated experts as they route now).
         current = None if self._hybrid is None else self._hybrid.migrated_by_rank
@@ -262,7 +253,6 @@ class UniEPMoE(MoE):
         self.hybrid_replanned = {"plan": (S, m, p.migrated), "speedup": p.speedup, "gain": gain, "switched": switch}
         if (S, m) == before and self._hybrid is not None and p.migrated is not None:
             self._hybrid.dispatcher.set_migrated(p.migrated)
-            self._hybrid.chosen = list(p.migrated[self._hybrid.groups.ep_rank])
         elif switch:
             self._build_hybrid(S, m, p.migrated)
         if torch.distributed.get_rank() == 0:

@@ -737,8 +737,6 @@ class HybridExperts:
             raise ValueError(f"{name}: migrated_experts must be one of {', '.join(MIGRATION_CHOICES)}, got {choice!r}")
         #: which m experts each rank migrates: "first" (its first m) or "hottest" (see :meth:`prefetch`)
         self.choice = choice if self.migrated < L else "first"
-        #: this rank's migrated experts (local indices, ascending)
-        self.chosen = list(range(self.migrated))
         self._chosen_at_step = None  # optimizer_steps() when the choice was last made ("hottest")
         self.compression_ratio = compression_ratio
         self.name = name
@@ -829,6 +827,13 @@ class HybridExperts:
         routes); None where every expert migrates."""
         return self.dispatcher.chosen if self.migrated < len(self.experts) else None
 
+    @property
+    def chosen(self) -> List[int]:
+        """This rank's migrated experts (local indices, ascending), as the dispatcher routes now
+        (``dispatcher.set_migrated`` changes them)."""
+        by_rank = self.migrated_by_rank
+        return list(range(self.migrated)) if by_rank is None else by_rank[self.groups.ep_rank]
+
     def _migrated_params(self) -> List[Tensor]:
         return [p for l in self.chosen for p in self.experts[l].parameters()]
 
@@ -856,7 +861,6 @@ class HybridExperts:
             if self.counter["choices_changed"] == 1 and g.ep_rank == 0:  # once: the choice follows the tokens
                 logger.info(f"{self.name}: HybridEP migrates the hottest experts now (local indices per EP rank "
                             f"{chosen}); later changes are counted in counter['choices_changed']")
-        self.chosen = chosen[g.ep_rank]
 
     def _weights_key(self, local: Sequence[Tensor]) -> tuple:
         """What a kept gather must match to be reused: the optimizer steps taken in this process, and
@@ -986,12 +990,22 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
     ``num_microbatches``: forwards served by one gather and one gradient return (the engine's
     gradient accumulation steps when replicas are kept, else 1).
     """
-    wl, cl, fractions, ratio, elsize = planner_inputs(hybrid_cfg, ep_size, expert, hidden_size, k,
-                                                      max_tokens_per_rank, experts_per_rank, local_world_size,
-                                                      ep_group, pacing, num_microbatches)
+    inputs = planner_inputs(hybrid_cfg, ep_size, expert, hidden_size, k, max_tokens_per_rank, experts_per_rank,
+                            local_world_size, ep_group, pacing, num_microbatches)
+    S, _, p = plan_domains(inputs, experts_per_rank, hybrid_cfg.domain_size)
+    return S, p
+
+
+def plan_domains(inputs, experts_per_rank: int, domain_size="auto", load=None, migrated_experts: str = "hottest"):
+    """``(S, m, plan)`` for :func:`planner_inputs`' tuple (``load``, ``migrated_experts``: as
+    :func:`ds_uniep.hybrid.model.plan`): the domain size and migrated experts per rank to run, 1 and
+    0 where plain EP wins."""
     from .model import plan
-    p = plan(wl, cl, hybrid_cfg.domain_size, compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize)
-    return (p.domain_size if p.migrated_fraction > 0 else 1), p
+    wl, cl, fractions, ratio, elsize = inputs
+    p = plan(wl, cl, domain_size, compression_ratio=ratio, fractions=fractions, bytes_per_value=elsize, load=load,
+             migrated_experts=migrated_experts)
+    S = p.domain_size if p.migrated_fraction > 0 else 1
+    return S, (round(p.migrated_fraction * experts_per_rank) if S > 1 else 0), p
 
 
 def planner_inputs(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int, k: int,
