@@ -207,4 +207,3 @@ def matmul_reduce_scatter_relay(x: torch.Tensor, w: torch.Tensor, group, me: int
     if links is not None:
         links.finish()
     return out
-
