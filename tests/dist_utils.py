@@ -6,6 +6,7 @@ in the parent, so a test cannot pass because a rank died quietly.
 import glob
 import os
 import socket
+import subprocess
 import sys
 import time
 import traceback
@@ -15,10 +16,30 @@ import torch.multiprocessing as mp
 
 def free_port() -> int:
     """A port free now, for launchers that bind it themselves (``deepspeed --master_port``,
-    ``torchrun``); another process can take it before they do, which run_distributed avoids."""
+    ``torchrun``); another process can take it before they do, which run_distributed avoids and
+    :func:`run_launcher` retries."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# What launchers print when the rendezvous port was taken between free_port() and their bind.
+PORT_TAKEN = ("EADDRINUSE", "Address already in use", "address already in use")
+
+
+def run_launcher(command, env=None, attempts: int = 3, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command(port), env=env(port), capture_output=True, text=True, **kwargs)``
+    on a port from :func:`free_port` (``env`` None: this process's environment); launched again on a
+    new port (at most ``attempts`` times in all) when it failed because another process took that
+    port first. Any other outcome is returned as it is."""
+    for attempt in range(attempts):
+        port = free_port()
+        proc = subprocess.run(command(port), env=None if env is None else env(port), capture_output=True,
+                              text=True, **kwargs)
+        taken = proc.returncode != 0 and any(m in proc.stdout + proc.stderr for m in PORT_TAKEN)
+        if not taken or attempt == attempts - 1:
+            return proc
+    raise AssertionError("unreachable")
 
 
 def _entry(rank, world_size, port, backend, fn, args, errq):

@@ -6,12 +6,11 @@ rank-averaged loss of every step, written as ``float.hex`` so equality is exact)
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from dist_utils import free_port
+from dist_utils import run_launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "examples", "gpt_moe", "train.py")
@@ -36,9 +35,10 @@ def _env():
 
 def _train(tmp_path, name, *extra):
     log = tmp_path / f"{name}.json"
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-           str(free_port()), TRAIN, *TINY, "--train-iters", str(STEPS), "--loss-log", str(log), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launcher(lambda port: [
+        os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+        str(port), TRAIN, *TINY, "--train-iters", str(STEPS), "--loss-log", str(log), *extra],
+        env=lambda port: _env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, f"{name}: exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     with open(log) as f:
         return {int(k): float.fromhex(v) for k, v in json.load(f).items()}, proc.stdout
@@ -82,9 +82,10 @@ def test_swiglu_experts_train(tmp_path):
     """``--expert-type swiglu``: the MoE blocks' experts are ds_uniep's SwiGLUExpert (the grouped-GEMM
     kind), and the example trains with them: every step logged, the loss falling."""
     log = tmp_path / "swiglu.json"
-    cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-           str(free_port()), TRAIN, *TINY, "--train-iters", "30", "--loss-log", str(log), "--expert-type", "swiglu"]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = run_launcher(lambda port: [
+        os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+        str(port), TRAIN, *TINY, "--train-iters", "30", "--loss-log", str(log), "--expert-type", "swiglu"],
+        env=lambda port: _env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     with open(log) as f:
         losses = {int(k): float.fromhex(v) for k, v in json.load(f).items()}
@@ -138,11 +139,11 @@ def test_hybrid_ep_with_reused_replicas_trains_as_migrating_every_micro_batch(tm
     curves = {}
     for name, path in (("kept", src), ("every", str(every))):
         log = tmp_path / f"{name}.json"
-        cmd = [os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-               str(free_port()), TRAIN, *TINY[:TINY.index("--deepspeed_config")],
-               *TINY[TINY.index("--deepspeed_config") + 2:], "--deepspeed_config", path, "--train-iters", "20",
-               "--loss-log", str(log)]
-        proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        proc = run_launcher(lambda port: [
+            os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
+            str(port), TRAIN, *TINY[:TINY.index("--deepspeed_config")],
+            *TINY[TINY.index("--deepspeed_config") + 2:], "--deepspeed_config", path, "--train-iters", "20",
+            "--loss-log", str(log)], env=lambda port: _env(), cwd=REPO, timeout=300)
         assert proc.returncode == 0, f"{name}: exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         said = "replicas gathered and their gradients returned once per optimizer step"
         assert (said in proc.stdout + proc.stderr) == (name == "kept"), name

@@ -13,12 +13,11 @@ to rank 0's host address and MASTER_PORT to the ``distributed_port`` the script 
 (the examples pass $MASTER_PORT, default 29500).
 """
 import os
-import subprocess
 import sys
 
 import pytest
 
-from dist_utils import free_port
+from dist_utils import run_launcher
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT = os.path.join(REPO, "examples", "gpt_moe", "train.py")
@@ -41,7 +40,9 @@ def _env(**extra):
 
 
 def _run(cmd, env=None, timeout=240):
-    proc = subprocess.run(cmd, cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+    """``cmd(port)`` (and ``env(port)``, default :func:`_env`) launched on a free rendezvous port,
+    again on another one if that port was taken meanwhile -> (process, log)."""
+    proc = run_launcher(cmd, env=env or (lambda port: _env()), cwd=REPO, timeout=timeout)
     return proc, f"exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
 
 
@@ -52,10 +53,11 @@ def _final_line(out: str, tag: str) -> str:
 
 
 def test_gpt_under_deepspeed_launcher():
-    proc, log = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), GPT,
-                      *GPT_TINY, "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero2.json"),
-                      "--num-experts", "4", "--topk", "2", "--moe-expert-parallel-size", "2",
-                      "--create-moe-param-group", "--backend", "reference"])
+    proc, log = _run(lambda port: [
+        os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(port), GPT, *GPT_TINY,
+        "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero2.json"),
+        "--num-experts", "4", "--topk", "2", "--moe-expert-parallel-size", "2",
+        "--create-moe-param-group", "--backend", "reference"])
     assert proc.returncode == 0, log
     line = _final_line(proc.stdout, "[gpt_moe] final:")
     assert "backend=reference ranks=2 steps=1-6" in line and "tokens/s=" in line, line
@@ -63,34 +65,36 @@ def test_gpt_under_deepspeed_launcher():
 
 
 def test_gpt_under_torchrun_with_stock_moe():
-    proc, log = _run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-                      "--master_port", str(free_port()), GPT, *GPT_TINY,
-                      "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero0.json"),
-                      "--num-experts", "2", "--moe-expert-parallel-size", "2", "--create-moe-param-group",
-                      "--backend", "deepspeed"])
+    proc, log = _run(lambda port: [
+        os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+        "--master_port", str(port), GPT, *GPT_TINY,
+        "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero0.json"),
+        "--num-experts", "2", "--moe-expert-parallel-size", "2", "--create-moe-param-group",
+        "--backend", "deepspeed"])
     assert proc.returncode == 0, log
     assert "backend=deepspeed ranks=2" in _final_line(proc.stdout, "[gpt_moe] final:")
 
 
 def test_gpt_under_mpirun_pr_moe_dropless():
     # PR-MoE: 4 blocks, MoE in blocks 2 and 4 with 2 and 4 experts, residual MLP, no token dropping.
-    proc, log = _run([os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, GPT, *GPT_TINY,
-                      "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero0.json"),
-                      "--num-layers", "4", "--num-experts", "2", "4", "--mlp-type", "residual",
-                      "--disable-moe-token-dropping", "--moe-expert-parallel-size", "2", "--create-moe-param-group",
-                      "--backend", "reference"],
-                     env=_env(MASTER_PORT=str(free_port())))
+    proc, log = _run(lambda port: [
+        os.path.join(BIN, "mpirun"), "-np", "2", sys.executable, GPT, *GPT_TINY,
+        "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero0.json"),
+        "--num-layers", "4", "--num-experts", "2", "4", "--mlp-type", "residual",
+        "--disable-moe-token-dropping", "--moe-expert-parallel-size", "2", "--create-moe-param-group",
+        "--backend", "reference"], env=lambda port: _env(MASTER_PORT=str(port)))
     assert proc.returncode == 0, log
     assert "experts/block=[1, 2, 1, 4]" in proc.stdout, log
     assert "backend=reference ranks=2" in _final_line(proc.stdout, "[gpt_moe] final:")
 
 
 def test_cifar_under_deepspeed_launcher():
-    proc, log = _run([os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), CIFAR,
-                      "--moe", "--ep-world-size", "2", "--num-experts", "2", "--top-k", "1",
-                      "--noisy-gate-policy", "RSample", "--moe-param-group", "--mlp-type", "residual",
-                      "--stage", "2", "--dtype", "fp32", "--steps", "8", "--log-interval", "4",
-                      "--backend", "reference"])
+    proc, log = _run(lambda port: [
+        os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(port), CIFAR,
+        "--moe", "--ep-world-size", "2", "--num-experts", "2", "--top-k", "1",
+        "--noisy-gate-policy", "RSample", "--moe-param-group", "--mlp-type", "residual",
+        "--stage", "2", "--dtype", "fp32", "--steps", "8", "--log-interval", "4",
+        "--backend", "reference"])
     assert proc.returncode == 0, log
     assert "training on scikit-learn's bundled digits" in proc.stdout or "CIFAR-10 from" in proc.stdout, log
     line = _final_line(proc.stdout, "[cifar10_moe] final:")
@@ -116,8 +120,9 @@ def test_cifar_refuses_flags_its_config_file_would_override(capsys):
 
 def test_megakernel_backend_on_cpu_fails_with_the_layer_error():
     # One rank, no launcher: the error comes from UniEPMoE's constructor, before any training.
-    env = _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    proc, log = _run([sys.executable, GPT, *GPT_TINY, "--backend", "megakernel"], env=env)
+    proc, log = _run(lambda port: [sys.executable, GPT, *GPT_TINY, "--backend", "megakernel"],
+                     env=lambda port: _env(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                                           MASTER_PORT=str(port)))
     assert proc.returncode == 2, log
     assert "megakernel" in proc.stderr and "needs CUDA" in proc.stderr, log
     assert "Traceback" not in proc.stderr, log
