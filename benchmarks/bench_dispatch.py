@@ -39,27 +39,32 @@ from timing import queued_start
 
 
 # Combine variants timed beside the default (combine_chunks, combine_reduce_blocks,
-# combine_push_lead, pushing blocks as a share of num_blocks (one per SM)); every one must give
+# combine_push_lead, pushing blocks as a share of num_blocks (one per SM), combine_push_queue); every one must give
 # the default's bits. (0, None, _, _): push, then reduce, as two kernels; lead 0: each pushing
 # block gathers and pushes a chunk's rows at a time; None: the dispatcher's default (half).
-COMBINE_VARIANTS = [(0, None, 0, 1), (16, None, 0, 1), (16, None, 2, 1), (16, None, 2, 1 / 2),
-                    (16, None, 2, 1 / 4), (16, None, 4, None), (8, None, 2, None), (32, None, 2, None),
-                    (16, None, 0, 1 / 2)]
+COMBINE_VARIANTS = [(0, None, 0, 1, False), (16, None, 0, 1, False), (16, None, 2, 1, False),
+                    (16, None, 2, 1 / 2, False), (16, None, 2, 1 / 4, False), (16, None, 4, None, False),
+                    (8, None, 2, None, False), (32, None, 2, None, False), (16, None, 0, 1 / 2, False),
+                    (16, None, 2, None, True), (16, None, 2, 1, True)]
 # Pulling combine variants: (result key, blocks per SM). The first is the dispatcher's default.
 PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
 
 def parse_variant(text):
-    """``"C/R/L/S"`` -> a COMBINE_VARIANTS entry (R 0 and S 0 mean the dispatcher's defaults)."""
+    """``"C/R/L/S[/q]"`` -> a COMBINE_VARIANTS entry (R 0 and S 0 mean the dispatcher's defaults;
+    a trailing ``/q``: the pushing warps share one queue, ``combine_push_queue``)."""
+    fields = text.split("/")
+    queue = len(fields) == 5 and fields[4] == "q"
     try:
-        chunks, reducers, lead, share = text.split("/")
-        chunks, reducers, lead, share = int(chunks), int(reducers), int(lead), float(share)
+        if len(fields) != 4 + queue:
+            raise ValueError
+        chunks, reducers, lead, share = int(fields[0]), int(fields[1]), int(fields[2]), float(fields[3])
     except ValueError:
-        raise SystemExit(f"--combine-variants: {text!r} is not chunks/reduce_blocks/push_lead/push_share, "
-                         "e.g. 16/0/2/0.5") from None
+        raise SystemExit(f"--combine-variants: {text!r} is not chunks/reduce_blocks/push_lead/push_share[/q], "
+                         "e.g. 16/0/2/0.5 or 16/0/2/0.5/q") from None
     if chunks < 0 or reducers < 0 or lead < 0 or not 0 <= share <= 1:
         raise SystemExit(f"--combine-variants: {text!r} has a negative count or a share outside [0, 1]")
-    return chunks, reducers or None, lead, share or None
+    return chunks, reducers or None, lead, share or None, queue
 
 
 def _median_over_ranks(times, device):
@@ -139,9 +144,10 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--combine-variants", nargs="+", metavar="C/R/L/S",
+    p.add_argument("--combine-variants", nargs="+", metavar="C/R/L/S[/q]",
                    help="combine variants to time instead of the built-in list: chunks/reduce blocks (0: one per "
-                        "SM)/push lead/pushing blocks as a share of num_blocks (0: the default half), e.g. 16/0/2/0.4")
+                        "SM)/push lead/pushing blocks as a share of num_blocks (0: the default half), and /q for "
+                        "the pushing warps' shared queue, e.g. 16/0/2/0.4 or 16/0/2/0.5/q")
     p.add_argument("--out", default="bench_dispatch.json")
     a = p.parse_args()
     variants = COMBINE_VARIANTS if not a.combine_variants else [parse_variant(v) for v in a.combine_variants]
@@ -237,22 +243,23 @@ def main():
             put("combine", lambda: disp.combine(y, gates, h))
             results["combine_default_chunking"] = list(disp.combine_chunking())  # (tokens per chunk, chunks)
             default = (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
-                       disp.combine_push_blocks)
+                       disp.combine_push_blocks, disp.combine_push_queue)
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
             min_chunk = disp.combine_min_chunk_tokens
             disp.combine_min_chunk_tokens = 1  # a variant's chunk count is what it says
-            for chunks, reducers, lead, share in variants:
+            for chunks, reducers, lead, share, queue in variants:
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
                 disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
+                disp.combine_push_queue = queue
                 pushers = disp.combine_pushers()
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
-                results["combine_variants"][f"{chunks}/{reducers}/{lead}/{pushers}"] = {
-                    "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "push_blocks": pushers, "ms": ms,
-                    "queued_ms": queued_ms, "bitwise_equal": same}
+                results["combine_variants"][f"{chunks}/{reducers}/{lead}/{pushers}" + ("/queue" if queue else "")] = {
+                    "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "push_blocks": pushers,
+                    "push_queue": queue, "ms": ms, "queued_ms": queued_ms, "bitwise_equal": same}
             (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
-             disp.combine_push_blocks) = default
+             disp.combine_push_blocks, disp.combine_push_queue) = default
             disp.combine_min_chunk_tokens = min_chunk
             # Pulling: the expert outputs sit in every rank's source region, each source reads its rows.
             src = disp.combine_source(y.shape[0])

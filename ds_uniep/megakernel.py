@@ -259,6 +259,11 @@ class NVLinkDispatcher:
             whose flag it raised (a share over 12288 rows, 48 KiB of shared memory, is pushed
             chunk by chunk instead). 0: the block gathers and pushes one chunk's rows at a time.
             The output bits are the same either way.
+        combine_push_queue: the chunked combine's pushing blocks first sort all rows by chunk
+            into one order (two barriers among them), then every pushing warp takes its next
+            segments from one cursor over it, so blocks that store faster push more rows and none
+            is left pushing alone at the end (``combine_push_lead`` is then unused). The output
+            bits are the same either way.
         combine_push_blocks: pushing blocks of the chunked combine; default half of
             ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
             quarter or all of them at ep 2 and 4).
@@ -294,7 +299,7 @@ class NVLinkDispatcher:
                  num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
                  combine_reduce_blocks: Optional[int] = None, combine_push_lead: int = 2,
                  combine_push_blocks: Optional[int] = None, combine_min_chunk_tokens: int = 256,
-                 pull_combine: bool = False,
+                 combine_push_queue: bool = False, pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
                  dedup: bool = True, fused_dedup: bool = True):
         config = UniEPConfig.coerce(config)
@@ -370,6 +375,8 @@ class NVLinkDispatcher:
         self.combine_reduce_blocks = combine_reduce_blocks
         self.combine_push_lead = combine_push_lead
         self.combine_push_blocks = combine_push_blocks  # None: half of num_blocks, read at each combine
+        self.combine_push_queue = bool(combine_push_queue)
+        self._queue = None  # the queue's workspace, grown on demand
         self.direct = None
         if direct_receive and not self.fp8:
             self.direct = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
@@ -753,6 +760,14 @@ class NVLinkDispatcher:
         chunk_tokens = max(-(-self.max_tokens // self.combine_chunks), self.combine_min_chunk_tokens)
         return chunk_tokens, -(-self.max_tokens // chunk_tokens)
 
+    def _queue_workspace(self, rows: int) -> Tensor:
+        """The chunked combine's queue workspace, large enough for this call's pushing blocks and
+        ``rows`` (grown when not; stream-ordered, so consecutive combines share it)."""
+        need = self.ext.combine_queue_size(self.combine_pushers(), rows)
+        if self._queue is None or self._queue.numel() < need:
+            self._queue = torch.empty(need, dtype=torch.int32, device=self.device)
+        return self._queue
+
     def combine_pushers(self) -> int:
         """Pushing blocks of the chunked combine: ``combine_push_blocks``, or half of ``num_blocks``."""
         return self.combine_push_blocks or max(1, self.num_blocks // 2)
@@ -772,7 +787,8 @@ class NVLinkDispatcher:
             chunk_tokens, num_chunks = self.combine_chunking()
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
                                      self.bufs.descriptor, e, *self._wait_args(), self.combine_pushers(),
-                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead)
+                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead,
+                                     self._queue_workspace(rows.shape[0]) if self.combine_push_queue else None)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,

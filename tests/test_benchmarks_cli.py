@@ -57,3 +57,13 @@ def test_bench_dispatcher_settings_parses_literals():
     from bench_dispatcher_settings import parse_setting
     assert parse_setting("a:own_rows_whole=False,combine_chunks=16,combine_push_blocks=None") == (
         "a", {"own_rows_whole": False, "combine_chunks": 16, "combine_push_blocks": None})
+
+
+def test_bench_dispatch_parses_combine_variants():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_dispatch import parse_variant
+    assert parse_variant("16/0/2/0.5") == (16, None, 2, 0.5, False)
+    assert parse_variant("8/33/1/0/q") == (8, 33, 1, None, True)
+    for bad in ("16/0/2", "16/0/2/0.5/x", "16/0/2/0.5/q/q", "a/0/2/0.5", "16/0/2/1.5"):
+        with pytest.raises(SystemExit, match="--combine-variants"):
+            parse_variant(bad)

@@ -64,7 +64,8 @@ def _body(rank, G, dtype_name):
         disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
         # The same layer with combine as push-then-reduce kernels, chunked over 7 chunks with
         # five pushing blocks and one reducing block, pushing chunk by chunk (not sorted),
-        # pulling from source regions, with the gate gradients formed at
+        # pulling from source regions, pushing from one queue shared by the pushing warps (with the
+        # default blocks and with five), with the gate gradients formed at
         # the sources (y sent back) instead of on the experts, and sending a token once per slot
         # rather than once per destination rank: when and where rows move and are summed
         # changes, never the bits.
@@ -75,7 +76,10 @@ def _body(rank, G, dtype_name):
                     NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
                                      gate_grad_on_experts=False),
                     NVLinkDispatcher(f"test.k{k}.no_dedup", E, G, M, k, dtype, cfg, dedup=False),
-                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0)]
+                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0),
+                    NVLinkDispatcher(f"test.k{k}.queue", E, G, M, k, dtype, cfg, combine_push_queue=True),
+                    NVLinkDispatcher(f"test.k{k}.queue7", E, G, M, k, dtype, cfg, combine_chunks=7,
+                                     combine_reduce_blocks=1, combine_push_blocks=5, combine_push_queue=True)]
         # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
         # and sums within bf16 tolerance.
         arrival = NVLinkDispatcher(f"test.k{k}.arrival", E, G, M, k, dtype, cfg, ordering="arrival")
@@ -129,7 +133,8 @@ def _body(rank, G, dtype_name):
             arrival_vals = (out_a.detach(), x.grad.clone(), g.grad.clone())
             labels = ("a second run", "push-then-reduce combine", "7-chunk combine", "pulling combine",
                       "gate gradients at the sources", "one row per slot (no dedup)",
-                      "chunked combine pushing chunk by chunk")
+                      "chunked combine pushing chunk by chunk", "chunked combine pushing from one queue",
+                      "7-chunk combine pushing from one queue (5 pushing blocks)")
             assert len(labels) == len(outs) - 1
             for other, what in zip(outs[1:], labels):
                 for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):

@@ -254,12 +254,159 @@ __device__ __forceinline__ void signal_chunk_pushed(const SymView& s, int c, int
 // Any order gives the same bits: a row's bytes and where they land do not depend on it.
 constexpr int kPushGranule = 8;
 
+// Queue mode of the chunked combine's pushing blocks (launch_combine_chunked with a queue
+// workspace): the P pushing blocks first sort all of y's rows by chunk into one global order
+// (each block counts its granules' rows per chunk, a barrier, each scatters them to its place,
+// a barrier), then every pushing warp claims kQueueClaim segments at a time from one global
+// cursor over that order. Blocks whose stores drain faster take more of the work, so no block
+// is left pushing alone at the end (with fixed shares, blocks finished at 40-100% of the
+// kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
+// (system scope) and adds them to the chunk's global count, and the warp that completes a
+// chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
+// in order, so no lead bound is needed. Any order gives the same bits.
+// Workspace (int32 words): [0, kQueueZeroWords) zeroed before every launch; the per-block
+// counts from kQueueCounts; the order after them.
+// The two barriers, the cursor and the chunk counts sit on separate 128-byte lines.
+constexpr int kQueueBar1 = 0;
+constexpr int kQueueBar2 = 32;
+constexpr int kQueueCursor = 64;
+constexpr int kQueueDone = 96;  // [kMaxCombineChunks] segments stored per chunk
+constexpr int kQueueZeroWords = kQueueDone + kMaxCombineChunks;
+constexpr int kQueueCounts = kQueueZeroWords;  // [P][kMaxCombineChunks] rows per (pushing block, chunk)
+constexpr int kQueueClaim = 4;
+
+__host__ __device__ __forceinline__ int64_t queue_words(int pushing_blocks, int y_rows) {
+  return kQueueCounts + static_cast<int64_t>(pushing_blocks) * kMaxCombineChunks + y_rows;
+}
+
+// The P pushing blocks meet: thread 0 spins until all have arrived (or the layer is poisoned).
+__device__ __forceinline__ bool queue_barrier(int* word, int P, const SymView& s) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    __threadfence();
+    atomicAdd(word, 1);
+    while (*reinterpret_cast<volatile int*>(word) < P) {
+      if (poisoned(s)) {
+        ok = 0;
+        break;
+      }
+      __nanosleep(64);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// A pushing warp's `n` segments of chunk c are stored: fence, count them, and raise the chunk's
+// flag on every rank if they complete it (`total`: the chunk's segments).
+__device__ __forceinline__ void queue_chunk_stored(const SymView& s, int* q, int c, int n, int total, int lane,
+                                                   uint32_t epoch) {
+  if (n == 0) return;
+  __syncwarp();  // the lanes' stores before lane 0's fence
+  bool last = false;
+  if (lane == 0) {
+    __threadfence_system();
+    last = atomicAdd(q + kQueueDone + c, n) + n == total;
+    if (last) __threadfence_system();  // every warp's stores (seen through the count) before the flags
+  }
+  last = __shfl_sync(0xffffffffu, last, 0);
+  if (last && lane < s.num_ranks) st_release_sys(chunk_flag(s, lane, c, s.rank), epoch);
+}
+
+template <typename T>
+__device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ recv_pair, int R, int k,
+                              int chunk_tokens, int num_chunks, int segs, int num_vecs, int hidden, const SymView& s,
+                              uint32_t epoch, int P, int* q, int* chunk_fill, int* chunk_begin, int* chunk_total) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  int* counts = q + kQueueCounts;
+  int* order = counts + static_cast<int64_t>(P) * kMaxCombineChunks;
+  const int64_t granules = (static_cast<int64_t>(R) + kPushGranule - 1) / kPushGranule;
+  const int mine = granules > blockIdx.x ? static_cast<int>((granules - 1 - blockIdx.x) / P + 1) * kPushGranule : 0;
+  auto row_at = [&](int i) {
+    return (static_cast<int64_t>(blockIdx.x) + static_cast<int64_t>(P) * (i / kPushGranule)) * kPushGranule +
+           i % kPushGranule;
+  };
+  auto chunk_of = [&](int64_t r) {
+    return static_cast<int>(__ldg(recv_pair + r) % s.pairs_per_rank / k / chunk_tokens);
+  };
+  for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) chunk_fill[c] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < mine; i += blockDim.x) {
+    const int64_t r = row_at(i);
+    if (r < R) atomicAdd(&chunk_fill[chunk_of(r)], 1);
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) counts[blockIdx.x * kMaxCombineChunks + c] = chunk_fill[c];
+  __syncthreads();
+  if (!queue_barrier(q + kQueueBar1, P, s)) return;
+  if (threadIdx.x < num_chunks) {  // the chunk's rows in all blocks, and in the blocks before this one
+    int total = 0, before = 0;
+    for (int b = 0; b < P; ++b) {
+      const int n = __ldcg(counts + b * kMaxCombineChunks + threadIdx.x);
+      total += n;
+      if (b < static_cast<int>(blockIdx.x)) before += n;
+    }
+    chunk_total[threadIdx.x] = total;
+    chunk_fill[threadIdx.x] = before;
+  }
+  __syncthreads();
+  if (warp == 0) {  // exclusive scan of the chunk totals, two per lane: each chunk's first position
+    const int a = 2 * lane < num_chunks ? chunk_total[2 * lane] : 0;
+    const int b = 2 * lane + 1 < num_chunks ? chunk_total[2 * lane + 1] : 0;
+    int incl = a + b;
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int up = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += up;
+    }
+    const int excl = incl - a - b;
+    if (2 * lane < num_chunks) chunk_begin[2 * lane] = excl;
+    if (2 * lane + 1 < num_chunks) chunk_begin[2 * lane + 1] = excl + a;
+    if (lane == 31) chunk_begin[num_chunks] = incl;
+  }
+  __syncthreads();
+  if (threadIdx.x < num_chunks) chunk_fill[threadIdx.x] += chunk_begin[threadIdx.x];
+  __syncthreads();
+  for (int i = threadIdx.x; i < mine; i += blockDim.x) {
+    const int64_t r = row_at(i);
+    if (r < R) order[atomicAdd(&chunk_fill[chunk_of(r)], 1)] = static_cast<int>(r);  // any order within a chunk
+  }
+  // A chunk without rows here is stored already: block 0 raises its flags.
+  if (blockIdx.x == 0 && threadIdx.x < num_chunks && chunk_total[threadIdx.x] == 0)
+    for (int d = 0; d < s.num_ranks; ++d) st_release_sys(chunk_flag(s, d, threadIdx.x, s.rank), epoch);
+  __syncthreads();
+  if (!queue_barrier(q + kQueueBar2, P, s)) return;
+  const int items = chunk_begin[num_chunks] * segs;
+  int c = 0, pending = 0;
+  for (;;) {
+    int first = 0;
+    if (lane == 0) first = atomicAdd(q + kQueueCursor, kQueueClaim);
+    first = __shfl_sync(0xffffffffu, first, 0);
+    if (first >= items) break;
+    const int last = min(items, first + kQueueClaim);
+    for (int item = first; item < last; ++item) {
+      const int at = item / segs;
+      if (at >= chunk_begin[c + 1]) {
+        queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch);
+        pending = 0;
+        while (at >= chunk_begin[c + 1]) ++c;
+      }
+      push_segment<T>(y, recv_pair, s, __ldcg(order + at), item % segs, num_vecs, hidden, lane);
+      ++pending;
+    }
+  }
+  queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch);
+}
+
 template <typename T, bool kWeighted, int kSlots>
 __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
     int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
-    int list_cap, int push_lead, T* __restrict__ out) {
+    int list_cap, int push_lead, int* __restrict__ queue, T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
   constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
   constexpr int kPushThreads = kPushWarps * 32;
@@ -272,12 +419,18 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   __shared__ int chunk_fill[kMaxCombineChunks];
   __shared__ int chunk_done[kMaxCombineChunks];
   __shared__ int chunks_signalled;
+  __shared__ int chunk_total[kMaxCombineChunks];
   if (poisoned(s)) return;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int num_vecs = hidden / kElems;
   const int segs = (num_vecs + kCombineSegVecs - 1) / kCombineSegVecs;
   const int P = gridDim.x - reduce_blocks;
+  if (blockIdx.x < P && queue != nullptr) {
+    push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, chunk_tokens, num_chunks, segs, num_vecs, hidden, s,
+                     epoch, P, queue, chunk_fill, chunk_begin, chunk_total);
+    return;
+  }
   if (blockIdx.x < P && list_cap > 0) {
     const int R = min(*num_recv, y_rows);
     // This block's share: granules b, b + P, b + 2P, ... of y's R rows (<= list_cap rows).
@@ -659,11 +812,15 @@ cudaError_t launch_combine_mirror(DType dtype, const SymView& sym, uint32_t epoc
   return cudaGetLastError();
 }
 
+int64_t combine_queue_words(int num_blocks, int y_rows) { return queue_words(num_blocks, y_rows); }
+
 cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, int push_lead, cudaStream_t stream) {
+                                   int num_chunks, int push_lead, int* queue, int64_t queue_words_given,
+                                   cudaStream_t stream) {
+  if (queue != nullptr && queue_words_given < queue_words(num_blocks, y_rows)) return cudaErrorInvalidValue;
   if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 ||
       num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens || push_lead < 0)
     return cudaErrorInvalidValue;
@@ -672,13 +829,17 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
   const int64_t list_cap = push_lead > 0 ? (granules + num_blocks - 1) / num_blocks * kPushGranule : 0;
   const int cap = list_cap * static_cast<int64_t>(sizeof(int)) > kMaxSortedListBytes ? 0 : static_cast<int>(list_cap);
   const size_t smem = static_cast<size_t>(cap) * sizeof(int);
+  if (queue != nullptr) {
+    const cudaError_t err = cudaMemsetAsync(queue, 0, kQueueZeroWords * sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+  }
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
       UNIEP_SWITCH_SLOTS(k, kSlots, {
         combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
-            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead,
+            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead, queue,
             static_cast<T*>(out));
       });
     });

@@ -32,12 +32,18 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
 // push_lead > 0: each pushing block sorts its share of the rows by chunk once and streams
 // through them with no barrier between chunks, at most push_lead chunks ahead of the last chunk
 // it signalled (chunk by chunk when its share exceeds kMaxSortedListBytes); 0: it gathers and
-// pushes one chunk's rows at a time. The bits are the same.
+// pushes one chunk's rows at a time. queue (queue_words ints, at least
+// combine_queue_words(num_blocks, y_rows); null: none): the pushing blocks sort all rows by chunk
+// into one order and every pushing warp takes its next segments from one cursor, so faster blocks
+// push more (push_lead is then unused). The bits are the same.
 cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, int push_lead, cudaStream_t stream);
+                                   int num_chunks, int push_lead, int* queue, int64_t queue_words,
+                                   cudaStream_t stream);
+// Words of the queue workspace for num_blocks pushing blocks and y_rows rows.
+int64_t combine_queue_words(int num_blocks, int y_rows);
 
 // As launch_combine_reduce, reading the row of (t, j) from this rank's combine buffer at
 // dest_row[t, j] + mirror_off[expert_idx[t, j]] (mirror_off [E] int32): the buffer the

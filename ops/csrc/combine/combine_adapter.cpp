@@ -77,7 +77,8 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
-                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead) {
+                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
+                     const c10::optional<torch::Tensor>& queue) {
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(recv_pair);
   UNIEP_CHECK_INPUT(num_recv);
@@ -91,6 +92,17 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
   TORCH_CHECK(y.size(1) * static_cast<int64_t>(y.element_size()) == s.comb_row_bytes &&
                   out.size(1) == y.size(1),
               "y and out rows must match the combine buffer's row bytes");
+  int* qp = nullptr;
+  int64_t q_words = 0;
+  if (queue.has_value()) {
+    UNIEP_CHECK_INPUT((*queue));
+    UNIEP_CHECK_DTYPE((*queue), torch::kInt32);
+    q_words = queue->numel();
+    TORCH_CHECK(q_words >= combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(y.size(0))),
+                "the combine queue holds ", q_words, " words; ", num_blocks, " pushing blocks and ", y.size(0),
+                " rows need ", combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(y.size(0))));
+    qp = queue->data_ptr<int>();
+  }
   const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
   const float* wp = optional_weights(weights, expert_idx);
   const c10::cuda::CUDAGuard guard(out.device());
@@ -99,7 +111,12 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
       s, static_cast<uint32_t>(epoch), w, expert_idx.data_ptr<int>(), wp, static_cast<int>(out.size(0)),
       static_cast<int>(expert_idx.size(1)), static_cast<int>(out.size(1)), static_cast<int>(num_experts),
       out.data_ptr(), static_cast<int>(num_blocks), static_cast<int>(reduce_blocks), static_cast<int>(chunk_tokens),
-      static_cast<int>(num_chunks), static_cast<int>(push_lead), c10::cuda::getCurrentCUDAStream()));
+      static_cast<int>(num_chunks), static_cast<int>(push_lead), qp, q_words,
+      c10::cuda::getCurrentCUDAStream()));
+}
+
+int64_t combine_queue_size(int64_t num_blocks, int64_t rows) {
+  return combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(rows));
 }
 
 void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
