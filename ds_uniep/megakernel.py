@@ -763,7 +763,12 @@ class NVLinkDispatcher:
     def _queue_workspace(self, rows: int) -> Tensor:
         """The chunked combine's queue workspace, large enough for this call's pushing blocks and
         ``rows`` (grown when not; stream-ordered, so consecutive combines share it)."""
-        need = self.ext.combine_queue_size(self.combine_pushers(), rows)
+        pushers = self.combine_pushers()
+        resident = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
+        if pushers > resident:  # they meet at barriers, so all must be resident at once (two per SM)
+            raise ValueError(f"{self.layer_name}: combine_push_queue needs every pushing block resident at once; "
+                             f"{pushers} pushing blocks exceed the {resident} that fit on this GPU (two per SM)")
+        need = self.ext.combine_queue_size(pushers, rows)
         if self._queue is None or self._queue.numel() < need:
             self._queue = torch.empty(need, dtype=torch.int32, device=self.device)
         return self._queue
@@ -774,6 +779,9 @@ class NVLinkDispatcher:
 
     def _push_and_reduce(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
                          num_recv: Tensor, T: int) -> Tensor:
+        # Checked before the epoch moves on, so a refused call leaves the ranks in step.
+        chunked = self.combine_chunks and self.ordering != "arrival"
+        queue = self._queue_workspace(rows.shape[0]) if chunked and self.combine_push_queue else None
         e = self._next_epoch(2)
         out = rows.new_empty(T, self.hidden_size)
         nb = self.num_blocks
@@ -787,8 +795,7 @@ class NVLinkDispatcher:
             chunk_tokens, num_chunks = self.combine_chunking()
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
                                      self.bufs.descriptor, e, *self._wait_args(), self.combine_pushers(),
-                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead,
-                                     self._queue_workspace(rows.shape[0]) if self.combine_push_queue else None)
+                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead, queue)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,

@@ -220,6 +220,14 @@ def _body(rank, G, dtype_name):
     with pytest.raises(UniEPCapacityError, match=f"rank {rank} got {T_MAX + 1} tokens"):
         disp.dispatch(torch.zeros(T_MAX + 1, M, dtype=dtype, device=dev),
                       torch.zeros(T_MAX + 1, 2, dtype=torch.int32, device=dev))
+    # The shared push queue's blocks meet at barriers: more of them than fit on the GPU at once are
+    # refused before anything moves (every rank refuses, so the layer stays in step).
+    over = NVLinkDispatcher("test.queue_over", E, G, M, 2, dtype, cfg, combine_push_queue=True,
+                            combine_push_blocks=10_000)
+    idx_o, gates_o = _routing(rank, 1000, 19, 2, E, "random")
+    recv_o, _, handle_o = over.dispatch(_inputs(rank, 1000, 19, dtype).to(dev), idx_o.to(dev))
+    with pytest.raises(ValueError, match="test.queue_over: combine_push_queue needs every pushing block resident"):
+        over.combine(recv_o, gates_o.to(dev), handle_o)
     torch.cuda.synchronize()
     dist.barrier()
     # Timeout: rank 0 dispatches alone; its wait gives up and names the layer, rank and signal.

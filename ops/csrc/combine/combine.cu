@@ -828,7 +828,8 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
   const int64_t granules = (static_cast<int64_t>(y_rows) + kPushGranule - 1) / kPushGranule;
   const int64_t list_cap = push_lead > 0 ? (granules + num_blocks - 1) / num_blocks * kPushGranule : 0;
   const int cap = list_cap * static_cast<int64_t>(sizeof(int)) > kMaxSortedListBytes ? 0 : static_cast<int>(list_cap);
-  const size_t smem = static_cast<size_t>(cap) * sizeof(int);
+  // The queue sorts in global memory; the sorted walk in shared memory.
+  const size_t smem = queue != nullptr ? 0 : static_cast<size_t>(cap) * sizeof(int);
   if (queue != nullptr) {
     const cudaError_t err = cudaMemsetAsync(queue, 0, kQueueZeroWords * sizeof(int), stream);
     if (err != cudaSuccess) return err;
