@@ -259,7 +259,7 @@ constexpr int kPushGranule = 8;
 // (each block counts its granules' rows per chunk, a barrier, each scatters them to its place,
 // a barrier), then every pushing warp claims kQueueClaim segments at a time from one global
 // cursor over that order. Blocks whose stores drain faster take more of the work, so no block
-// is left pushing alone at the end (with fixed shares, blocks finished at 40-100% of the
+// is left pushing alone at the end (with fixed shares, blocks finished at 35-100% of the
 // kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
 // (system scope) and adds them to the chunk's global count, and the warp that completes a
 // chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
