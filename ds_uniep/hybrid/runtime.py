@@ -415,7 +415,7 @@ class CompressedGather:
 
     def _exchange(self) -> None:
         """Encode this rank's tensors against the base, all-gather them, decode the others' into ``outs``."""
-        from .compress import SparseExpert, decode, encode
+        from .compress import encode
         self.base_work.wait()
         P, S, n_exp = self.num_params, self.S, self.local_experts * self.S
         bases, off = [], 0
@@ -440,18 +440,19 @@ class CompressedGather:
             starts.append(at)
             at += k
         for idx, out, vals in zip(self.buckets, self.outs, all_values):
-            for s in range(S):
-                col = voff = 0
-                for i in idx:
-                    t, k = self.local[i], self.kept[i]
-                    if s == self.offset:
-                        out[s, col:col + t.numel()] = t.detach().reshape(-1)
-                    else:
-                        enc = SparseExpert(values=vals[s, voff:voff + k],
-                                           indices=all_indices[s, starts[i]:starts[i] + k], shape=tuple(t.shape))
-                        out[s, col:col + t.numel()] = decode(enc, bases[i % P]).reshape(-1)
-                    col += t.numel()
-                    voff += k
+            # Every owner's row at once (:func:`.compress.decode` for all of them): the bases, then each
+            # owner's kept values at their positions (a tensor's kept positions are distinct and the
+            # tensors' columns do not overlap, so one scatter places them all); this rank's row is then
+            # its exact tensors.
+            cols, col = [], 0
+            for i in idx:
+                cols.append(col)
+                col += self.local[i].numel()
+            out.copy_(torch.cat([bases[i % P].reshape(-1) for i in idx]).expand(S, -1))
+            pos = torch.cat([all_indices[:, starts[i]:starts[i] + self.kept[i]].long() + c
+                             for i, c in zip(idx, cols)], dim=1)
+            out.scatter_(1, pos, vals)
+            out[self.offset] = torch.cat([self.local[i].detach().reshape(-1) for i in idx])
 
     def wait(self) -> None:
         """Until ``outs`` hold the domain's copies (this rank's exact, the others' decoded)."""
