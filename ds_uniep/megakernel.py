@@ -262,7 +262,8 @@ class NVLinkDispatcher:
         combine_push_queue: the chunked combine's pushing blocks first sort all rows by chunk
             into one order (two barriers among them), then every pushing warp takes its next
             segments from one cursor over it, so blocks that store faster push more rows and none
-            is left pushing alone at the end (``combine_push_lead`` is then unused). The output
+            is left pushing alone at the end (``combine_push_lead`` is then unused). Its pushing
+            blocks must all be resident at once (at most two per SM; more are refused). The output
             bits are the same either way.
         combine_push_blocks: pushing blocks of the chunked combine; default half of
             ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
