@@ -32,14 +32,16 @@ def run_launcher(command, env=None, attempts: int = 3, **kwargs) -> subprocess.C
     on a port from :func:`free_port` (``env`` None: this process's environment); launched again on a
     new port (at most ``attempts`` times in all) when it failed because another process took that
     port first. Any other outcome is returned as it is."""
-    for attempt in range(attempts):
+    def launch():
         port = free_port()
-        proc = subprocess.run(command(port), env=None if env is None else env(port), capture_output=True,
+        return subprocess.run(command(port), env=None if env is None else env(port), capture_output=True,
                               text=True, **kwargs)
-        taken = proc.returncode != 0 and any(m in proc.stdout + proc.stderr for m in PORT_TAKEN)
-        if not taken or attempt == attempts - 1:
+
+    for _ in range(attempts - 1):
+        proc = launch()
+        if proc.returncode == 0 or not any(m in proc.stdout + proc.stderr for m in PORT_TAKEN):
             return proc
-    raise AssertionError("unreachable")
+    return launch()
 
 
 def _entry(rank, world_size, port, backend, fn, args, errq):
