@@ -254,6 +254,22 @@ __device__ __forceinline__ void signal_chunk_pushed(const SymView& s, int c, int
 // Any order gives the same bits: a row's bytes and where they land do not depend on it.
 constexpr int kPushGranule = 8;
 
+// One warp: begin[c] = counts[0] + ... + counts[c - 1] for c <= n (n <= 64, two per lane).
+__device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n, int lane) {
+  const int a = 2 * lane < n ? counts[2 * lane] : 0;
+  const int b = 2 * lane + 1 < n ? counts[2 * lane + 1] : 0;
+  int incl = a + b;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const int up = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += up;
+  }
+  const int excl = incl - a - b;
+  if (2 * lane < n) begin[2 * lane] = excl;
+  if (2 * lane + 1 < n) begin[2 * lane + 1] = excl + a;
+  if (lane == 31) begin[n] = incl;
+}
+
 // Queue mode of the chunked combine's pushing blocks (launch_combine_chunked with a queue
 // workspace): the P pushing blocks first sort all of y's rows by chunk into one global order
 // (each block counts its granules' rows per chunk, a barrier, each scatters them to its place,
@@ -353,20 +369,7 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
     chunk_fill[threadIdx.x] = before;
   }
   __syncthreads();
-  if (warp == 0) {  // exclusive scan of the chunk totals, two per lane: each chunk's first position
-    const int a = 2 * lane < num_chunks ? chunk_total[2 * lane] : 0;
-    const int b = 2 * lane + 1 < num_chunks ? chunk_total[2 * lane + 1] : 0;
-    int incl = a + b;
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int up = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += up;
-    }
-    const int excl = incl - a - b;
-    if (2 * lane < num_chunks) chunk_begin[2 * lane] = excl;
-    if (2 * lane + 1 < num_chunks) chunk_begin[2 * lane + 1] = excl + a;
-    if (lane == 31) chunk_begin[num_chunks] = incl;
-  }
+  if (warp == 0) scan_chunks(chunk_total, chunk_begin, num_chunks, lane);  // each chunk's first position
   __syncthreads();
   if (threadIdx.x < num_chunks) chunk_fill[threadIdx.x] += chunk_begin[threadIdx.x];
   __syncthreads();
@@ -451,19 +454,10 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
       if (r < R) atomicAdd(&chunk_fill[chunk_of(r)], 1);
     }
     __syncthreads();
-    if (warp == 0) {  // exclusive scan of the chunk counts, two per lane
-      const int a = 2 * lane < num_chunks ? chunk_fill[2 * lane] : 0;
-      const int b = 2 * lane + 1 < num_chunks ? chunk_fill[2 * lane + 1] : 0;
-      int incl = a + b;
-#pragma unroll
-      for (int off = 1; off < 32; off *= 2) {
-        const int up = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += up;
-      }
-      const int excl = incl - a - b;
-      if (2 * lane < num_chunks) chunk_begin[2 * lane] = chunk_fill[2 * lane] = excl;
-      if (2 * lane + 1 < num_chunks) chunk_begin[2 * lane + 1] = chunk_fill[2 * lane + 1] = excl + a;
-      if (lane == 31) chunk_begin[num_chunks] = incl;
+    if (warp == 0) {
+      scan_chunks(chunk_fill, chunk_begin, num_chunks, lane);
+      __syncwarp();
+      for (int c = lane; c < num_chunks; c += 32) chunk_fill[c] = chunk_begin[c];
     }
     __syncthreads();
     for (int i = threadIdx.x; i < mine; i += blockDim.x) {
