@@ -45,7 +45,8 @@ from timing import queued_start
 COMBINE_VARIANTS = [(0, None, 0, 1, False), (16, None, 0, 1, False), (16, None, 2, 1, False),
                     (16, None, 2, 1 / 2, False), (16, None, 2, 1 / 4, False), (16, None, 4, None, False),
                     (8, None, 2, None, False), (32, None, 2, None, False), (16, None, 0, 1 / 2, False),
-                    (16, None, 2, None, True), (16, None, 2, 1, True)]
+                    (4, None, 2, None, True), (8, None, 2, None, True), (16, None, 2, None, True),
+                    (16, None, 2, 1, True)]
 # Pulling combine variants: (result key, blocks per SM). The first is the dispatcher's default.
 PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
@@ -319,7 +320,8 @@ def main():
           f"{results['nccl_a2a_host_ms']:.3f}")
     rows += [(f"combine bf16 ({v['chunks']} chunks, {v['push_blocks']}/"
               f"{v['reduce_blocks'] or 'default'} push/reduce blocks, "
-              f"{'lead ' + str(v['push_lead']) if v['push_lead'] else 'by chunk'})"
+              f"{'lead ' + str(v['push_lead']) if v['push_lead'] else 'by chunk'}"
+              f"{', one queue' if v['push_queue'] else ''})"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)
              for v in results["combine_variants"].values()]
     rows += [(f"combine bf16 (pull, {blocks} block{'s' if blocks > 1 else ''} per SM)", results[f"{key}_ms"],
