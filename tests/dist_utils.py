@@ -48,13 +48,14 @@ def _entry(rank, world_size, port, backend, fn, args, errq):
     # The parent holds the rendezvous store on ``port`` (see run_distributed): every rank is a client.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
-    # One intra-op thread per rank unless the caller chose otherwise, as torchrun does: ranks that
-    # each start a thread per core oversubscribe the cores (a 4-rank step on 2 cores took 7-12x longer).
-    threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # CPU ranks: one intra-op thread each unless the caller chose otherwise, as torchrun does; ranks
+    # that each start a thread per core oversubscribe the cores (a 4-rank step on 2 cores took 7-12x
+    # longer). GPU (NCCL) ranks keep torch's default.
+    threads = os.environ.setdefault("OMP_NUM_THREADS", "1") if backend != "nccl" else None
     try:
         import deepspeed
         import torch
-        if threads.isdigit() and int(threads) > 0:  # torch may be imported already (this module's import)
+        if threads and threads.isdigit() and int(threads) > 0:  # torch may be imported already (this module)
             torch.set_num_threads(int(threads))
         if backend == "nccl":
             torch.cuda.set_device(rank)
