@@ -5,8 +5,8 @@ import pytest
 import torch
 from conftest import needs_gpus
 
-from ds_uniep.hybrid.compress import (decode, decode_experts, encode, encode_experts, num_kept, shared_base,
-                                      wire_bytes)
+from ds_uniep.hybrid.compress import (decode, decode_experts, decode_rows, encode, encode_experts, num_kept,
+                                      shared_base, wire_bytes)
 from ds_uniep.hybrid.model import compressed_expert_bytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -54,6 +54,20 @@ def test_bounded_error(dtype, numel, ratio):
             assert resid[~kept].max() <= resid[kept].min()
         err = (out.float() - w[e].float()).norm()
         assert err <= math.sqrt((numel - k) / numel) * resid.norm() * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_is_decode_of_every_row(dtype):
+    w = _experts(5, 111, dtype, seed=2)
+    base, enc = encode_experts(w, 0.1)
+    out = torch.full((5, 111), 7.0, dtype=dtype)  # overwritten everywhere
+    got = decode_rows(out, base, torch.stack([e.indices for e in enc]), torch.stack([e.values for e in enc]))
+    assert got is out
+    want = base.reshape(1, -1).repeat(5, 1)  # by hand: the base, each row's kept positions overwritten
+    for r, e in enumerate(enc):
+        want[r, e.indices.long()] = e.values
+    assert torch.equal(got.view(_INT_VIEW[dtype]), want.view(_INT_VIEW[dtype]))
+    assert not torch.equal(got[0], got[1])  # the rows differ where each expert's kept values differ
 
 
 def test_ties_broken_by_index_and_deterministic():

@@ -10,7 +10,8 @@ element count, k the values kept (:func:`ds_uniep.hybrid.model.kept_count`).
    k positions of largest magnitude, ties broken by the smaller flat index;
    the wire carries those positions (int32, ascending) and the expert's own
    weights there (``w`` dtype).
-3. ``decode(enc, base)``: ``base`` with the kept positions overwritten.
+3. ``decode(enc, base)``: ``base`` with the kept positions overwritten
+   (``decode_rows``: many encoded rows into one ``[R, n]`` tensor at once).
 
 Sending ``w`` at the kept positions costs the same bytes as sending the
 residual there, and needs no ``base + (w - base)`` round trip, so ratio 1.0
@@ -102,9 +103,16 @@ def decode(enc: SparseExpert, base: torch.Tensor) -> torch.Tensor:
     if tuple(base.shape) != enc.shape or base.dtype != enc.values.dtype:
         raise ValueError(f"decode: base {tuple(base.shape)} {base.dtype} does not match the encoded expert "
                          f"{enc.shape} {enc.values.dtype}")
-    out = base.reshape(-1).clone()
-    out[enc.indices.long()] = enc.values
-    return out.reshape(enc.shape)
+    out = base.new_empty(1, base.numel())
+    return decode_rows(out, base, enc.indices[None], enc.values[None]).reshape(enc.shape)
+
+
+def decode_rows(out: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """:func:`decode` of R encoded rows at once, into ``out`` ``[R, n]``: every row ``base``
+    (flattened, n elements), then row r's ``positions[r]`` (distinct within a row, as :func:`encode`
+    gives them) overwritten by ``values[r]`` (both ``[R, k]``). Returns ``out``."""
+    out.copy_(base.reshape(-1).expand_as(out))
+    return out.scatter_(1, positions.long(), values)
 
 
 def encode_experts(weights: torch.Tensor, ratio: float):

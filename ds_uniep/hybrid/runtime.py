@@ -415,7 +415,7 @@ class CompressedGather:
 
     def _exchange(self) -> None:
         """Encode this rank's tensors against the base, all-gather them, decode the others' into ``outs``."""
-        from .compress import encode
+        from .compress import decode_rows, encode
         self.base_work.wait()
         P, S, n_exp = self.num_params, self.S, self.local_experts * self.S
         bases, off = [], 0
@@ -440,18 +440,16 @@ class CompressedGather:
             starts.append(at)
             at += k
         for idx, out, vals in zip(self.buckets, self.outs, all_values):
-            # Every owner's row at once (:func:`.compress.decode` for all of them): the bases, then each
-            # owner's kept values at their positions (a tensor's kept positions are distinct and the
-            # tensors' columns do not overlap, so one scatter places them all); this rank's row is then
-            # its exact tensors.
+            # Every owner's row at once: the bucket's tensors side by side are one flat row per owner,
+            # each tensor's kept positions offset by its column (the columns do not overlap), so one
+            # decode_rows places them all; this rank's row is then its exact tensors.
             cols, col = [], 0
             for i in idx:
                 cols.append(col)
                 col += self.local[i].numel()
-            out.copy_(torch.cat([bases[i % P].reshape(-1) for i in idx]).expand(S, -1))
             pos = torch.cat([all_indices[:, starts[i]:starts[i] + self.kept[i]].long() + c
                              for i, c in zip(idx, cols)], dim=1)
-            out.scatter_(1, pos, vals)
+            decode_rows(out, torch.cat([bases[i % P].reshape(-1) for i in idx]), pos, vals)
             out[self.offset] = torch.cat([self.local[i].detach().reshape(-1) for i in idx])
 
     def wait(self) -> None:
