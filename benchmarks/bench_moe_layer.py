@@ -455,14 +455,16 @@ def experts_alone(layer, x, mode, args, dist):
 
 
 def fixed_plans(space):
-    """Every single fixed plan a user can set for all shapes without tuning: the config default and each
-    num_comm_sms value the tuner walks (the megakernel acts on no other exact knob yet)."""
+    """Every single fixed plan a user can set without tuning: the config default and every plan of the
+    megakernel's space (each knob it acts on: schedule, chunks, SMs, the combine's chunks and queue, ...),
+    named by their labels. The config default leaves num_comm_sms unset, which runs the copy kernels on
+    every SM: its plan says so (it is also timed under its own label, a measure of the noise)."""
     from ds_uniep.config import UniEPConfig
     from ds_uniep.tuning import Plan
-    default = space.project(Plan.from_config(UniEPConfig()))
-    plans = {f"config default (sm{default.num_comm_sms})": default}
+    default = space.project(Plan.from_config(UniEPConfig()).replace(num_comm_sms=min(space.gpu.num_sms, 132)))
+    plans = {f"config default ({default.label()})": default}
     for plan in space.enumerate():
-        plans[f"sm{plan.num_comm_sms}"] = plan
+        plans[plan.label()] = plan
     return plans
 
 
@@ -508,7 +510,8 @@ def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
 
 def summarize_autotune(auto, modes):
     """Per mode, the single fixed plan with the smallest geometric mean time over the shapes, and per shape
-    the tuned time against it (speedup = best single fixed ms / tuned ms; >= 1 means tuning paid)."""
+    the tuned time against it (speedup = best single fixed ms / tuned ms; >= 1 means tuning paid), and
+    against the config default's."""
     rows = [r for r in auto["rows"] if "modes" in r]
     auto["best_single_fixed"] = {}
     for mode in modes:
@@ -524,13 +527,16 @@ def summarize_autotune(auto, modes):
             m["best_single_fixed_ms"] = m["fixed_ms"][best]
             m["speedup_vs_best_single_fixed"] = m["fixed_ms"][best] / m["tuned_ms"]
             m["fastest_fixed_here"] = min(m["fixed_ms"], key=m["fixed_ms"].get)
+            default = next(n for n in m["fixed_ms"] if n.startswith("config default"))
+            m["config_default_ms"] = m["fixed_ms"][default]
+            m["speedup_vs_config_default"] = m["fixed_ms"][default] / m["tuned_ms"]
 
 
 def print_autotune(auto):
     print(f"\nautotune (megakernel, tuned on fwd+bwd, budget {auto['budget_s']:g} s per shape); speedup = best "
           "single fixed plan ms / tuned ms")
-    head = ["shape", "mode", "tuned plan", "tuned", "best single fixed", "its ms", "speedup", "fastest fixed here",
-            "tuning s"]
+    head = ["shape", "mode", "tuned plan", "tuned", "best single fixed", "its ms", "speedup", "config default ms",
+            "vs default", "fastest fixed here", "tuning s"]
     print(" | ".join(head))
     for r in auto["rows"]:
         if "modes" not in r:
@@ -540,7 +546,8 @@ def print_autotune(auto):
             here = m["fastest_fixed_here"]
             print(" | ".join([r["shape"], mode, r["tuned_label"] + (" (cache)" if r["from_cache"] else ""),
                               f"{m['tuned_ms']:.2f}", m["best_single_fixed"], f"{m['best_single_fixed_ms']:.2f}",
-                              f"{m['speedup_vs_best_single_fixed']:.3f}x", f"{here} {m['fixed_ms'][here]:.2f}",
+                              f"{m['speedup_vs_best_single_fixed']:.3f}x", f"{m['config_default_ms']:.2f}",
+                              f"{m['speedup_vs_config_default']:.3f}x", f"{here} {m['fixed_ms'][here]:.2f}",
                               f"{r['tune_wall_s']:.1f}"]))
 
 

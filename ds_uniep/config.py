@@ -68,6 +68,19 @@ class OverlapConfig(_Block):
                               "them one block per SM. Set, with the pipelined schedule and expert_gemm 'uniep', the "
                               "chunks' rows are copied back by SM stores from this many blocks while the GEMMs run "
                               "on the other SMs (unset, or with torch's GEMM: by the copy engines).")
+    combine_chunks: int = Field(16, ge=0, le=64, description="The megakernel's combine (and the backward of "
+                                "dispatch) as one kernel pipelined over this many chunks of source tokens "
+                                "(max_tokens_per_rank split evenly, but no chunk under 256 tokens, so fewer chunks "
+                                "where the buffers are small): a source sums a chunk's rows while later chunks are "
+                                "still being pushed; 0: push, then reduce, as two kernels. Read where the combine "
+                                "kernels move the rows (the sequential schedule; the fused one without "
+                                "epilogue_combine). The same bits for every value.")
+    combine_queue: bool = Field(False, description="The chunked combine's pushing blocks first sort all rows by "
+                                "chunk into one order, then every pushing warp takes its next rows from one shared "
+                                "queue, so blocks that store faster push more (fixed shares otherwise). Measured "
+                                "faster than fixed shares at some sizes and chunk counts, slower at others: the "
+                                "tuner walks it with combine_chunks. Read with combine_chunks > 0 where "
+                                "combine_chunks is read. The same bits either way.")
     fused_dispatch: bool = Field(True, description="The fused schedule's dispatch beside the first expert GEMM, "
                                  "whose tiles wait for their rows (from num_comm_sms SMs, or with roles "
                                  "'interleaved' partly from inside the GEMM's CTAs); false: the sequential "
@@ -285,10 +298,10 @@ class UniEPConfig(_Block):
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
                                    "backend runs the sequential, pipelined or fused schedule and reads schedule, "
-                                   "num_chunks, num_comm_sms, fused_dispatch, epilogue_combine, roles and "
-                                   "signal_granularity (the fused dispatch) and timeout_s; no schedule reads stages "
-                                   "yet; "
-                                   "tile_m and tile_n reach ds_uniep's GEMM only).")
+                                   "num_chunks, num_comm_sms, combine_chunks, combine_queue, fused_dispatch, "
+                                   "epilogue_combine, roles and signal_granularity (the fused dispatch) and "
+                                   "timeout_s; no schedule reads stages yet; tile_m and tile_n reach ds_uniep's "
+                                   "GEMM only).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")

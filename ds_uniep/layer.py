@@ -312,8 +312,8 @@ class UniEPMoE(MoE):
         """Run the next forward under ``plan`` (a :class:`ds_uniep.tuning.Plan`): its overlap knobs and
         dispatch dtype replace the config's. A megakernel dispatcher takes a new ``num_comm_sms`` as
         it is (the block count of its copy kernels; under the fused schedule its fused dispatch's,
-        the other copy kernels taking every SM) and the plan's roles; a new dispatch dtype rebuilds
-        the dispatchers."""
+        the other copy kernels taking every SM), the plan's roles and its combine chunks and queue; a
+        new dispatch dtype rebuilds the dispatchers."""
         self._applied_plan = plan
         cfg = plan.apply(self.uniep_config)
         if cfg == self.uniep_config and _comm_blocks(cfg) == _comm_blocks(self.uniep_config):
@@ -328,6 +328,7 @@ class UniEPMoE(MoE):
                 d.set_comm_sms(cfg.overlap.num_comm_sms, fused=cfg.overlap.schedule == "fused")
                 d.interleaved = cfg.overlap.roles == "interleaved"
                 d.signal_granularity = cfg.overlap.signal_granularity
+                d.combine_chunks, d.combine_push_queue = cfg.overlap.combine_chunks, cfg.overlap.combine_queue
 
     @property
     def ep_group(self):
@@ -788,8 +789,10 @@ _NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or G
 def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: bool = False) -> None:
     """Warn when the ``uniep`` block sets overlap knobs that nothing acts on: :data:`_FUSED_KNOBS`,
     ``schedule`` (pipelined or fused) on a backend other than the megakernel, ``num_chunks``
-    outside the megakernel's pipelined schedule, and ``fused_dispatch`` and ``epilogue_combine``
-    outside its fused one; once per process for each setting and backend,
+    outside the megakernel's pipelined schedule, ``fused_dispatch`` and ``epilogue_combine``
+    outside its fused one, and ``combine_chunks`` and ``combine_queue`` where its combine kernels
+    do not move the rows (``combine_queue`` also with ``combine_chunks`` 0); once per process for
+    each setting and backend,
     naming the first layer that met it. ``tiles_read``: ds_uniep's GEMM runs the experts and reads
     ``tile_m`` and ``tile_n``."""
     pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
@@ -798,6 +801,11 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
     knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
+    # The combine kernels move the rows under the sequential schedule and the fused one without its epilogues.
+    combine_here = backend == "megakernel" and (overlap.schedule == "sequential" or
+                                                (fused_here and not overlap.epilogue_combine))
+    knobs += [k for k in ("combine_chunks", "combine_queue") if k in overlap.model_fields_set and not (
+        combine_here and (k == "combine_chunks" or overlap.combine_chunks > 0))]
     knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))
               and not (k in ("roles", "signal_granularity") and fused_here and overlap.fused_dispatch)]
     said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
@@ -806,7 +814,9 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
         logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
                        + ("the sequential, pipelined or fused schedule, none of which reads stages yet, roles "
                           "and signal granularity only reach the fused schedule's dispatch (fused_dispatch) and "
-                          "tile sizes only ds_uniep's GEMM (expert_gemm 'uniep')"
+                          "tile sizes only ds_uniep's GEMM (expert_gemm 'uniep'), combine_chunks and "
+                          "combine_queue only the combine kernels (the sequential schedule, the fused one "
+                          "without epilogue_combine; combine_queue with combine_chunks > 0)"
                           if backend == "megakernel" else
                           "the sequential schedule") + "; results are the same under every value. Said once for "
                        "every layer.")

@@ -234,18 +234,19 @@ class NVLinkDispatcher:
         dtype: activation dtype (bf16, fp16 or fp32) of x and y.
         config: a :class:`UniEPConfig` (or anything ``UniEPConfig.coerce`` takes): uses
             ``max_tokens_per_rank``, ``compression.dispatch_dtype``, ``overlap.timeout_s``,
-            ``overlap.num_comm_sms`` (the fused dispatch's blocks) and ``overlap.roles``.
+            ``overlap.num_comm_sms`` (the fused dispatch's blocks), ``overlap.roles`` and, unless
+            given here, ``overlap.combine_chunks`` and ``overlap.combine_queue``.
         group: the expert-parallel process group (None: the world).
         padded_recv: return ``recv [R_max, M]`` without a host sync (see the module doc).
         num_blocks: blocks of the copy kernels (default: the SM count).
         direct_receive: allocate the direct receive region (a second ``[R_max, M]``
             buffer) so forward dispatches need no copy-out (ignored with FP8 dispatch).
-        combine_chunks: combine (and the backward of dispatch) as one kernel pipelined over
-            this many chunks of source tokens (``max_tokens_per_rank`` split evenly, but no chunk
-            under ``combine_min_chunk_tokens``, so fewer chunks where the buffers are small): a
-            source sums a chunk's rows while later chunks are still being pushed. 0: push, then
-            reduce, as two kernels. The output bits are the same either way
-            (:meth:`combine_chunking`).
+        combine_chunks: (default ``overlap.combine_chunks``, 16) combine (and the backward of
+            dispatch) as one kernel pipelined over this many chunks of source tokens
+            (``max_tokens_per_rank`` split evenly, but no chunk under ``combine_min_chunk_tokens``,
+            so fewer chunks where the buffers are small): a source sums a chunk's rows while later
+            chunks are still being pushed. 0: push, then reduce, as two kernels. The output bits
+            are the same either way (:meth:`combine_chunking`).
         combine_min_chunk_tokens: the fewest source tokens per chunk (default 256: in
             ``bench_dispatch.py`` at ep 4 with 2048 tokens, 8 chunks of 256 were faster than 16 of
             128 on H100s and on H200s; at 8192 tokens 32 chunks of 256 were not faster than 16 of
@@ -259,12 +260,12 @@ class NVLinkDispatcher:
             whose flag it raised (a share over 12288 rows, 48 KiB of shared memory, is pushed
             chunk by chunk instead). 0: the block gathers and pushes one chunk's rows at a time.
             The output bits are the same either way.
-        combine_push_queue: the chunked combine's pushing blocks first sort all rows by chunk
-            into one order (two barriers among them), then every pushing warp takes its next
-            segments from one cursor over it, so blocks that store faster push more rows and none
-            is left pushing alone at the end (``combine_push_lead`` is then unused). Its pushing
-            blocks must all be resident at once (at most two per SM; more are refused). The output
-            bits are the same either way.
+        combine_push_queue: (default ``overlap.combine_queue``, off) the chunked combine's pushing
+            blocks first sort all rows by chunk into one order (two barriers among them), then
+            every pushing warp takes its next segments from one cursor over it, so blocks that
+            store faster push more rows and none is left pushing alone at the end
+            (``combine_push_lead`` is then unused). Its pushing blocks must all be resident at once
+            (at most two per SM; more are refused). The output bits are the same either way.
         combine_push_blocks: pushing blocks of the chunked combine; default half of
             ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
             quarter or all of them at ep 2 and 4).
@@ -297,13 +298,17 @@ class NVLinkDispatcher:
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, config, group=None, padded_recv: bool = False,
-                 num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: int = 16,
+                 num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: Optional[int] = None,
                  combine_reduce_blocks: Optional[int] = None, combine_push_lead: int = 2,
                  combine_push_blocks: Optional[int] = None, combine_min_chunk_tokens: int = 256,
-                 combine_push_queue: bool = False, pull_combine: bool = False,
+                 combine_push_queue: Optional[bool] = None, pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
                  dedup: bool = True, fused_dedup: bool = True):
         config = UniEPConfig.coerce(config)
+        if combine_chunks is None:
+            combine_chunks = config.overlap.combine_chunks
+        if combine_push_queue is None:
+            combine_push_queue = config.overlap.combine_queue
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
         self.dtype = dtype
@@ -394,8 +399,10 @@ class NVLinkDispatcher:
         self.early_dispatches = 0
         #: forward combines that pulled from the source regions / pushed rows back / ran pipelined /
         #: summed the rows the fused schedule's second GEMM stored (epilogue combine); backward
-        #: dispatches whose input-gradient rows the first GEMM's dgrad stored (landed_dgrad)
-        self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0, "landed_dgrad": 0}
+        #: dispatches whose input-gradient rows the first GEMM's dgrad stored (landed_dgrad); chunked
+        #: combines, forward or backward, whose pushing blocks shared one queue (queued)
+        self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0, "landed_dgrad": 0,
+                              "queued": 0}
         #: the pipelined schedule's copy kernels (one per chunk and destination on the copy engines,
         #: one per chunk by SM stores), forward and backward
         self.push_stats = {"copy_engines": 0, "sm_stores": 0}
@@ -783,6 +790,7 @@ class NVLinkDispatcher:
         # Checked before the epoch moves on, so a refused call leaves the ranks in step.
         chunked = self.combine_chunks and self.ordering != "arrival"
         queue = self._queue_workspace(rows.shape[0]) if chunked and self.combine_push_queue else None
+        self.combine_stats["queued"] += int(queue is not None)
         e = self._next_epoch(2)
         out = rows.new_empty(T, self.hidden_size)
         nb = self.num_blocks

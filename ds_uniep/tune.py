@@ -8,8 +8,8 @@ Examples::
 
 With the megakernel backend (CUDA, Hopper, launched on ``ep`` ranks) the
 plans of the knobs it acts on (``ds_uniep.tuning.space.ACTING_KNOBS``: schedule,
-num_chunks, num_comm_sms, roles, fused_dispatch, epilogue_combine, and
-dispatch_dtype when numerics may change) are timed with CUDA events; the tile
+num_chunks, num_comm_sms, roles, fused_dispatch, epilogue_combine, combine_chunks,
+combine_queue, and dispatch_dtype when numerics may change) are timed with CUDA events; the tile
 sizes and signal granularity are kept as configured (``KEPT_KNOBS``) and stages
 is read by nothing. Without it the tool enumerates and validates the whole
 design space (``--backend none``), or times the reference backend's layer

@@ -67,3 +67,42 @@ def test_bench_dispatch_parses_combine_variants():
     for bad in ("16/0/2", "16/0/2/0.5/x", "16/0/2/0.5/q/q", "a/0/2/0.5", "16/0/2/1.5"):
         with pytest.raises(SystemExit, match="--combine-variants"):
             parse_variant(bad)
+
+
+def test_autotune_fixed_plans_are_every_plan_of_the_space_by_label():
+    """``bench_moe_layer.py --autotune`` times the config default and every plan of the megakernel's space,
+    each under its own label (none hides another), the default as the layer runs it (copy kernels on
+    every SM, 16 combine chunks, no queue)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_moe_layer import fixed_plans
+
+    from ds_uniep.tuning import GPUInfo, Shape, Space
+    space = Space(Shape(T=4096, M=2048, F=1408, E=64, k=6, ep=4), GPUInfo.preset("h200"), backend="megakernel")
+    plans = fixed_plans(space)
+    (default_name, default), *rest = plans.items()
+    assert len(rest) == len(space.enumerate()) and [p for _, p in rest] == space.enumerate()
+    assert all(name == p.label() for name, p in rest)
+    assert default_name.startswith("config default") and plans[default.label()] == default
+    assert (default.schedule, default.num_comm_sms, default.combine_chunks, default.combine_queue) == (
+        "sequential", 132, 16, False)
+    assert any(p.combine_queue for _, p in rest) and len({p.combine_chunks for _, p in rest}) == 3
+
+
+def test_autotune_summary_compares_the_tuned_plan_with_the_best_single_and_the_default(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_moe_layer import print_autotune, summarize_autotune
+
+    def row(shape, tuned, fixed):
+        return {"shape": shape, "tuned_label": "t", "from_cache": False, "tune_wall_s": 1.0,
+                "modes": {"fwdbwd": {"tuned_ms": tuned, "fixed_ms": fixed}}}
+    auto = {"budget_s": 5.0, "rows": [row("a", 2.0, {"config default (x)": 4.0, "x": 4.1, "y": 3.0}),
+                                      row("b", 1.0, {"config default (x)": 1.0, "x": 1.1, "y": 2.0})]}
+    summarize_autotune(auto, ["fwdbwd"])
+    a, b = (r["modes"]["fwdbwd"] for r in auto["rows"])
+    # geometric means: default 2.0, x 2.12, y 2.45: the default is the best single fixed plan
+    assert a["best_single_fixed"] == "config default (x)" and a["speedup_vs_best_single_fixed"] == 2.0
+    assert (a["speedup_vs_config_default"], b["speedup_vs_config_default"]) == (2.0, 1.0)
+    assert a["fastest_fixed_here"] == "y" and b["fastest_fixed_here"] == "config default (x)"
+    print_autotune(auto)
+    out = capsys.readouterr().out
+    assert "vs default" in out and "2.000x" in out

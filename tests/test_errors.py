@@ -256,6 +256,31 @@ def test_signal_granularity_is_named_unless_the_fused_dispatch_reads_it():
             assert ("signal_granularity" in said[0].split("accepted")[0]) == (named != ["stages=3"]), said
 
 
+def test_combine_knobs_are_named_where_the_combine_kernels_do_not_move_the_rows():
+    """``combine_chunks`` and ``combine_queue`` are read by the megakernel's combine kernels: under the
+    sequential schedule and the fused one without its epilogues; the queue needs chunks."""
+    from ds_uniep import layer as layer_module
+    from ds_uniep.config import UniEPConfig
+    both = {"combine_chunks": 4, "combine_queue": True}
+    for overlap, backend, named in (
+            ({"schedule": "sequential", **both}, "megakernel", []),
+            ({"schedule": "fused", "epilogue_combine": False, **both}, "megakernel", []),
+            ({"schedule": "fused", **both}, "megakernel", ["combine_chunks=4", "combine_queue=True"]),
+            ({"schedule": "pipelined", **both}, "megakernel", ["combine_chunks=4", "combine_queue=True"]),
+            ({"schedule": "sequential", **both}, "reference", ["combine_chunks=4", "combine_queue=True"]),
+            ({"combine_chunks": 0, "combine_queue": True}, "megakernel", ["combine_queue=True"]),
+            ({"combine_chunks": 0}, "megakernel", [])):
+        layer_module._SAID_WAITING.clear()
+        with _logged() as records:
+            layer_module._say_overlap_knobs_wait(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend,
+                                                 "layer 0")
+        said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
+        assert len(said) == (1 if named else 0), (overlap, backend, said)
+        if said:
+            head = said[0].split("accepted")[0]
+            assert all(n in head for n in named) and ("combine_chunks" in head) == (len(named) == 2), said
+
+
 def test_the_hosts_wait_for_the_fused_dispatch_start_compares_epochs_cyclically():
     """Where the driver offers no stream memory wait the host polls the word the fused dispatch's
     blocks raise: it returns once the word reaches the epoch (across the 32-bit wrap) and raises

@@ -110,23 +110,29 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     design = Space(shape, h200, 4)
     mk = design.for_backend("megakernel")
     assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("schedule", "num_chunks", "num_comm_sms", "roles",
-                                                               "dispatch_dtype", "fused_dispatch", "epilogue_combine")
+                                                               "dispatch_dtype", "fused_dispatch", "epilogue_combine",
+                                                               "combine_chunks", "combine_queue")
     assert mk.fixed_knobs() == dict(tile_m=64, tile_n=64, stages=2, signal_granularity="tile")
     plans = mk.enumerate()
     seq = [p for p in plans if p.schedule == "sequential"]
     pipe = [p for p in plans if p.schedule == "pipelined"]
     assert len(seq) + len(pipe) == len(plans)  # never the fused schedule on torch's grouped GEMM
-    # Every SM count up to the whole GPU (the sequential copy kernels run alone), exact dispatch only.
-    assert [p.num_comm_sms for p in seq] == [8, 16, 24, 32, 48, 64, 80, 96, 132]
+    # Every SM count up to the whole GPU (the sequential copy kernels run alone), exact dispatch only,
+    # each with the combine in 4, 8 and 16 chunks, pushed in fixed shares or from one queue.
+    assert sorted((p.num_comm_sms, p.combine_chunks, p.combine_queue) for p in seq) == [
+        (n, c, q) for n in (8, 16, 24, 32, 48, 64, 80, 96, 132) for c in (4, 8, 16) for q in (False, True)]
+    # The pipelined schedule copies its chunks back by itself: the combine knobs are unread there.
+    assert all((p.combine_chunks, p.combine_queue) == (16, False) for p in pipe)
     # Pipelined: 2 chunks (4 would be more than the 2 local experts: rejected), every SM count but the
     # whole GPU (its copy kernels share the GPU).
     assert sorted((p.num_chunks, p.num_comm_sms) for p in pipe) == [(2, n) for n in (8, 16, 24, 32, 48, 64, 80, 96)]
     four = [r for p, r in mk.table() if p.schedule == "pipelined" and p.num_chunks == 4]
     assert four and all("more chunks than local experts: num_chunks=4 > E/ep=2" in r for r in four), four
-    assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1)
+    assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1,
+                                                              combine_chunks=16, combine_queue=False)
                == mk.baseline() for p in plans)
     # the FP8 plans are rejected (roles outside the fused schedule are the partitioned ones) ...
-    assert mk.baseline() in plans and len(mk.table()) == 2 * (9 + 2 * 9)
+    assert mk.baseline() in plans and len(mk.table()) == 2 * (9 * 6 + 2 * 9)
     assert all(p.roles == "partitioned" for p in plans)
     assert all("numerics change not allowed" in r or "SM budget" in r or "more chunks than local experts" in r
                for _, r in mk.table() if r)
@@ -136,7 +142,7 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     assert comm_sms_values(114) == (8, 16, 24, 32, 48, 64, 80, 96, 114) and comm_sms_values(20) == (8, 16, 20)
     odd = Shape(T=64, M=96, F=64, E=4, k=2)
     small = Space(odd, GPUInfo("small", 20, 96 * 1024), allow_numerics_change=True, backend="megakernel")
-    assert [(p.num_comm_sms, p.dispatch_dtype) for p in small.enumerate() if p.schedule == "sequential"] == [
+    assert sorted({(p.num_comm_sms, p.dispatch_dtype) for p in small.enumerate() if p.schedule == "sequential"}) == [
         (8, "activation"), (16, "activation"), (20, "activation")]
     assert "FP8 rows need the hidden size divisible by 128: M=96" in small.check(small.baseline().replace(
         dispatch_dtype="fp8_e4m3"))
@@ -155,11 +161,15 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     # epilogue combine in partitioned roles, and interleaved roles (num_comm_sms unread, normalised to
     # 20); without it (num_comm_sms unread again) the epilogue combine alone; never neither (that is
     # the sequential schedule).
+    # Without the epilogues the combine kernels move the rows: each plan with every combine chunk count
+    # and queue choice.
     fused = [p for p in own.enumerate() if p.schedule == "fused"]
-    assert sorted((p.fused_dispatch, p.epilogue_combine, p.roles, p.num_comm_sms) for p in fused) == [
-        (False, True, "partitioned", 20)] + [
-        (True, e, r, n) for e in (False, True) for r, ns in (("interleaved", (20, )),
-                                                             ("partitioned", (8, 16, 24, 32, 48, 64))) for n in ns]
+    combines = [(c, q) for c in (4, 8, 16) for q in (False, True)]
+    assert sorted((p.fused_dispatch, p.epilogue_combine, p.roles, p.num_comm_sms, p.combine_chunks, p.combine_queue)
+                  for p in fused) == [(False, True, "partitioned", 20, 16, False)] + [
+        (True, e, r, n, *cq) for e in (False, True) for r, ns in (("interleaved", (20, )),
+                                                                  ("partitioned", (8, 16, 24, 32, 48, 64)))
+        for n in ns for cq in (combines if not e else [(16, False)])]
     assert Plan(schedule="fused", roles="interleaved", num_comm_sms=8) == Plan(schedule="fused", roles="interleaved")
     assert not own.comm_shares_sms(Plan(schedule="fused", roles="interleaved"))
     assert all(p.dispatch_dtype == "activation" for p in fused)
@@ -230,6 +240,35 @@ def test_plan_forms_normalisation_and_config_round_trip():
         Plan(tile_m=96)
     with pytest.raises(ValueError, match="exactly the keys"):
         Plan.from_dict({"schedule": "fused"})
+
+
+def test_combine_knobs_reach_plans_only_where_the_combine_kernels_move_the_rows():
+    """combine_chunks and combine_queue: read from the block, kept where the combine kernels run
+    (sequential; fused without its epilogues), normalised away elsewhere, and the queue without
+    chunks is no queue."""
+    cfg = UniEPConfig.from_dict({"overlap": {"combine_chunks": 4, "combine_queue": True}})
+    assert (cfg.overlap.combine_chunks, cfg.overlap.combine_queue) == (4, True)
+    assert (UniEPConfig().overlap.combine_chunks, UniEPConfig().overlap.combine_queue) == (16, False)
+    plan = Plan.from_config(cfg.model_copy(update={"overlap": cfg.overlap.model_copy(
+        update={"schedule": "sequential"})}))
+    assert (plan.combine_chunks, plan.combine_queue) == (4, True) and plan.label().endswith(" c4q")
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+    applied = plan.apply(UniEPConfig())
+    assert (applied.overlap.combine_chunks, applied.overlap.combine_queue) == (4, True)
+    kept = dict(combine_chunks=4, combine_queue=True)
+    assert Plan(schedule="fused", epilogue_combine=False, **kept).combine_queue  # the combine kernels run
+    for gone in (Plan(schedule="fused", **kept), Plan(schedule="pipelined", num_chunks=2, **kept)):
+        assert (gone.combine_chunks, gone.combine_queue) == (16, False) and " c" not in gone.label(), gone
+    assert Plan(schedule="sequential", combine_chunks=0, combine_queue=True) == Plan(schedule="sequential",
+                                                                                      combine_chunks=0)
+    for bad, match in (({"combine_chunks": 65}, "uniep.overlap.combine_chunks"),
+                       ({"combine_chunks": -1}, "uniep.overlap.combine_chunks"),
+                       ({"combine_queue": "yes"}, "uniep.overlap.combine_queue")):
+        with pytest.raises(UniEPConfigError, match=match):
+            UniEPConfig.from_dict({"overlap": bad})
+    for bad in (dict(combine_chunks=65), dict(combine_queue=1), dict(combine_chunks=True)):
+        with pytest.raises(ValueError, match="combine_"):
+            Plan(**bad)
 
 
 # ---------------------------------------------------------------------- cache keys

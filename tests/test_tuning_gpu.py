@@ -4,7 +4,8 @@ Every plan the tuner timed (and block counts outside the walked values) gives
 the sequential baseline plan's output and input/parameter gradients bit for
 bit, on torch's grouped GEMM and on ds_uniep's (whose space holds the fused
 schedule); a layer that tunes itself gives an untuned layer's numbers, and a second
-layer of the same shape reads the plan from the cache. FP8 dispatch changes
+layer of the same shape reads the plan from the cache, and a layer whose block sets the
+combine's chunks and queue gives the same bits. FP8 dispatch changes
 the numbers by design, so it is not in the space (allow_numerics_change is off).
 """
 import pytest
@@ -73,6 +74,9 @@ def _every_timed_plan_body(rank, world_size, gemm):
     assert all(p.dispatch_dtype == "activation" for p in timed)
     assert any(p.schedule == "fused" for p in timed) == (gemm == "uniep"), [p.label() for p in timed]
     assert any(p.schedule == "pipelined" for p in timed), [p.label() for p in timed]
+    # the combine's chunk counts and queue, where the combine kernels move the rows
+    assert {(p.combine_chunks, p.combine_queue) for p in timed if p.schedule == "sequential"} == {
+        (c, q) for c in (4, 8, 16) for q in (False, True)}, [p.label() for p in timed]
     if gemm == "uniep":  # the fused schedule's two overlaps, each alone and both
         assert {(p.fused_dispatch, p.epilogue_combine) for p in timed if p.schedule == "fused"} == {
             (True, True), (True, False), (False, True)}, [p.label() for p in timed]
@@ -89,10 +93,14 @@ def _every_timed_plan_body(rank, world_size, gemm):
     for plan in timed + odd + [result.winner]:
         layer.set_plan(plan)
         fused_before, landed_before = d.fused_stats["fused"], d.combine_stats["landed"]
-        piped_before = d.combine_stats["pipelined"]
+        piped_before, queued_before = d.combine_stats["pipelined"], d.combine_stats["queued"]
         got = _run(layer, x, gy)
         piped = d.combine_stats["pipelined"] - piped_before
         assert piped == int(plan.schedule == "pipelined"), f"{plan.label()}: {piped} pipelined combines"
+        assert (d.combine_chunks, d.combine_push_queue) == (plan.combine_chunks, plan.combine_queue), plan.label()
+        # the forward's combine and the backward of its dispatch, when the queue is on
+        queued = d.combine_stats["queued"] - queued_before
+        assert queued == 2 * int(plan.combine_queue), f"{plan.label()}: {queued} queued combines"
         if plan.schedule == "fused":
             if plan.fused_dispatch:
                 assert d.fused_comm_blocks == plan.num_comm_sms, "the plan did not reach the fused dispatch"
@@ -119,6 +127,12 @@ def _self_tuning_body(rank, world_size, cache_dir):
     plain = _layer(rank, world_size, {**common, "overlap": {"schedule": "sequential", "num_comm_sms": 16,
                                                             "timeout_s": 30.0}}, device)
     base = _run(plain, x, gy)
+    # the combine's chunks and queue from the block reach the dispatcher the layer builds
+    queued = _layer(rank, world_size, {**common, "overlap": {"schedule": "sequential", "combine_chunks": 4,
+                                                             "combine_queue": True, "timeout_s": 30.0}}, device)
+    _assert_same(base, _run(queued, x, gy), f"rank {rank}: combine_chunks 4 with the queue from the block")
+    d = queued._dispatchers[device]
+    assert (d.combine_chunks, d.combine_push_queue, d.combine_stats["queued"]) == (4, True, 2), d.combine_stats
     tuned_cfg = {**common, "overlap": {"timeout_s": 30.0},
                  "autotune": {"enabled": True, "cache_dir": cache_dir, "budget_s": 60.0, "warmup": 1, "repeats": 3}}
     key = (T, torch.bfloat16, device)

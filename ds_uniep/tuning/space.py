@@ -28,7 +28,9 @@ Two kinds of space:
   its dispatch beside the first GEMM, the combines in the second GEMM's epilogue and
   the first GEMM's dgrad epilogue), ``roles`` (where the fused dispatch runs:
   on ``num_comm_sms`` whole SMs, or interleaved in a spare warp of each of the
-  GEMM's CTAs) and ``dispatch_dtype``; ``stages`` is read by nothing yet;
+  GEMM's CTAs), ``combine_chunks`` and ``combine_queue`` (how its combine kernels pipeline and
+  share out the rows, where they move them: the sequential schedule, the fused one without
+  its epilogues) and ``dispatch_dtype``; ``stages`` is read by nothing yet;
   ``signal_granularity`` (what one wait of the fused dispatch's first GEMM covers)
   and ``tile_m`` and ``tile_n`` (set in the block, they pick ds_uniep's GEMM tile,
   ``expert_gemm: "uniep"``) the tuner keeps as configured rather than walks
@@ -78,15 +80,20 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "dispatch_dtype": DISPATCH_DTYPES,
     "fused_dispatch": (True, False),
     "epilogue_combine": (True, False),
+    "combine_chunks": (16,),
+    "combine_queue": (False,),
 }
-"""The values the design space (``backend=None``) walks, per knob."""
+"""The values the design space (``backend=None``) walks, per knob. The combine's chunk count and
+queue (how the megakernel's combine kernels pipeline and share out the rows, not a design choice of
+DESIGN.md section 7) stay at the dispatcher's defaults there; the megakernel's space walks them
+(:data:`BACKEND_COMBINE_CHUNKS`), and ``values`` may widen them."""
 
 COMM_SMS_VALUES = (8, 16, 24, 32, 48, 64, 80, 96, 132)
 """``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
 
 ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
     "megakernel": ("schedule", "num_chunks", "num_comm_sms", "roles", "dispatch_dtype", "fused_dispatch",
-                   "epilogue_combine"),
+                   "epilogue_combine", "combine_chunks", "combine_queue"),
     "reference": ("dispatch_dtype",),
 }
 """The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
@@ -94,9 +101,10 @@ fixes the others at the sequential baseline's values: the megakernel runs the se
 pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
 schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
 with ``num_comm_sms`` blocks (its fused dispatch in partitioned roles; interleaved, its arrivals are
-taken inside the first GEMM's CTAs) and moves rows in ``dispatch_dtype``; the stage knob is read by
-nothing yet, the signal knob by the fused dispatch and the tile knobs by ds_uniep's GEMM, as
-configured (not walked: :data:`KEPT_KNOBS`)."""
+taken inside the first GEMM's CTAs), pipelines its combine over ``combine_chunks`` chunks (its
+pushing blocks sharing one queue with ``combine_queue``) and moves rows in ``dispatch_dtype``; the
+stage knob is read by nothing yet, the signal knob by the fused dispatch and the tile knobs by
+ds_uniep's GEMM, as configured (not walked: :data:`KEPT_KNOBS`)."""
 
 KEPT_KNOBS = ("tile_m", "tile_n", "signal_granularity")
 """Knobs a backend reads but its space does not walk: :meth:`Plan.apply` keeps the config's values
@@ -108,6 +116,11 @@ for (:meth:`Space.built_schedules`: ds_uniep's grouped GEMM, bf16); elsewhere it
 
 BACKEND_CHUNKS = (2, 4)
 """``num_chunks`` values a backend space walks for the pipelined schedule."""
+
+BACKEND_COMBINE_CHUNKS = (4, 8, 16)
+"""``combine_chunks`` values a backend space walks where the combine kernels move the rows (each with
+and without ``combine_queue``). On 4 H200s (``bench_dispatch.py``, ep 4, hidden 7168, top-8) the queue
+was fastest with 8 chunks of 256 tokens at 2048 tokens and with 4 chunks at 8192."""
 
 
 def comm_sms_values(num_sms: int) -> Tuple[int, ...]:
@@ -130,7 +143,11 @@ class Plan:
     ``"interleaved"``, so becomes ``"partitioned"`` under the other schedules);
     and without the fused dispatch, which alone keeps ``num_comm_sms`` SMs, the
     fused schedule's ``num_comm_sms`` is 20 (with it in interleaved roles, which
-    keep no SMs, ``num_comm_sms`` is 20 too). ``overlap.timeout_s`` is not a knob: it is kept from
+    keep no SMs, ``num_comm_sms`` is 20 too); ``combine_chunks`` is 16 and
+    ``combine_queue`` False where the combine kernels do not move the rows (the
+    pipelined schedule, the fused one with ``epilogue_combine``), and
+    ``combine_queue`` is False with ``combine_chunks`` 0 (no chunked kernel).
+    ``overlap.timeout_s`` is not a knob: it is kept from
     the user's config by :meth:`to_overlap_config`.
     """
 
@@ -145,9 +162,11 @@ class Plan:
     dispatch_dtype: str = "activation"
     fused_dispatch: bool = True
     epilogue_combine: bool = True
+    combine_chunks: int = 16
+    combine_queue: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("fused_dispatch", "epilogue_combine"):
+        for name in ("fused_dispatch", "epilogue_combine", "combine_queue"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Plan.{name}: must be True or False, got {getattr(self, name)!r}")
         _one_of("schedule", self.schedule, SCHEDULES)
@@ -156,7 +175,8 @@ class Plan:
         _one_of("tile_n", self.tile_n, TILES)
         _one_of("signal_granularity", self.signal_granularity, GRANULARITIES)
         _one_of("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
-        for name, lo, hi in (("num_chunks", 1, 64), ("num_comm_sms", 1, 132), ("stages", 2, 8)):
+        for name, lo, hi in (("num_chunks", 1, 64), ("num_comm_sms", 1, 132), ("stages", 2, 8),
+                             ("combine_chunks", 0, 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(f"Plan.{name}: must be an integer in [{lo}, {hi}], got {v!r}")
@@ -172,6 +192,16 @@ class Plan:
             object.__setattr__(self, "num_comm_sms", 20)
         if self.schedule == "fused" and self.roles == "interleaved":
             object.__setattr__(self, "num_comm_sms", 20)
+        if not self.runs_combine_kernels():
+            object.__setattr__(self, "combine_chunks", 16)
+        if not self.runs_combine_kernels() or self.combine_chunks == 0:
+            object.__setattr__(self, "combine_queue", False)
+
+    def runs_combine_kernels(self) -> bool:
+        """Whether the combine kernels (``combine_chunks``, ``combine_queue``) move the output rows and
+        the input gradient's: the sequential schedule, and the fused one without its epilogues (the
+        pipelined schedule copies chunks back by itself; the epilogues store the rows)."""
+        return self.schedule == "sequential" or (self.schedule == "fused" and not self.epilogue_combine)
 
     # ------------------------------------------------------------------ forms
     def to_dict(self) -> Dict[str, Any]:
@@ -197,6 +227,8 @@ class Plan:
             parts = ("d" if self.fused_dispatch else "") + ("e" if self.epilogue_combine else "")
             s += f"[{parts}]/{self.roles[:5]}/{self.signal_granularity}"
         s += f" sm{self.num_comm_sms} {self.tile_m}x{self.tile_n}s{self.stages}"
+        if self.runs_combine_kernels():
+            s += f" c{self.combine_chunks}" + ("q" if self.combine_queue else "")
         if self.dispatch_dtype != "activation":
             s += " fp8"
         return s
@@ -211,7 +243,8 @@ class Plan:
         return cls(schedule=o.schedule, num_chunks=o.num_chunks, num_comm_sms=o.num_comm_sms, roles=o.roles,
                    tile_m=o.tile_m, tile_n=o.tile_n, stages=o.stages, signal_granularity=o.signal_granularity,
                    dispatch_dtype=cfg.compression.dispatch_dtype, fused_dispatch=o.fused_dispatch,
-                   epilogue_combine=o.epilogue_combine)
+                   epilogue_combine=o.epilogue_combine, combine_chunks=o.combine_chunks,
+                   combine_queue=o.combine_queue)
 
     def to_overlap_config(self, timeout_s: Optional[float] = None, unset: Sequence[str] = ()):
         """The ``overlap`` block of this plan (``timeout_s`` from the caller, else the config default;
@@ -409,7 +442,8 @@ class Space:
     def _backend_values(self) -> Dict[str, Tuple[Any, ...]]:
         walked = {"schedule": self.built_schedules(), "num_chunks": BACKEND_CHUNKS,
                   "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES,
-                  "fused_dispatch": (True, False), "epilogue_combine": (True, False), "roles": ROLES}
+                  "fused_dispatch": (True, False), "epilogue_combine": (True, False), "roles": ROLES,
+                  "combine_chunks": BACKEND_COMBINE_CHUNKS, "combine_queue": (False, True)}
         out = {k: (v,) for k, v in self.fixed_knobs().items()}
         out.update({k: walked[k] for k in ACTING_KNOBS[self.backend]})
         return {k: out[k] for k in DEFAULT_VALUES}
