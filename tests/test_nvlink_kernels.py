@@ -220,6 +220,21 @@ def _body(rank, G, dtype_name):
     with pytest.raises(UniEPCapacityError, match=f"rank {rank} got {T_MAX + 1} tokens"):
         disp.dispatch(torch.zeros(T_MAX + 1, M, dtype=dtype, device=dev),
                       torch.zeros(T_MAX + 1, 2, dtype=torch.int32, device=dev))
+    # One pushing block whose sorted list of rows fills all 48 KiB of dynamic shared memory it may take
+    # (12288 rows: every rank receives 8 rows per token), beside the kernel's static arrays: the launch
+    # raises the kernel's shared memory limit (it failed with "invalid argument" before); the same bits.
+    t_big = 12288 // 8
+    idx_b = torch.tensor([[(j % G) * L + (j // G + t) % L for j in range(8)] for t in range(t_big)],
+                         dtype=torch.int32, device=dev)
+    gates_b = torch.rand(t_big, 8, generator=torch.Generator().manual_seed(rank)).to(dev)
+    x_b = _inputs(rank, 2000, t_big, dtype).to(dev)
+    combined = []
+    for d in (NVLinkDispatcher("test.one_pusher", E, G, M, 8, dtype, cfg, combine_push_blocks=1),
+              NVLinkDispatcher("test.one_pusher_ref", E, G, M, 8, dtype, cfg)):
+        recv_b, _, handle_b = d.dispatch(x_b, idx_b)
+        assert recv_b.shape[0] == 12288, recv_b.shape
+        combined.append(d.combine(recv_b, gates_b, handle_b))
+    assert torch.equal(combined[0], combined[1]), "one pushing block with a full sorted list changed the bits"
     # The shared push queue's blocks meet at barriers: more of them than fit on the GPU at once are
     # refused before anything moves (every rank refuses, so the layer stays in step).
     over = NVLinkDispatcher("test.queue_over", E, G, M, 2, dtype, cfg, combine_push_queue=True,

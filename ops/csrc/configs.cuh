@@ -43,9 +43,13 @@ constexpr int kMaxCombineChunks = 64;
 // A chunk's rows are moved and summed in segments of this many 16-byte vectors per row.
 constexpr int kCombineSegVecs = 128;
 // A pushing block of the chunked combine sorts its rows by chunk in at most this much dynamic
-// shared memory (one int per row, at most 48 KiB without opting in); a larger share pushes
-// chunk by chunk instead (the same bits).
+// shared memory (one int per row); a larger share pushes chunk by chunk instead (the same bits).
 constexpr int kMaxSortedListBytes = 48 * 1024;
+// Dynamic shared memory a launch may take without opting in to more: a kernel's static and dynamic
+// shared memory together get 48 KiB unless its cudaFuncAttributeMaxDynamicSharedMemorySize is raised.
+// The chunked combine's static arrays take about 3 KiB (ptxas -v), so a sorted list above this
+// bound is launched with the attribute raised to its size.
+constexpr int kDynamicSmemNoOptIn = 40 * 1024;
 
 // Threads of the copy kernels; one warp moves one row (or one token's k rows).
 constexpr int kCopyThreads = 512;

@@ -832,6 +832,12 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
       UNIEP_SWITCH_SLOTS(k, kSlots, {
+        if (smem > static_cast<size_t>(kDynamicSmemNoOptIn)) {  // beside the static arrays: past 48 KiB
+          const cudaError_t err = cudaFuncSetAttribute(combine_chunked_kernel<T, kWeighted, kSlots>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       static_cast<int>(smem));
+          if (err != cudaSuccess) return err;
+        }
         combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
             num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead, queue,
