@@ -497,8 +497,9 @@ def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
     for mode in args.modes:  # autotune still on: the layer runs its tuned plan by itself
         row["modes"][mode] = {"tuned_ms": time_layer(layer, inputs, mode, args, dist), "fixed_ms": {}}
     layer.uniep_config = layer.uniep_config.model_copy(update={"autotune": AutotuneConfig()})
-    space = Space(Shape(T=T, M=shape.hidden, F=shape.ffn, E=E, k=shape.top_k, dtype="bf16", ep=ep),
-                  GPUInfo.detect(), ep, layer.uniep_config.max_tokens_per_rank, False, backend="megakernel")
+    # the layer's own space (its grouped GEMM decides whether the fused schedule is in it)
+    space = Space.from_config(layer.uniep_config, Shape(T=T, M=shape.hidden, F=shape.ffn, E=E, k=shape.top_k,
+                                                        dtype="bf16", ep=ep), GPUInfo.detect(), backend="megakernel")
     plans = fixed_plans(space)
     row["fixed_plans"] = {n: p.to_dict() for n, p in plans.items()}
     for pname, plan in plans.items():

@@ -143,6 +143,12 @@ class AutotuneConfig(_Block):
         False, description="Let the tuner explore options that change numbers (FP8 dispatch).")
     warmup: int = Field(3, ge=0, description="Untimed runs per candidate plan.")
     repeats: int = Field(10, ge=1, description="Timed runs per candidate plan; the median counts.")
+    confirm_top: int = Field(4, ge=0, description="After the search, the fastest this many plans and the "
+                             "configured one are timed again, taking turns for confirm_rounds rounds, and the "
+                             "winner is the smallest median of their rounds (a plan that timed fast once by chance "
+                             "among many close ones does not win on that alone); 0: the search's fastest wins.")
+    confirm_rounds: int = Field(3, ge=1, description="Rounds of the confirmation (each: warmup and repeats runs of "
+                                "every finalist, in an order rotated by one each round).")
 
 
 class CommFuseConfig(_Block):

@@ -176,7 +176,8 @@ def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, ra
                   warmup=at.warmup if args.warmup is None else args.warmup,
                   repeats=at.repeats if args.repeats is None else args.repeats,
                   progress=not args.no_progress, default_plan=default,
-                  cache_dir=at.cache_dir if args.cache else None, backend=mode)
+                  cache_dir=at.cache_dir if args.cache else None, backend=mode, confirm_top=at.confirm_top,
+                  confirm_rounds=at.confirm_rounds)
     if not rank0:
         return 0
     say(f"backend {mode}, forward+backward, timer {result.timer}")

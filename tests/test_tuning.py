@@ -385,6 +385,42 @@ def test_early_stopping_prunes_a_slow_plan_and_picks_the_fastest():
     assert r.baseline_ms == pytest.approx(4.0, abs=2.0)
 
 
+def test_confirmation_keeps_a_plan_that_timed_fast_once_by_chance_from_winning():
+    """The search's fastest plan was fast only while it was first timed (a chance fast batch); the
+    finalists (the fastest two and the default) take turns again and the truly fastest one wins."""
+    space = small_space()
+    seq, pipe2, pipe4, fused = (Plan("sequential", 1, 16, **SMALL), Plan("pipelined", 2, 16, **SMALL),
+                                Plan("pipelined", 4, 16, **SMALL), Plan("fused", 1, 16, **SMALL))
+    ms = {seq: 6.0, pipe2: 30.0, pipe4: 3.0, fused: 4.0}
+    calls = []
+    lucky = {"runs": 0}
+
+    def run_plan(plan):
+        calls.append(plan)
+        if plan == fused:  # its first 4 runs (warm-up and the search's timed runs) are quick, later ones not
+            lucky["runs"] += 1
+            time.sleep((1.0 if lucky["runs"] <= 4 else 4.0) / 1e3)
+            return
+        time.sleep(ms[plan] / 1e3)
+
+    kw = dict(warmup=1, repeats=3, default_plan=seq, cost_model=lambda p, s: 0.0)
+    r = _tune(space, run_plan, confirm_top=2, confirm_rounds=3, **kw)
+    rec = {x.plan: x for x in r.records}
+    assert rec[fused].median_ms < rec[pipe4].median_ms  # the search alone would pick it
+    assert [x.plan for x in r.records if x.confirmed_ms is not None] == [seq, pipe4, fused]  # + the default
+    assert rec[pipe2].confirmed_ms is None
+    assert r.winner == pipe4 and r.best_ms == rec[pipe4].confirmed_ms
+    assert rec[fused].confirmed_ms > rec[pipe4].confirmed_ms
+    assert r.default_ms == rec[seq].confirmed_ms and r.speedup > 1.4
+    # every finalist ran warm-up + repeats in each of the 3 rounds, beyond its search runs
+    assert calls.count(pipe4) == (1 + 3) + 3 * (1 + 3) and calls.count(pipe2) == 1 + 3
+    assert "confirmed" in r.table() and r.best()[0].plan == pipe4
+    # without confirmation the chance fast batch wins
+    assert _tune(space, _fake_runner({**ms, fused: 1.0}, []), confirm_top=0, **kw).winner == fused
+    with pytest.raises(ValueError, match="confirm_rounds"):
+        _tune(space, run_plan, confirm_top=2, confirm_rounds=0, **kw)
+
+
 def test_a_space_with_no_valid_plan_says_why():
     # FP8 configured (no numerics change allowed) at a hidden size FP8 rows cannot take: nothing runs.
     space = Space(Shape(T=64, M=96, F=128, E=4, k=2, dtype="bf16", ep=2), GPUInfo.preset("h200"), 2, 64, False,
@@ -451,7 +487,9 @@ def test_autotune_block_parses_and_drives_tuning(tmp_path):
     assert at.enabled and at.budget_s == 5.0 and at.allow_numerics_change and at.repeats == 2
     assert UniEPConfig().autotune.enabled is False and UniEPConfig().autotune.allow_numerics_change is False
     for bad, key in (({"budget_s": 0}, "uniep.autotune.budget_s"), ({"enabled": "yes"}, "uniep.autotune.enabled"),
-                     ({"repeats": 0}, "uniep.autotune.repeats"), ({"budget": 3}, "uniep.autotune.budget")):
+                     ({"repeats": 0}, "uniep.autotune.repeats"), ({"budget": 3}, "uniep.autotune.budget"),
+                     ({"confirm_top": -1}, "uniep.autotune.confirm_top"),
+                     ({"confirm_rounds": 0}, "uniep.autotune.confirm_rounds")):
         with pytest.raises(UniEPConfigError, match=key):
             UniEPConfig.from_dict({"autotune": bad})
     calls = []
@@ -464,7 +502,12 @@ def test_autotune_block_parses_and_drives_tuning(tmp_path):
         (sched, c, n, dt) for sched, c in (("sequential", 1), ("pipelined", 2), ("pipelined", 4))
         for n in (16, 32) for dt in ("activation", "fp8_e4m3")}
     assert {(p.tile_m, p.tile_n, p.stages) for p in calls} == {(64, 64, 2)}
-    assert len(calls) == 2 * len(set(calls))  # warmup 0, repeats 2
+    # warmup 0, repeats 2; then the 4 fastest and the configured plan (confirm_top's default) 3 rounds each
+    finalists = [x for x in r.records if x.confirmed_ms is not None]
+    assert cfg.autotune.confirm_top == 4 and cfg.autotune.confirm_rounds == 3
+    assert r.default_plan in [x.plan for x in finalists] and len(finalists) in (4, 5)
+    assert len(calls) == 2 * len(set(calls)) + 3 * 2 * len(finalists)
+    assert r.best_ms == min(x.confirmed_ms for x in finalists)
     assert os.path.dirname(r.cache_file) == str(tmp_path / "c")
     # max_tokens_per_rank sizes the buffer: a larger T cannot be tuned at all.
     with pytest.raises(ValueError, match="symmetric buffer too small"):

@@ -15,9 +15,16 @@ work is queued (GPU) or done (CPU). The tuner times it, never looks inside.
    Survivors run the rest of ``repeats``; the median counts.
 4. Agreement: every decision uses values all-reduced with MAX over the group
    (the slowest rank sets the layer's time; elapsed time is the slowest
-   rank's too), so every rank prunes, stops and picks identically. The winner
-   is the smallest median, a tie going to the earlier plan in enumeration order.
-5. Rank 0 writes the cache atomically.
+   rank's too), so every rank prunes, stops and picks identically.
+5. Confirmation: the ``confirm_top`` fastest measured plans and the default
+   plan take turns for ``confirm_rounds`` rounds (each round: every finalist's
+   ``warmup`` and ``repeats`` runs, the order rotated by one per round); a
+   finalist's confirmed time is the median of its rounds' (MAX over ranks)
+   medians. Among many plans within a few percent of each other one of them
+   times fast by chance; its rerun does not. The winner is the smallest
+   confirmed time (without confirmation, the smallest median), a tie going to
+   the earlier plan in enumeration order.
+6. Rank 0 writes the cache atomically.
 """
 
 import statistics
@@ -44,7 +51,8 @@ class PlanRecord:
 
     ``status``: ``measured`` (``median_ms`` is the MAX over ranks of each rank's
     median), ``pruned`` (``median_ms`` is the probe median that stopped it),
-    ``rejected`` (``reason`` says why it cannot run), ``skipped`` (budget spent)."""
+    ``rejected`` (``reason`` says why it cannot run), ``skipped`` (budget spent).
+    ``confirmed_ms``: a finalist's median over the confirmation rounds (None for the others)."""
 
     plan: Plan
     status: str
@@ -52,11 +60,17 @@ class PlanRecord:
     median_ms: Optional[float] = None
     estimate_ms: Optional[float] = None
     reason: Optional[str] = None
+    confirmed_ms: Optional[float] = None
+
+    @property
+    def ms(self) -> Optional[float]:
+        """The time that ranks it: confirmed where it was confirmed, else its search median."""
+        return self.confirmed_ms if self.confirmed_ms is not None else self.median_ms
 
     def to_dict(self) -> Dict[str, Any]:
         return {"plan": self.plan.to_dict(), "label": self.plan.label(), "status": self.status,
                 "index": self.index, "median_ms": self.median_ms, "estimate_ms": self.estimate_ms,
-                "reason": self.reason}
+                "reason": self.reason, "confirmed_ms": self.confirmed_ms}
 
 
 @dataclass
@@ -79,7 +93,8 @@ class TuneResult:
         return [r for r in self.records if r.status == status]
 
     def best(self, n: int = 10) -> List[PlanRecord]:
-        return sorted(self.by_status("measured"), key=lambda r: (r.median_ms, r.index))[:n]
+        """The fastest measured plans, confirmed ones first (by confirmed time), then by search median."""
+        return sorted(self.by_status("measured"), key=lambda r: (r.confirmed_ms is None, r.ms, r.index))[:n]
 
     @property
     def best_fixed_ms(self) -> Optional[float]:
@@ -95,9 +110,10 @@ class TuneResult:
         return self.best_fixed_ms / self.best_ms
 
     def table(self, n: int = 10) -> str:
-        lines = [f"{'#':>3} {'plan':<44} {'median ms':>10} {'estimate':>9}"]
+        lines = [f"{'#':>3} {'plan':<44} {'median ms':>10} {'confirmed':>10} {'estimate':>9}"]
         for i, r in enumerate(self.best(n)):
-            lines.append(f"{i + 1:>3} {r.plan.label():<44} {r.median_ms:>10.3f} {_fmt(r.estimate_ms):>9}")
+            lines.append(f"{i + 1:>3} {r.plan.label():<44} {r.median_ms:>10.3f} {_fmt(r.confirmed_ms):>10} "
+                         f"{_fmt(r.estimate_ms):>9}")
         return "\n".join(lines)
 
     def summary(self) -> str:
@@ -197,7 +213,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
          group=None, progress: bool = True, cost_model: Optional[CostModel] = None,
          default_plan: Optional[Plan] = None, cache_dir: Optional[str] = None, backend: Optional[str] = None,
          timer: str = "auto", prune_ratio: float = PRUNE_RATIO, probe_runs: int = PROBE_RUNS,
-         local: bool = False) -> TuneResult:
+         local: bool = False, confirm_top: int = 0, confirm_rounds: int = 3) -> TuneResult:
     """Pick the fastest valid plan of ``space`` for ``run_plan``, the same on every rank of ``group``.
 
     Every rank of ``group`` must call this with the same space and arguments
@@ -207,9 +223,13 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     layer would run untuned (default: the config defaults), projected onto the
     space (:meth:`Space.project`). ``cache_dir`` enables the plan cache;
     ``backend`` (default: the space's, else ``"megakernel"``) is part of its key. ``budget_s`` bounds the measuring after
-    the default and baseline plans (a plan once started is finished)."""
+    the default and baseline plans (a plan once started is finished); the confirmation of the
+    ``confirm_top`` fastest plans and the default (``confirm_rounds`` rounds) follows it."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"tune: need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
+    if confirm_top < 0 or confirm_rounds < 1:
+        raise ValueError(f"tune: need confirm_top >= 0 and confirm_rounds >= 1, got confirm_top={confirm_top}, "
+                         f"confirm_rounds={confirm_rounds}")
     t0 = time.perf_counter()
     if backend is None:
         backend = space.backend or "megakernel"
@@ -299,21 +319,52 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     finally:
         bar.close()
 
-    winner_rec = min((r for r in records.values() if r.status == "measured"), key=lambda r: (r.median_ms, r.index))
+    # 5. Confirm.
+    measured = sorted((r for r in records.values() if r.status == "measured"), key=lambda r: (r.median_ms, r.index))
+    finalists = measured[:confirm_top]
+    if confirm_top and default_plan in records and records[default_plan].status == "measured" and \
+            records[default_plan] not in finalists:
+        finalists.append(records[default_plan])
+    if len(finalists) > 1:
+        _confirm(finalists, run_plan, clock, warmup, repeats, confirm_rounds, group, progress and rank == 0)
+    winner_rec = min(measured, key=lambda r: (r.confirmed_ms is None, r.ms, r.index))
     default_ms = _measured_ms(records.get(default_plan))
     baseline_ms = _measured_ms(records.get(baseline))
     table = sorted(records.values(), key=lambda r: (r.index < 0, r.index))
-    result = TuneResult(winner_rec.plan, winner_rec.median_ms, default_plan, default_ms, baseline, baseline_ms,
+    result = TuneResult(winner_rec.plan, winner_rec.ms, default_plan, default_ms, baseline, baseline_ms,
                         records=table, elapsed_s=time.perf_counter() - t0, timer=clock.name)
 
-    # 5. Cache write.
+    # 6. Cache write.
     if key is not None and rank == 0:
         result.cache_file = cache_mod.store(cache_dir, key, space, result.winner, result.best_ms, default_ms)
     return result
 
 
 def _measured_ms(rec: Optional[PlanRecord]) -> Optional[float]:
-    return rec.median_ms if rec is not None and rec.status == "measured" else None
+    return rec.ms if rec is not None and rec.status == "measured" else None
+
+
+def _confirm(finalists: List[PlanRecord], run_plan: RunPlan, clock: "_Timer", warmup: int, repeats: int,
+             rounds: int, group, progress: bool) -> None:
+    """Time the finalists again, taking turns (the order rotated by one each round), and set each one's
+    ``confirmed_ms``: the median over rounds of the slowest rank's median of ``repeats`` runs."""
+    per_round: List[List[float]] = [[] for _ in finalists]
+    bar = _progress(rounds * len(finalists), "confirming the fastest plans", progress)
+    try:
+        for r in range(rounds):
+            for j in range(len(finalists)):
+                i = (j + r) % len(finalists)
+                plan = finalists[i].plan
+                for _ in range(warmup):
+                    run_plan(plan)
+                clock.sync()
+                times = clock.run(lambda p=plan: run_plan(p), repeats)
+                per_round[i].append(_allreduce_max([statistics.median(times)], group)[0])
+                bar.update(1)
+    finally:
+        bar.close()
+    for rec, ms in zip(finalists, per_round):
+        rec.confirmed_ms = statistics.median(ms)
 
 
 def tune_from_config(config, shape: Shape, run_plan: RunPlan, *, gpu: Optional[GPUInfo] = None, group=None,
@@ -329,7 +380,7 @@ def tune_from_config(config, shape: Shape, run_plan: RunPlan, *, gpu: Optional[G
     at = cfg.autotune
     return tune(space, run_plan, budget_s=at.budget_s, warmup=at.warmup, repeats=at.repeats, group=group,
                 progress=progress, default_plan=Plan.from_config(cfg), cache_dir=at.cache_dir, backend=backend,
-                local=local)
+                local=local, confirm_top=at.confirm_top, confirm_rounds=at.confirm_rounds)
 
 
 class _NoBar:
