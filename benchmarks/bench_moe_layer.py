@@ -496,6 +496,9 @@ def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
            "modes": {}}
     for mode in args.modes:  # autotune still on: the layer runs its tuned plan by itself
         row["modes"][mode] = {"tuned_ms": time_layer(layer, inputs, mode, args, dist), "fixed_ms": {}}
+        if args.streamed_steps > 0:
+            row["modes"][mode].update(tuned_streamed_ms=time_layer_streamed(layer, inputs, mode, args, dist),
+                                      fixed_streamed_ms={})
     layer.uniep_config = layer.uniep_config.model_copy(update={"autotune": AutotuneConfig()})
     # the layer's own space (its grouped GEMM decides whether the fused schedule is in it)
     space = Space.from_config(layer.uniep_config, Shape(T=T, M=shape.hidden, F=shape.ffn, E=E, k=shape.top_k,
@@ -506,31 +509,34 @@ def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
         layer.set_plan(plan)
         for mode in args.modes:
             row["modes"][mode]["fixed_ms"][pname] = time_layer(layer, inputs, mode, args, dist)
+            if args.streamed_steps > 0:
+                row["modes"][mode]["fixed_streamed_ms"][pname] = time_layer_streamed(layer, inputs, mode, args, dist)
     return row
 
 
 def summarize_autotune(auto, modes):
-    """Per mode, the single fixed plan with the smallest geometric mean time over the shapes, and per shape
-    the tuned time against it (speedup = best single fixed ms / tuned ms; >= 1 means tuning paid), and
+    """Per mode and timing (launched: ``*_ms``; streamed, with ``--streamed-steps``: ``*_streamed_ms``),
+    the single fixed plan with the smallest geometric mean time over the shapes, and per shape the
+    tuned time against it (speedup = best single fixed ms / tuned ms; >= 1 means tuning paid), and
     against the config default's."""
     rows = [r for r in auto["rows"] if "modes" in r]
     auto["best_single_fixed"] = {}
     for mode in modes:
-        if not rows:
-            break
-        names = sorted(set.intersection(*(set(r["modes"][mode]["fixed_ms"]) for r in rows)))
-        geo = {n: math.exp(sum(math.log(r["modes"][mode]["fixed_ms"][n]) for r in rows) / len(rows)) for n in names}
-        best = min(names, key=lambda n: geo[n])
-        auto["best_single_fixed"][mode] = {"plan": best, "geomean_ms": geo}
-        for r in rows:
-            m = r["modes"][mode]
-            m["best_single_fixed"] = best
-            m["best_single_fixed_ms"] = m["fixed_ms"][best]
-            m["speedup_vs_best_single_fixed"] = m["fixed_ms"][best] / m["tuned_ms"]
-            m["fastest_fixed_here"] = min(m["fixed_ms"], key=m["fixed_ms"].get)
-            default = next(n for n in m["fixed_ms"] if n.startswith("config default"))
-            m["config_default_ms"] = m["fixed_ms"][default]
-            m["speedup_vs_config_default"] = m["fixed_ms"][default] / m["tuned_ms"]
+        for t in ("", "_streamed"):
+            if not rows or any(f"fixed{t}_ms" not in r["modes"][mode] for r in rows):
+                continue
+            fixed = [r["modes"][mode][f"fixed{t}_ms"] for r in rows]
+            names = sorted(set.intersection(*(set(f) for f in fixed)))
+            geo = {n: math.exp(sum(math.log(f[n]) for f in fixed) / len(rows)) for n in names}
+            best = min(names, key=lambda n: geo[n])
+            auto["best_single_fixed"][mode + t] = {"plan": best, "geomean_ms": geo}
+            for r, f in zip(rows, fixed):
+                m, tuned = r["modes"][mode], r["modes"][mode][f"tuned{t}_ms"]
+                default = next(n for n in f if n.startswith("config default"))
+                m.update({f"best_single_fixed{t}": best, f"best_single_fixed{t}_ms": f[best],
+                          f"speedup{t}_vs_best_single_fixed": f[best] / tuned,
+                          f"fastest_fixed{t}_here": min(f, key=f.get), f"config_default{t}_ms": f[default],
+                          f"speedup{t}_vs_config_default": f[default] / tuned})
 
 
 def print_autotune(auto):
@@ -544,12 +550,17 @@ def print_autotune(auto):
             print(f"{r['shape']} | {r['skipped']}")
             continue
         for mode, m in r["modes"].items():
-            here = m["fastest_fixed_here"]
-            print(" | ".join([r["shape"], mode, r["tuned_label"] + (" (cache)" if r["from_cache"] else ""),
-                              f"{m['tuned_ms']:.2f}", m["best_single_fixed"], f"{m['best_single_fixed_ms']:.2f}",
-                              f"{m['speedup_vs_best_single_fixed']:.3f}x", f"{m['config_default_ms']:.2f}",
-                              f"{m['speedup_vs_config_default']:.3f}x", f"{here} {m['fixed_ms'][here]:.2f}",
-                              f"{r['tune_wall_s']:.1f}"]))
+            for t in ("", "_streamed"):
+                if f"speedup{t}_vs_config_default" not in m:
+                    continue
+                here = m[f"fastest_fixed{t}_here"]
+                print(" | ".join([r["shape"], mode + (" streamed" if t else ""),
+                                  r["tuned_label"] + (" (cache)" if r["from_cache"] else ""),
+                                  f"{m[f'tuned{t}_ms']:.2f}", m[f"best_single_fixed{t}"],
+                                  f"{m[f'best_single_fixed{t}_ms']:.2f}",
+                                  f"{m[f'speedup{t}_vs_best_single_fixed']:.3f}x", f"{m[f'config_default{t}_ms']:.2f}",
+                                  f"{m[f'speedup{t}_vs_config_default']:.3f}x", f"{here} {m[f'fixed{t}_ms'][here]:.2f}",
+                                  f"{r['tune_wall_s']:.1f}"]))
 
 
 def init_ranks():

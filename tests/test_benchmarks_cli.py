@@ -97,12 +97,19 @@ def test_autotune_summary_compares_the_tuned_plan_with_the_best_single_and_the_d
                 "modes": {"fwdbwd": {"tuned_ms": tuned, "fixed_ms": fixed}}}
     auto = {"budget_s": 5.0, "rows": [row("a", 2.0, {"config default (x)": 4.0, "x": 4.1, "y": 3.0}),
                                       row("b", 1.0, {"config default (x)": 1.0, "x": 1.1, "y": 2.0})]}
+    # streamed timings too (--streamed-steps): there y is the best single fixed plan
+    for r, tuned, fixed in ((auto["rows"][0], 3.0, {"config default (x)": 3.0, "x": 3.3, "y": 1.5}),
+                            (auto["rows"][1], 2.0, {"config default (x)": 2.0, "x": 2.2, "y": 2.0})):
+        r["modes"]["fwdbwd"].update(tuned_streamed_ms=tuned, fixed_streamed_ms=fixed)
     summarize_autotune(auto, ["fwdbwd"])
     a, b = (r["modes"]["fwdbwd"] for r in auto["rows"])
     # geometric means: default 2.0, x 2.12, y 2.45: the default is the best single fixed plan
     assert a["best_single_fixed"] == "config default (x)" and a["speedup_vs_best_single_fixed"] == 2.0
     assert (a["speedup_vs_config_default"], b["speedup_vs_config_default"]) == (2.0, 1.0)
     assert a["fastest_fixed_here"] == "y" and b["fastest_fixed_here"] == "config default (x)"
+    assert a["best_single_fixed_streamed"] == "y" and a["speedup_streamed_vs_best_single_fixed"] == 0.5
+    assert (a["speedup_streamed_vs_config_default"], b["speedup_streamed_vs_config_default"]) == (1.0, 1.0)
+    assert set(auto["best_single_fixed"]) == {"fwdbwd", "fwdbwd_streamed"}
     print_autotune(auto)
     out = capsys.readouterr().out
-    assert "vs default" in out and "2.000x" in out
+    assert "vs default" in out and "2.000x" in out and "fwdbwd streamed" in out and "0.500x" in out
