@@ -325,6 +325,7 @@ def test_cache_hit_does_not_run_plans(tmp_path):
     ("INVALID_PLAN", "stale: the cached plan"),
     ("OLD_VERSION", "stale: written for another key (version: '0.0.1' (cache)"),
     ("BAD_TILE", "corrupt: wrong schema (bad plan"),
+    ("OLD_KNOBS", "stale: its plan has another version's knobs (missing: combine_chunks, combine_queue)"),
 ])
 def test_stale_or_corrupt_cache_is_ignored_and_rewritten(tmp_path, content, why):
     space = small_space()
@@ -340,6 +341,9 @@ def test_stale_or_corrupt_cache_is_ignored_and_rewritten(tmp_path, content, why)
         content = json.dumps(entry)
     elif content == "BAD_TILE":
         entry["plan"]["tile_m"] = 96
+        content = json.dumps(entry)
+    elif content == "OLD_KNOBS":  # a plan written before the combine's knobs joined the space
+        del entry["plan"]["combine_chunks"], entry["plan"]["combine_queue"]
         content = json.dumps(entry)
     with open(path, "w") as f:
         f.write(content)

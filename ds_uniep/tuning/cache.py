@@ -8,6 +8,7 @@ the version out on purpose, so an upgrade finds the old file, reports it stale
 and overwrites it rather than piling up files no version will read again.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -67,6 +68,12 @@ def load(cache_dir: str, key: Dict[str, Any], space: Space) -> Optional[CacheEnt
         diff = [f"{k}: {old.get(k)!r} (cache) vs {key.get(k)!r} (now)"
                 for k in sorted(set(key) | set(old)) if old.get(k) != key.get(k)]
         return _ignore(path, "stale: written for another key (" + "; ".join(diff) + ")")
+    knobs = {f.name for f in dataclasses.fields(Plan)}
+    if isinstance(entry["plan"], dict) and set(entry["plan"]) != knobs:
+        missing, extra = sorted(knobs - set(entry["plan"])), sorted(set(entry["plan"]) - knobs)
+        return _ignore(path, "stale: its plan has another version's knobs (" + "; ".join(
+            f"{what}: {', '.join(names)}" for what, names in (("missing", missing), ("unknown", extra)) if names)
+            + ")")
     try:
         plan = Plan.from_dict(entry["plan"])
         median_ms = None if entry["median_ms"] is None else float(entry["median_ms"])
