@@ -801,9 +801,9 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
     knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
-    # The combine kernels move the rows under the sequential schedule and the fused one without its epilogues.
-    combine_here = backend == "megakernel" and (overlap.schedule == "sequential" or
-                                                (fused_here and not overlap.epilogue_combine))
+    from .tuning.space import Plan  # where the combine kernels move the rows: the plans' own rule
+    combine_here = backend == "megakernel" and Plan(schedule=overlap.schedule,
+                                                    epilogue_combine=overlap.epilogue_combine).runs_combine_kernels()
     knobs += [k for k in ("combine_chunks", "combine_queue") if k in overlap.model_fields_set and not (
         combine_here and (k == "combine_chunks" or overlap.combine_chunks > 0))]
     knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))

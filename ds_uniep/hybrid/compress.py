@@ -100,11 +100,15 @@ def encode(weight: torch.Tensor, base: torch.Tensor, ratio: float) -> SparseExpe
 
 def decode(enc: SparseExpert, base: torch.Tensor) -> torch.Tensor:
     """``base`` with ``enc``'s positions overwritten; same shape and dtype as the encoded weight."""
+    _check_base(enc, base)
+    out = base.new_empty(1, base.numel())
+    return decode_rows(out, base, enc.indices[None], enc.values[None]).reshape(enc.shape)
+
+
+def _check_base(enc: SparseExpert, base: torch.Tensor) -> None:
     if tuple(base.shape) != enc.shape or base.dtype != enc.values.dtype:
         raise ValueError(f"decode: base {tuple(base.shape)} {base.dtype} does not match the encoded expert "
                          f"{enc.shape} {enc.values.dtype}")
-    out = base.new_empty(1, base.numel())
-    return decode_rows(out, base, enc.indices[None], enc.values[None]).reshape(enc.shape)
 
 
 def decode_rows(out: torch.Tensor, base: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -122,5 +126,9 @@ def encode_experts(weights: torch.Tensor, ratio: float):
 
 
 def decode_experts(base: torch.Tensor, encoded) -> torch.Tensor:
-    """Inverse of :func:`encode_experts`: ``[E, ...]``."""
-    return torch.stack([decode(enc, base) for enc in encoded])
+    """Inverse of :func:`encode_experts`: ``[E, ...]``, the E rows decoded at once (:func:`decode_rows`)."""
+    for enc in encoded:
+        _check_base(enc, base)
+    out = base.new_empty(len(encoded), base.numel())
+    return decode_rows(out, base, torch.stack([e.indices for e in encoded]),
+                       torch.stack([e.values for e in encoded])).reshape(len(encoded), *base.shape)
