@@ -770,7 +770,8 @@ class NVLinkDispatcher:
 
     def _queue_workspace(self, rows: int) -> Tensor:
         """The chunked combine's queue workspace, large enough for this call's pushing blocks and
-        ``rows`` (grown when not; stream-ordered, so consecutive combines share it)."""
+        ``rows`` (grown when not; stream-ordered, so consecutive combines share it). Zero when
+        allocated; every launch leaves its header ready for the next, so nothing zeroes it per call."""
         pushers = self.combine_pushers()
         resident = 2 * torch.cuda.get_device_properties(self.device).multi_processor_count
         if pushers > resident:  # they meet at barriers, so all must be resident at once (two per SM)
@@ -778,7 +779,7 @@ class NVLinkDispatcher:
                              f"{pushers} pushing blocks exceed the {resident} that fit on this GPU (two per SM)")
         need = self.ext.combine_queue_size(pushers, rows)
         if self._queue is None or self._queue.numel() < need:
-            self._queue = torch.empty(need, dtype=torch.int32, device=self.device)
+            self._queue = torch.zeros(need, dtype=torch.int32, device=self.device)
         return self._queue
 
     def combine_pushers(self) -> int:

@@ -280,34 +280,52 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // (system scope) and adds them to the chunk's global count, and the warp that completes a
 // chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
 // in order, so no lead bound is needed. Any order gives the same bits.
-// Workspace (int32 words): [0, kQueueZeroWords) zeroed before every launch; the per-block
-// counts from kQueueCounts; the order after them.
-// The two barriers, the cursor and the chunk counts sit on separate 128-byte lines.
+// Workspace (int32 words): the header [0, kQueueCounts), zero when the workspace is allocated and
+// left ready for the next launch by every launch (so nothing zeroes it between launches: each
+// barrier's counter goes back to 0 and its generation word moves on; the last block to reach the
+// first barrier zeroes the cursor and the chunk counts before it releases the others, and nothing
+// reads them before then); the per-block counts from kQueueCounts; the order after them.
+// The two barriers' counters and generations, the cursor and the chunk counts sit on separate
+// 128-byte lines.
 constexpr int kQueueBar1 = 0;
-constexpr int kQueueBar2 = 32;
-constexpr int kQueueCursor = 64;
-constexpr int kQueueDone = 96;  // [kMaxCombineChunks] segments stored per chunk
-constexpr int kQueueZeroWords = kQueueDone + kMaxCombineChunks;
-constexpr int kQueueCounts = kQueueZeroWords;  // [P][kMaxCombineChunks] rows per (pushing block, chunk)
+constexpr int kQueueBar2 = 64;
+constexpr int kQueueGen = 32;  // a barrier's generation word, after its counter
+constexpr int kQueueCursor = 128;
+constexpr int kQueueDone = 160;  // [kMaxCombineChunks] segments stored per chunk
+constexpr int kQueueCounts = kQueueDone + kMaxCombineChunks;  // [P][kMaxCombineChunks] rows per (block, chunk)
 constexpr int kQueueClaim = 4;
 
 __host__ __device__ __forceinline__ int64_t queue_words(int pushing_blocks, int y_rows) {
   return kQueueCounts + static_cast<int64_t>(pushing_blocks) * kMaxCombineChunks + y_rows;
 }
 
-// The P pushing blocks meet: thread 0 spins until all have arrived (or the layer is poisoned).
-__device__ __forceinline__ bool queue_barrier(int* word, int P, const SymView& s) {
+// The P pushing blocks meet (a sense-reversing barrier): thread 0 notes the barrier's generation,
+// arrives at its counter and spins until the generation moves on (or the layer is poisoned). The
+// block that arrives last puts the counter back to 0, runs on_last and then moves the generation
+// on, so the barrier is ready for the next launch without being zeroed. A block reads the
+// generation before it arrives, and the last block arrives after all the others, so every block
+// waits for the same move.
+template <typename OnLast>
+__device__ __forceinline__ bool queue_barrier(int* q, int bar, int P, const SymView& s, OnLast on_last) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     ok = 1;
+    volatile int* gen = q + bar + kQueueGen;
+    const int g = *gen;
     __threadfence();
-    atomicAdd(word, 1);
-    while (*reinterpret_cast<volatile int*>(word) < P) {
-      if (poisoned(s)) {
-        ok = 0;
-        break;
+    if (atomicAdd(q + bar, 1) == P - 1) {
+      atomicExch(q + bar, 0);
+      on_last();
+      __threadfence();
+      atomicExch(const_cast<int*>(gen), g + 1);
+    } else {
+      while (*gen == g) {
+        if (poisoned(s)) {
+          ok = 0;
+          break;
+        }
+        __nanosleep(64);
       }
-      __nanosleep(64);
     }
     __threadfence();
   }
@@ -357,7 +375,11 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
   __syncthreads();
   for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) counts[blockIdx.x * kMaxCombineChunks + c] = chunk_fill[c];
   __syncthreads();
-  if (!queue_barrier(q + kQueueBar1, P, s)) return;
+  const auto fresh_counts = [&] {  // the last block at the first barrier, before any claim or count
+    atomicExch(q + kQueueCursor, 0);
+    for (int c = 0; c < num_chunks; ++c) atomicExch(q + kQueueDone + c, 0);
+  };
+  if (!queue_barrier(q, kQueueBar1, P, s, fresh_counts)) return;
   if (threadIdx.x < num_chunks) {  // the chunk's rows in all blocks, and in the blocks before this one
     int total = 0, before = 0;
     for (int b = 0; b < P; ++b) {
@@ -381,7 +403,7 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
   if (blockIdx.x == 0 && threadIdx.x < num_chunks && chunk_total[threadIdx.x] == 0)
     for (int d = 0; d < s.num_ranks; ++d) st_release_sys(chunk_flag(s, d, threadIdx.x, s.rank), epoch);
   __syncthreads();
-  if (!queue_barrier(q + kQueueBar2, P, s)) return;
+  if (!queue_barrier(q, kQueueBar2, P, s, [] {})) return;
   const int items = chunk_begin[num_chunks] * segs;
   int c = 0, pending = 0;
   for (;;) {
@@ -824,10 +846,6 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
   const int cap = list_cap * static_cast<int64_t>(sizeof(int)) > kMaxSortedListBytes ? 0 : static_cast<int>(list_cap);
   // The queue sorts in global memory; the sorted walk in shared memory.
   const size_t smem = queue != nullptr ? 0 : static_cast<size_t>(cap) * sizeof(int);
-  if (queue != nullptr) {
-    const cudaError_t err = cudaMemsetAsync(queue, 0, kQueueZeroWords * sizeof(int), stream);
-    if (err != cudaSuccess) return err;
-  }
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {

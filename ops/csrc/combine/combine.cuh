@@ -35,7 +35,8 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
 // pushes one chunk's rows at a time. queue (queue_words ints, at least
 // combine_queue_words(num_blocks, y_rows); null: none): the pushing blocks sort all rows by chunk
 // into one order and every pushing warp takes its next segments from one cursor, so faster blocks
-// push more (push_lead is then unused). The bits are the same.
+// push more (push_lead is then unused); zero when allocated, each launch leaves it ready for the
+// next (stream-ordered launches may share it). The bits are the same.
 cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
