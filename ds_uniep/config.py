@@ -138,7 +138,8 @@ class AutotuneConfig(_Block):
                           "expert-parallel ranks time the plans the backend acts on, agree on one and cache it.")
     cache_dir: str = Field("~/.cache/ds_uniep", description="Directory of the JSON plan cache.")
     budget_s: float = Field(60.0, gt=0, description="Seconds one layer shape may spend tuning (the configured "
-                            "plan and the sequential baseline are always timed).")
+                            "plan and the sequential baseline are always timed; the confirmation round "
+                            "counts within it).")
     allow_numerics_change: bool = Field(
         False, description="Let the tuner explore options that change numbers (FP8 dispatch).")
     warmup: int = Field(3, ge=0, description="Untimed runs per candidate plan.")

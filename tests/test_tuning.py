@@ -456,6 +456,23 @@ def test_tie_goes_to_the_earlier_plan_and_budget_skips(monkeypatch):
     assert [x.status for x in r3.records].count("measured") == 4, r3.table()
 
 
+def test_budget_keeps_the_confirmation_its_time():
+    """The search stops early enough to leave the confirmation (its runs at the search's wall time
+    per run) inside the budget; without a confirmation the same budget measures every plan."""
+    space = small_space()
+    order = space.enumerate()
+    run = lambda p: time.sleep(0.014 if p == order[-1] else 0.01)  # noqa: E731  (the default slowest)
+    # 2 plans after the mandatory two, 30 ms each; confirming 2 + the default, 3 rounds of 3 runs: about 0.3 s
+    full = _tune(space, run, budget_s=0.15, default_plan=order[-1], warmup=0, repeats=3)
+    assert [x.status for x in full.records].count("measured") == 4, full.table()
+    kept = _tune(space, run, budget_s=0.15, default_plan=order[-1], warmup=0, repeats=3, confirm_top=2,
+                 confirm_rounds=3)
+    skipped = [x for x in kept.records if x.status == "skipped"]
+    assert len(skipped) == 1, kept.table()
+    assert "budget of 0.15 s spent (" in skipped[0].reason and "s of it kept for the confirmation)" in skipped[0].reason
+    assert sum(x.confirmed_ms is not None for x in kept.records) == 3  # the two fastest and the default
+
+
 def _rank_agreement_body(rank, world_size, result_path):
     import deepspeed.comm as dist
     import torch

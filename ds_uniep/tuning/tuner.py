@@ -23,7 +23,8 @@ work is queued (GPU) or done (CPU). The tuner times it, never looks inside.
    medians. Among many plans within a few percent of each other one of them
    times fast by chance; its rerun does not. The winner is the smallest
    confirmed time (without confirmation, the smallest median), a tie going to
-   the earlier plan in enumeration order.
+   the earlier plan in enumeration order. The search (3) stops early enough to
+   leave this round its expected time inside ``budget_s``.
 6. Rank 0 writes the cache atomically.
 """
 
@@ -223,8 +224,10 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     layer would run untuned (default: the config defaults), projected onto the
     space (:meth:`Space.project`). ``cache_dir`` enables the plan cache;
     ``backend`` (default: the space's, else ``"megakernel"``) is part of its key. ``budget_s`` bounds the measuring after
-    the default and baseline plans (a plan once started is finished); the confirmation of the
-    ``confirm_top`` fastest plans and the default (``confirm_rounds`` rounds) follows it."""
+    the default and baseline plans (a plan once started is finished) and the confirmation of the
+    ``confirm_top`` fastest plans and the default (``confirm_rounds`` rounds) that follows it: the
+    search stops early enough to leave the confirmation its expected time (its runs at the search's
+    wall time per run so far)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"tune: need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     if confirm_top < 0 or confirm_rounds < 1:
@@ -286,6 +289,8 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     clock = _Timer(timer)
     best: Optional[float] = None
     t_budget = t0  # the budget counts from the end of the mandatory plans
+    t_search, runs = time.perf_counter(), 0
+    confirm_runs = confirm_rounds * (confirm_top + 1) * (warmup + repeats) if confirm_top else 0
     bar = _progress(len(order), f"tuning {space.shape}", progress and rank == 0)
     try:
         for pos, plan in enumerate(order):
@@ -296,26 +301,35 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
             times = clock.run(lambda p=plan: run_plan(p), n_probe)
             rec = PlanRecord(plan, "measured", index[plan], estimate_ms=estimates[plan])
             if best is not None and n_probe < repeats and pos >= len(mandatory):  # the mandatory plans are timed whole
-                probe_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t_budget], group)
+                now = time.perf_counter()
+                probe_ms, elapsed, searched = _allreduce_max([statistics.median(times), now - t_budget, now - t_search],
+                                                             group)
                 if probe_ms > prune_ratio * best:
                     rec.status, rec.median_ms = "pruned", probe_ms
                     rec.reason = f"first {n_probe} runs {probe_ms:.3f} ms > {prune_ratio:g} x best {best:.3f} ms"
             if rec.status == "measured":
                 times += clock.run(lambda p=plan: run_plan(p), repeats - n_probe)
-                rec.median_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t_budget],
-                                                        group)
+                now = time.perf_counter()
+                rec.median_ms, elapsed, searched = _allreduce_max(
+                    [statistics.median(times), now - t_budget, now - t_search], group)
                 if best is None or rec.median_ms < best:
                     best = rec.median_ms
             records[plan] = rec
+            runs += warmup + len(times)
             bar.update(1)
             bar.set_postfix_str(f"best {best:.3f} ms")
             if pos + 1 == len(mandatory):
                 t_budget = time.perf_counter()
-            elif pos + 1 > len(mandatory) and elapsed > budget_s and pos + 1 < len(order):
-                for p in order[pos + 1:]:
-                    records[p] = PlanRecord(p, "skipped", index[p], estimate_ms=estimates[p],
-                                            reason=f"budget of {budget_s:g} s spent")
-                break
+            elif pos + 1 > len(mandatory) and pos + 1 < len(order):
+                # The confirmation's expected wall time, at the search's wall time per run so far
+                # (the slowest rank's, so every rank stops at the same plan).
+                kept = confirm_runs * searched / max(runs, 1)
+                if elapsed + kept > budget_s:
+                    why = f"budget of {budget_s:g} s spent" + (
+                        f" ({kept:.1f} s of it kept for the confirmation)" if confirm_runs else "")
+                    for p in order[pos + 1:]:
+                        records[p] = PlanRecord(p, "skipped", index[p], estimate_ms=estimates[p], reason=why)
+                    break
     finally:
         bar.close()
 
