@@ -460,8 +460,7 @@ def fixed_plans(space):
     named by their labels. The config default leaves num_comm_sms unset, which runs the copy kernels on
     every SM: its plan says so (it is also timed under its own label, a measure of the noise)."""
     from ds_uniep.config import UniEPConfig
-    from ds_uniep.tuning import Plan
-    default = space.project(Plan.from_config(UniEPConfig()).replace(num_comm_sms=min(space.gpu.num_sms, 132)))
+    default = space.layer_default(UniEPConfig())
     plans = {f"config default ({default.label()})": default}
     for plan in space.enumerate():
         plans[plan.label()] = plan

@@ -25,7 +25,7 @@ from typing import List, Optional
 import torch
 
 from .config import UniEPConfig, UniEPConfigError
-from .tuning import GPUInfo, Plan, Space, estimate_ms, tune
+from .tuning import GPUInfo, Space, estimate_ms, tune
 from .tuning.plot import plot_space, reason_counts
 from .tuning.presets import PRESET_NAMES, parse_shape, preset_shape
 from .argtypes import positive_float
@@ -128,7 +128,7 @@ def _space_only(args, space: Space, cfg: UniEPConfig, stem: str, say) -> int:
     for reason, n in reason_counts(table).most_common():
         p, text = examples[reason]
         say(f"{n:>8}  {text}  [{p.label()}]")
-    default, base = Plan.from_config(cfg), space.baseline()
+    default, base = space.layer_default(cfg), space.baseline()
     for what, p in (("default plan", default), ("sequential baseline", base)):
         r = space.check(p)
         say(f"{what} {p.label()}: {'valid' if r is None else 'rejected: ' + r}")
@@ -170,7 +170,7 @@ def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, ra
                          for k in KEPT_KNOBS)
         say(f"{mode} backend: timing {', '.join(space.acting_knobs())}; kept as configured: {kept}"
             + (f"; fixed: {fixed}" if fixed else ""))
-    default = space.project(Plan.from_config(cfg))
+    default = space.layer_default(cfg)
     layer, x = build_layer(space.shape, cfg, mode, device)
     result = tune(space, layer_runner(layer, x), budget_s=at.budget_s if args.budget_s is None else args.budget_s,
                   warmup=at.warmup if args.warmup is None else args.warmup,

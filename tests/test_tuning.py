@@ -456,6 +456,29 @@ def test_tie_goes_to_the_earlier_plan_and_budget_skips(monkeypatch):
     assert [x.status for x in r3.records].count("measured") == 4, r3.table()
 
 
+def test_the_default_plan_is_the_one_the_layer_runs_untuned(tmp_path):
+    """A block that leaves num_comm_sms unset runs the sequential schedule's copy kernels with one block
+    per SM, so the tuner's configured plan (timed, confirmed, the speedup's reference) is that plan,
+    not the config's 20 (the fused dispatch's)."""
+    mk = Space(SHAPE, GPU, 2, 8192, False, backend="megakernel")
+    assert UniEPConfig().overlap.num_comm_sms == 20 and Plan.from_config(UniEPConfig()).num_comm_sms == 20
+    untuned = mk.layer_default(UniEPConfig())
+    assert untuned.schedule == "sequential" and untuned.num_comm_sms == min(GPU.num_sms, 132)
+    assert mk.check(untuned) is None and untuned in mk.enumerate()
+    assert mk.layer_default({"overlap": {"num_comm_sms": 24}}).num_comm_sms == 24  # set: as configured
+    fused = Space(SHAPE, GPU, 2, 8192, False, backend="megakernel", expert_gemm="uniep")
+    assert fused.layer_default({"expert_gemm": "uniep", "overlap": {"schedule": "fused"}}).num_comm_sms == 20
+    # the design space models the knobs as configured; the reference backend does not act on them
+    assert Space(SHAPE, GPU, 2, 8192, False).layer_default(UniEPConfig()) == Plan.from_config(UniEPConfig())
+    ref = Space(SHAPE, GPU, 2, 8192, False, backend="reference")
+    assert ref.layer_default(UniEPConfig()) == ref.project(Plan.from_config(UniEPConfig()))
+    calls = []
+    cfg = UniEPConfig.from_dict({"autotune": {"cache_dir": str(tmp_path), "warmup": 0, "repeats": 2}})
+    r = tune_from_config(cfg, SHAPE, _fake_runner({}, calls), gpu=GPU, progress=False,
+                         values=dict(num_comm_sms=(16, 32)))
+    assert r.default_plan == untuned and calls[0] == untuned
+
+
 def test_budget_keeps_the_confirmation_its_time():
     """The search stops early enough to leave the confirmation (its runs at the search's wall time
     per run) inside the budget; without a confirmation the same budget measures every plan."""

@@ -58,7 +58,7 @@ def _assert_same(base, got, what):
 
 
 def _every_timed_plan_body(rank, world_size, gemm):
-    from ds_uniep.tuning import GPUInfo, Plan, Shape, Space, tune
+    from ds_uniep.tuning import GPUInfo, Shape, Space, tune
     from ds_uniep.tuning.runner import layer_runner
     device = torch.device("cuda", rank)
     layer = _layer(rank, world_size, {"backend": "megakernel", "max_tokens_per_rank": T, "expert_gemm": gemm,
@@ -66,8 +66,14 @@ def _every_timed_plan_body(rank, world_size, gemm):
     x, gy = _inputs(rank, device)
     shape = Shape(T=T, M=M, F=F, E=EXPERTS_PER_RANK * world_size, k=K, dtype="bf16", ep=world_size)
     space = Space(shape, GPUInfo.detect(device), world_size, T, False, backend="megakernel", expert_gemm=gemm)
+    # The plan the tuner takes for the untuned layer is the one it runs: the block leaves num_comm_sms
+    # unset, so the sequential schedule's copy kernels take one block per SM.
+    untuned = space.layer_default(layer.uniep_config)
+    _run(layer, x, gy)
+    assert layer._dispatchers[device].num_blocks == untuned.num_comm_sms == torch.cuda.get_device_properties(
+        device).multi_processor_count, "Space.layer_default is not the plan the untuned layer runs"
     result = tune(space, layer_runner(layer, x.clone().requires_grad_(True)), budget_s=300.0, warmup=1, repeats=3,
-                  group=layer.ep_group, progress=False, default_plan=Plan.from_config(layer.uniep_config))
+                  group=layer.ep_group, progress=False, default_plan=untuned)
     timed = [r.plan for r in result.records if r.status in ("measured", "pruned")]
     assert not result.by_status("skipped"), "the budget cut the space short: not every plan was timed"
     assert len({p.num_comm_sms for p in timed}) >= 3, [p.label() for p in timed]

@@ -421,6 +421,20 @@ class Space:
         base = self.baseline().to_dict()
         return {k: base[k] for k in DEFAULT_VALUES if k not in ACTING_KNOBS[self.backend]}
 
+    def layer_default(self, config) -> Plan:
+        """The plan a layer under ``config`` runs untuned, as a point of this space: the configured
+        knobs (:meth:`Plan.from_config`), projected (:meth:`project`), except that on a backend that
+        acts on ``num_comm_sms`` a block leaving it unset runs the sequential schedule's copy kernels
+        with one block per SM, i.e. ``num_comm_sms`` = this GPU's SM count (the config's default, 20,
+        is the fused dispatch's)."""
+        from ..config import UniEPConfig
+        cfg = UniEPConfig.coerce(config)
+        plan = self.project(Plan.from_config(cfg))
+        if self.backend is not None and "num_comm_sms" in ACTING_KNOBS[self.backend] and \
+                "num_comm_sms" not in cfg.overlap.model_fields_set and plan.schedule == "sequential":
+            plan = plan.replace(num_comm_sms=min(self.gpu.num_sms, 132))
+        return plan
+
     def project(self, plan: Plan) -> Plan:
         """``plan`` with the knobs the backend does not act on set to their fixed values (and a schedule
         it does not run set to the sequential one, which is what runs): the plan that runs the same

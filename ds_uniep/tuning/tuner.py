@@ -221,8 +221,8 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     (``run_plan`` may run collectives: all ranks run the same plans in the
     same order). ``local=True`` tunes on this rank alone with no collective
     (a layer without expert parallelism). ``default_plan`` is the plan the
-    layer would run untuned (default: the config defaults), projected onto the
-    space (:meth:`Space.project`). ``cache_dir`` enables the plan cache;
+    layer would run untuned (default: :meth:`Space.layer_default` of the config defaults), projected onto
+    the space (:meth:`Space.project`). ``cache_dir`` enables the plan cache;
     ``backend`` (default: the space's, else ``"megakernel"``) is part of its key. ``budget_s`` bounds the measuring after
     the default and baseline plans (a plan once started is finished) and the confirmation of the
     ``confirm_top`` fastest plans and the default (``confirm_rounds`` rounds) that follows it: the
@@ -243,7 +243,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     rank = _rank(group)
     if default_plan is None:
         from ..config import UniEPConfig
-        default_plan = Plan.from_config(UniEPConfig())
+        default_plan = space.layer_default(UniEPConfig())
     default_plan = space.project(default_plan)
     baseline = space.baseline()
     cost_model = cost_model if cost_model is not None else estimate_ms
@@ -393,7 +393,7 @@ def tune_from_config(config, shape: Shape, run_plan: RunPlan, *, gpu: Optional[G
     space = Space.from_config(cfg, shape, gpu, backend=backend, **space_kw)
     at = cfg.autotune
     return tune(space, run_plan, budget_s=at.budget_s, warmup=at.warmup, repeats=at.repeats, group=group,
-                progress=progress, default_plan=Plan.from_config(cfg), cache_dir=at.cache_dir, backend=backend,
+                progress=progress, default_plan=space.layer_default(cfg), cache_dir=at.cache_dir, backend=backend,
                 local=local, confirm_top=at.confirm_top, confirm_rounds=at.confirm_rounds)
 
 
