@@ -226,8 +226,8 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     ``backend`` (default: the space's, else ``"megakernel"``) is part of its key. ``budget_s`` bounds the measuring after
     the default and baseline plans (a plan once started is finished) and the confirmation of the
     ``confirm_top`` fastest plans and the default (``confirm_rounds`` rounds) that follows it: the
-    search stops early enough to leave the confirmation its expected time (its runs at the search's
-    wall time per run so far)."""
+    search stops early enough to leave the confirmation its expected time (its runs at the
+    finalists' medians so far)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"tune: need repeats >= 1 and warmup >= 0, got repeats={repeats}, warmup={warmup}")
     if confirm_top < 0 or confirm_rounds < 1:
@@ -289,8 +289,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     clock = _Timer(timer)
     best: Optional[float] = None
     t_budget = t0  # the budget counts from the end of the mandatory plans
-    t_search, runs = time.perf_counter(), 0
-    confirm_runs = confirm_rounds * (confirm_top + 1) * (warmup + repeats) if confirm_top else 0
+    confirm_runs = confirm_rounds * (warmup + repeats) if confirm_top else 0  # per finalist
     bar = _progress(len(order), f"tuning {space.shape}", progress and rank == 0)
     try:
         for pos, plan in enumerate(order):
@@ -301,29 +300,25 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
             times = clock.run(lambda p=plan: run_plan(p), n_probe)
             rec = PlanRecord(plan, "measured", index[plan], estimate_ms=estimates[plan])
             if best is not None and n_probe < repeats and pos >= len(mandatory):  # the mandatory plans are timed whole
-                now = time.perf_counter()
-                probe_ms, elapsed, searched = _allreduce_max([statistics.median(times), now - t_budget, now - t_search],
-                                                             group)
+                probe_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t_budget], group)
                 if probe_ms > prune_ratio * best:
                     rec.status, rec.median_ms = "pruned", probe_ms
                     rec.reason = f"first {n_probe} runs {probe_ms:.3f} ms > {prune_ratio:g} x best {best:.3f} ms"
             if rec.status == "measured":
                 times += clock.run(lambda p=plan: run_plan(p), repeats - n_probe)
-                now = time.perf_counter()
-                rec.median_ms, elapsed, searched = _allreduce_max(
-                    [statistics.median(times), now - t_budget, now - t_search], group)
+                rec.median_ms, elapsed = _allreduce_max([statistics.median(times), time.perf_counter() - t_budget],
+                                                        group)
                 if best is None or rec.median_ms < best:
                     best = rec.median_ms
             records[plan] = rec
-            runs += warmup + len(times)
             bar.update(1)
             bar.set_postfix_str(f"best {best:.3f} ms")
             if pos + 1 == len(mandatory):
                 t_budget = time.perf_counter()
             elif pos + 1 > len(mandatory) and pos + 1 < len(order):
-                # The confirmation's expected wall time, at the search's wall time per run so far
-                # (the slowest rank's, so every rank stops at the same plan).
-                kept = confirm_runs * searched / max(runs, 1)
+                # The confirmation's expected time: its runs of the finalists so far at their medians (the
+                # slowest rank's, so every rank stops at the same plan).
+                kept = confirm_runs * sum(r.median_ms for r in _finalists(records, confirm_top, default_plan)) / 1e3
                 if elapsed + kept > budget_s:
                     why = f"budget of {budget_s:g} s spent" + (
                         f" ({kept:.1f} s of it kept for the confirmation)" if confirm_runs else "")
@@ -335,10 +330,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
 
     # 5. Confirm.
     measured = sorted((r for r in records.values() if r.status == "measured"), key=lambda r: (r.median_ms, r.index))
-    finalists = measured[:confirm_top]
-    if confirm_top and default_plan in records and records[default_plan].status == "measured" and \
-            records[default_plan] not in finalists:
-        finalists.append(records[default_plan])
+    finalists = _finalists(records, confirm_top, default_plan)
     if len(finalists) > 1:
         _confirm(finalists, run_plan, clock, warmup, repeats, confirm_rounds, group, progress and rank == 0)
     winner_rec = min(measured, key=lambda r: (r.confirmed_ms is None, r.ms, r.index))
@@ -352,6 +344,18 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     if key is not None and rank == 0:
         result.cache_file = cache_mod.store(cache_dir, key, space, result.winner, result.best_ms, default_ms)
     return result
+
+
+def _finalists(records: Dict[Plan, PlanRecord], top: int, default_plan: Plan) -> List[PlanRecord]:
+    """The ``top`` fastest measured plans, and the default plan when measured (none when ``top`` is 0)."""
+    if not top:
+        return []
+    measured = sorted((r for r in records.values() if r.status == "measured"), key=lambda r: (r.median_ms, r.index))
+    finalists = measured[:top]
+    default = records.get(default_plan)
+    if default is not None and default.status == "measured" and default not in finalists:
+        finalists.append(default)
+    return finalists
 
 
 def _measured_ms(rec: Optional[PlanRecord]) -> Optional[float]:
