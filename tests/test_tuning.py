@@ -480,8 +480,8 @@ def test_the_default_plan_is_the_one_the_layer_runs_untuned(tmp_path):
 
 
 def test_budget_keeps_the_confirmation_its_time():
-    """The search stops early enough to leave the confirmation (its runs at the search's wall time
-    per run) inside the budget; without a confirmation the same budget measures every plan."""
+    """The search stops early enough to leave the confirmation (its runs at the finalists' medians)
+    inside the budget; without a confirmation the same budget measures every plan."""
     space = small_space()
     order = space.enumerate()
     run = lambda p: time.sleep(0.014 if p == order[-1] else 0.01)  # noqa: E731  (the default slowest)

@@ -426,7 +426,8 @@ class Space:
         knobs (:meth:`Plan.from_config`), projected (:meth:`project`), except that on a backend that
         acts on ``num_comm_sms`` a block leaving it unset runs the sequential schedule's copy kernels
         with one block per SM, i.e. ``num_comm_sms`` = this GPU's SM count (the config's default, 20,
-        is the fused dispatch's)."""
+        is the fused dispatch's). Not covered: the pipelined schedule on ds_uniep's GEMM with it unset
+        copies on the copy engines, which no plan of the space names; its plan keeps the 20."""
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
         plan = self.project(Plan.from_config(cfg))
