@@ -58,12 +58,16 @@ A short table is printed last; everything goes to ``--out/bench_moe_layer.json``
 ``--autotune`` adds, per shape, the megakernel layer tuned by its own autotune
 path (``"autotune": {"enabled": true}``, fwd+bwd, ``--autotune-budget-s`` per
 shape) and timed under its plan, and every single fixed plan a user could set
-for all shapes without tuning: the config default and each ``num_comm_sms``
-value the tuner walks. The best single fixed plan is the one with the smallest
-geometric mean time over the shapes run; the table gives tuned ms, its ms and
-their ratio per shape (JSON key ``"autotune"``)::
+for all shapes without tuning: the config default and every plan of the layer's
+space (with ``--autotune-fixed-s S``, those that fit in S seconds per shape, in
+the order the tuner's search ranked them, the config default first; the others
+are listed under ``"fixed_not_timed"``). The best single fixed plan is the one
+with the smallest geometric mean time over the shapes run, among the plans
+timed at every shape; the table gives tuned ms, its ms and their ratio per
+shape (JSON key ``"autotune"``)::
 
     torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --autotune --out bench_out
+    torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --shapes dsv3-like --autotune --autotune-fixed-s 120
 """
 
 import argparse
@@ -157,8 +161,11 @@ def parse_args(argv=None):
                    help="bursts of --streamed-steps steps per layer; the median burst counts (default 3)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
-                   "fixed plan (config default, each num_comm_sms value) per shape")
+                   "fixed plan (the config default and every plan of the layer's space) per shape")
     p.add_argument("--autotune-budget-s", type=float, default=40.0, help="tuning budget per shape (default 40)")
+    p.add_argument("--autotune-fixed-s", type=float, default=0.0, help="seconds per shape for timing the fixed "
+                   "plans, in the order the tuner's search ranked them (the config default first); the rest are "
+                   "listed as not timed (default 0: every plan)")
     p.add_argument("--autotune-cache", default=None, help="plan cache directory (default OUT/plan_cache; a cached "
                    "plan is used without tuning)")
     return p.parse_args(argv)
@@ -467,6 +474,17 @@ def fixed_plans(space):
     return plans
 
 
+def fixed_plan_order(plans, records):
+    """The names of ``plans`` (:func:`fixed_plans`) in the order to time them: the config default first,
+    then the plans the tuner's search timed, fastest first by its time (confirmed where confirmed,
+    else its median; a pruned plan's probe median), then the others in their order in ``plans``."""
+    ms = {r.plan: r.ms for r in records if r.status in ("measured", "pruned") and r.ms is not None}
+    names = list(plans)
+    default, rest = names[0], names[1:]
+    timed = sorted((n for n in rest if plans[n] in ms), key=lambda n: (ms[plans[n]], rest.index(n)))
+    return [default] + timed + [n for n in rest if plans[n] not in ms]
+
+
 def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
     """Tune the megakernel layer through its own autotune path, then time it and every fixed plan."""
     from ds_uniep.config import AutotuneConfig
@@ -504,7 +522,13 @@ def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
                                                         dtype="bf16", ep=ep), GPUInfo.detect(), backend="megakernel")
     plans = fixed_plans(space)
     row["fixed_plans"] = {n: p.to_dict() for n, p in plans.items()}
-    for pname, plan in plans.items():
+    order, t0 = fixed_plan_order(plans, result.records), time.perf_counter()
+    for i, pname in enumerate(order):
+        # every rank stops at the same plan: the slowest rank's elapsed time decides
+        if args.autotune_fixed_s > 0 and i > 0 and slowest(time.perf_counter() - t0, dist) > args.autotune_fixed_s:
+            row["fixed_not_timed"] = order[i:]
+            break
+        plan = plans[pname]
         layer.set_plan(plan)
         for mode in args.modes:
             row["modes"][mode]["fixed_ms"][pname] = time_layer(layer, inputs, mode, args, dist)
@@ -558,7 +582,8 @@ def print_autotune(auto):
                                   f"{m[f'tuned{t}_ms']:.2f}", m[f"best_single_fixed{t}"],
                                   f"{m[f'best_single_fixed{t}_ms']:.2f}",
                                   f"{m[f'speedup{t}_vs_best_single_fixed']:.3f}x", f"{m[f'config_default{t}_ms']:.2f}",
-                                  f"{m[f'speedup{t}_vs_config_default']:.3f}x", f"{here} {m[f'fixed{t}_ms'][here]:.2f}",
+                                  f"{m[f'speedup{t}_vs_config_default']:.3f}x", f"{here} {m[f'fixed{t}_ms'][here]:.2f}"
+                                  + (f" (of {len(m[f'fixed{t}_ms'])} timed)" if r.get("fixed_not_timed") else ""),
                                   f"{r['tune_wall_s']:.1f}"]))
 
 

@@ -88,6 +88,29 @@ def test_autotune_fixed_plans_are_every_plan_of_the_space_by_label():
     assert any(p.combine_queue for _, p in rest) and len({p.combine_chunks for _, p in rest}) == 3
 
 
+def test_autotune_fixed_plans_are_timed_in_the_order_the_search_ranked_them():
+    """With ``--autotune-fixed-s`` the benchmark times the fixed plans until the time is spent, so they
+    come in the search's order: the config default, then the plans it timed by their confirmed time or
+    median (pruned ones by their probe), then those it did not time, in the space's order."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_moe_layer import fixed_plan_order, fixed_plans
+
+    from ds_uniep.tuning import GPUInfo, Shape, Space
+    from ds_uniep.tuning.tuner import PlanRecord
+    space = Space(Shape(T=4096, M=2048, F=1408, E=64, k=6, ep=4), GPUInfo.preset("h200"), backend="megakernel")
+    plans = fixed_plans(space)
+    names = list(plans)
+    a, b, c, d = (plans[n] for n in names[5:9])
+    records = [PlanRecord(a, "measured", 0, median_ms=3.0), PlanRecord(b, "measured", 1, median_ms=1.0,
+                                                                       confirmed_ms=4.0),
+               PlanRecord(c, "pruned", 2, median_ms=2.0), PlanRecord(d, "skipped", 3, reason="budget")]
+    order = fixed_plan_order(plans, records)
+    assert sorted(order) == sorted(names) and order[0] == names[0]
+    assert order[1:4] == [names[7], names[5], names[6]]  # 2.0 (pruned), 3.0, then 4.0 (confirmed, not 1.0)
+    assert order[4:] == [n for n in names[1:] if n not in names[5:8]]
+    assert fixed_plan_order(plans, []) == names  # from the cache: no records, the space's order
+
+
 def test_autotune_summary_compares_the_tuned_plan_with_the_best_single_and_the_default(capsys):
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_moe_layer import print_autotune, summarize_autotune
@@ -113,3 +136,12 @@ def test_autotune_summary_compares_the_tuned_plan_with_the_best_single_and_the_d
     print_autotune(auto)
     out = capsys.readouterr().out
     assert "vs default" in out and "2.000x" in out and "fwdbwd streamed" in out and "0.500x" in out
+    # --autotune-fixed-s: a shape that timed only some plans; the best single one is among those timed everywhere
+    part = {"budget_s": 5.0, "rows": [row("a", 2.0, {"config default (x)": 4.0, "x": 4.1, "y": 1.0}),
+                                      dict(row("b", 1.0, {"config default (x)": 1.0, "x": 1.1}), fixed_not_timed=["y"])]}
+    summarize_autotune(part, ["fwdbwd"])
+    assert part["rows"][0]["modes"]["fwdbwd"]["best_single_fixed"] == "config default (x)"
+    assert part["rows"][0]["modes"]["fwdbwd"]["fastest_fixed_here"] == "y"
+    print_autotune(part)
+    out = capsys.readouterr().out
+    assert "config default (x) 1.00 (of 2 timed)" in out and out.count("timed)") == 1
