@@ -88,6 +88,8 @@ queue (how the megakernel's combine kernels pipeline and share out the rows, not
 DESIGN.md section 7) stay at the dispatcher's defaults there; the megakernel's space walks them
 (:data:`BACKEND_COMBINE_CHUNKS`), and ``values`` may widen them."""
 
+MAX_COMM_SMS = 132
+"""The largest ``num_comm_sms`` a plan (and the config's field) takes."""
 COMM_SMS_VALUES = (8, 16, 24, 32, 48, 64, 80, 96, 132)
 """``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
 
@@ -125,7 +127,7 @@ was fastest with 8 chunks of 256 tokens at 2048 tokens and with 4 chunks at 8192
 
 def comm_sms_values(num_sms: int) -> Tuple[int, ...]:
     """:data:`COMM_SMS_VALUES` capped by ``num_sms`` (and the Plan's limit of 132), without repeats."""
-    cap = min(num_sms, 132)
+    cap = min(num_sms, MAX_COMM_SMS)
     return tuple(sorted({min(v, cap) for v in COMM_SMS_VALUES}))
 
 
@@ -175,7 +177,7 @@ class Plan:
         _one_of("tile_n", self.tile_n, TILES)
         _one_of("signal_granularity", self.signal_granularity, GRANULARITIES)
         _one_of("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
-        for name, lo, hi in (("num_chunks", 1, 64), ("num_comm_sms", 1, 132), ("stages", 2, 8),
+        for name, lo, hi in (("num_chunks", 1, 64), ("num_comm_sms", 1, MAX_COMM_SMS), ("stages", 2, 8),
                              ("combine_chunks", 0, 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -433,7 +435,7 @@ class Space:
         plan = self.project(Plan.from_config(cfg))
         if self.backend is not None and "num_comm_sms" in ACTING_KNOBS[self.backend] and \
                 "num_comm_sms" not in cfg.overlap.model_fields_set and plan.schedule == "sequential":
-            plan = plan.replace(num_comm_sms=min(self.gpu.num_sms, 132))
+            plan = plan.replace(num_comm_sms=min(self.gpu.num_sms, MAX_COMM_SMS))
         return plan
 
     def project(self, plan: Plan) -> Plan:

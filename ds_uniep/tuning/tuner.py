@@ -329,7 +329,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
         bar.close()
 
     # 5. Confirm.
-    measured = sorted((r for r in records.values() if r.status == "measured"), key=lambda r: (r.median_ms, r.index))
+    measured = [r for r in records.values() if r.status == "measured"]
     finalists = _finalists(records, confirm_top, default_plan)
     if len(finalists) > 1:
         _confirm(finalists, run_plan, clock, warmup, repeats, confirm_rounds, group, progress and rank == 0)
