@@ -55,6 +55,14 @@ All layers use the same DeepSpeed gate weights and SwiGLU experts, bf16, fp32 ga
 router's gate is kept fp32 and fed fp32 input; see ``AUTOEP_NOTE`` for how its routing compares).
 A short table is printed last; everything goes to ``--out/bench_moe_layer.json``.
 
+``--settle-s S`` (default 1) runs each layer untimed for S seconds before its
+first timing of a shape. ``--profile-steps N`` also runs every layer N steps
+back to back under ``torch.profiler`` and reports where rank 0's GPU time goes
+per step: kernels by kind (grouped GEMMs, dense GEMMs, dispatch, combine, ...),
+the time the GPU sat idle and the time two streams ran at once, with every
+rank's busy time and kinds beside it (``profile_steps.py``; JSON key
+``<backend>_profile`` of each row).
+
 ``--autotune`` adds, per shape, the megakernel layer tuned by its own autotune
 path (``"autotune": {"enabled": true}``, fwd+bwd, ``--autotune-budget-s`` per
 shape) and timed under its plan, and every single fixed plan a user could set
@@ -159,6 +167,14 @@ def parse_args(argv=None):
                    "them (per-step ms; 0: off, the default)")
     p.add_argument("--streamed-rounds", type=int, default=3,
                    help="bursts of --streamed-steps steps per layer; the median burst counts (default 3)")
+    p.add_argument("--settle-s", type=float, default=1.0,
+                   help="untimed steps of each layer for at least this many seconds (the slowest rank's) before "
+                   "its first timing per shape, after --warmup's: a layer timed first after building ran "
+                   "slower for several runs than later (default 1; 0: off)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after its timings, run every layer this many steps back to back under torch.profiler "
+                   "and report where rank 0's GPU time goes per step: kernels by kind, idle and concurrent time "
+                   "(see profile_steps.py; 0: off, the default)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (the config default and every plan of the layer's space) per shape")
@@ -367,6 +383,38 @@ def time_layer(layer, inputs, mode, args, dist):
     with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
         r = bench(fwd, warmup=args.warmup, repeats=args.repeats, setup=setup, sync=dist.barrier)
     return slowest(r["median_ms"], dist)
+
+
+def settle(layer, inputs, mode, args, dist):
+    """Untimed steps, two at a time, until ``args.settle_s`` seconds have passed on the slowest rank (all
+    ranks stop together); returns how many ran."""
+    fwd, setup = _step_fns(layer, inputs, mode)
+    t0, n = time.perf_counter(), 0
+    with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
+        while True:
+            for _ in range(2):
+                fwd(*setup(n))
+                n += 1
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            if slowest(time.perf_counter() - t0, dist) >= args.settle_s:
+                return n
+
+
+def profile_layer(layer, inputs, mode, args, dist):
+    """:func:`profile_steps.profile_steps` of ``args.profile_steps`` back-to-back steps of the layer (after
+    ``args.warmup`` untimed ones, ranks lined up by a barrier): rank 0's summary, with every rank's busy,
+    idle and per-kind times under ``"ranks"`` (a kind that waits for peers, such as the combine, takes
+    longer on the ranks that wait)."""
+    import torch.distributed as tdist
+    from profile_steps import profile_steps
+    fwd, setup = _step_fns(layer, inputs, mode)
+    with torch.enable_grad() if mode == "fwdbwd" else torch.no_grad():
+        mine = profile_steps(lambda i: fwd(*setup(i)), steps=args.profile_steps, warmup=args.warmup,
+                             sync=dist.barrier)
+    every = [None] * tdist.get_world_size()
+    tdist.all_gather_object(every, {k: mine[k] for k in ("window_ms", "busy_ms", "idle_ms", "categories")})
+    return dict(mine, ranks=every)
 
 
 def time_layer_streamed(layer, inputs, mode, args, dist):
@@ -636,7 +684,7 @@ def main(argv=None):
         inputs = rotating(lambda i: (torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda",
                                                  generator=torch.Generator("cuda").manual_seed(100 * rank + i)),
                                      torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda")), 3)
-        for mode in args.modes:
+        for mi, mode in enumerate(args.modes):
             passes = 1 if mode == "fwd" else 2
             row = {"shape": name, "mode": mode, "T": T, "M": shape.hidden, "F": shape.ffn, "E": E, "k": shape.top_k}
             for bname, reason in why_not.items():
@@ -645,9 +693,13 @@ def main(argv=None):
                 if bname + "_why_not" in row:  # it failed in an earlier mode
                     continue
                 try:
+                    if mi == 0 and args.settle_s > 0:
+                        row[bname + "_settle_steps"] = settle(layer, inputs, mode, args, dist)
                     row[bname + "_ms"] = time_layer(layer, inputs, mode, args, dist)
                     if args.streamed_steps > 0:
                         row[bname + "_streamed_ms"] = time_layer_streamed(layer, inputs, mode, args, dist)
+                    if args.profile_steps > 0:
+                        row[bname + "_profile"] = profile_layer(layer, inputs, mode, args, dist)
                 except Exception as e:  # noqa: BLE001 - the row reports it; only AutoEP's is not ours
                     if bname != "autoep":
                         raise
@@ -713,6 +765,7 @@ def main(argv=None):
         with open(os.path.join(args.out, "bench_moe_layer.json"), "w") as f:
             json.dump(results, f, indent=2)
         print_table(results)
+        print_profiles(results)
         if args.autotune:
             print_autotune(results["autotune"])
     dist.barrier()
@@ -747,6 +800,29 @@ def print_times(results, suffix="_ms"):
         cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
         print(" | ".join(cells))
     return notes
+
+
+def print_profiles(results):
+    """Per layer profiled (``--profile-steps``): rank 0's GPU time per step by kind of kernel."""
+    lines = []
+    for r in results["rows"]:
+        for b in _TIMED:
+            p = r.get(b + "_profile")
+            if p is None:
+                continue
+            cats = ", ".join(f"{c} {v:.2f}" for c, v in p["categories"].items())
+            lines.append(f"{r['shape']} {r['mode']} {b}: {p['window_ms']:.2f} ms from the first kernel to the "
+                         f"last, busy {p['busy_ms']:.2f}, idle {p['idle_ms']:.2f}, concurrent "
+                         f"{p['concurrent_ms']:.2f}; {cats}")
+            ranks = p.get("ranks") or []
+            if len(ranks) > 1:
+                spread = {c: [q["categories"].get(c, 0.0) for q in ranks] for c in list(p["categories"])[:4]}
+                lines.append("  over the ranks (min-max): " + ", ".join(
+                    [f"busy {min(q['busy_ms'] for q in ranks):.2f}-{max(q['busy_ms'] for q in ranks):.2f}"]
+                    + [f"{c} {min(v):.2f}-{max(v):.2f}" for c, v in spread.items()]))
+    if lines:
+        print("\nwhere the GPU time goes, ms per step (profiled, rank 0; kernels by kind, summed over streams)")
+        print("\n".join(lines))
 
 
 def print_table(results):
