@@ -169,8 +169,8 @@ def parse_args(argv=None):
                    help="bursts of --streamed-steps steps per layer; the median burst counts (default 3)")
     p.add_argument("--settle-s", type=float, default=1.0,
                    help="untimed steps of each layer for at least this many seconds (the slowest rank's) before "
-                   "its first timing per shape, after --warmup's: a layer timed first after building ran "
-                   "slower for several runs than later (default 1; 0: off)")
+                   "its first timing per shape, after --warmup's (once seen: the layer timed first after "
+                   "building ran slower for several runs than later; default 1; 0: off)")
     p.add_argument("--profile-steps", type=int, default=0,
                    help="after its timings, run every layer this many steps back to back under torch.profiler "
                    "and report where rank 0's GPU time goes per step: kernels by kind, idle and concurrent time "
