@@ -529,7 +529,7 @@ def fixed_plan_order(plans, records):
     ms = {r.plan: r.ms for r in records if r.status in ("measured", "pruned") and r.ms is not None}
     names = list(plans)
     default, rest = names[0], names[1:]
-    timed = sorted((n for n in rest if plans[n] in ms), key=lambda n: (ms[plans[n]], rest.index(n)))
+    timed = sorted((n for n in rest if plans[n] in ms), key=lambda n: ms[plans[n]])  # stable: ties keep order
     return [default] + timed + [n for n in rest if plans[n] not in ms]
 
 

@@ -29,7 +29,7 @@ import json
 import os
 import re
 import tempfile
-from typing import Callable, Dict, Iterable, List, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -113,8 +113,8 @@ def _trace_events(path: str) -> List[Tuple[str, float, float]]:
     return out
 
 
-def profile_steps(step: Callable[[int], None], steps: int = 5, warmup: int = 2, sync: Callable[[], None] = None,
-                  top: int = 12) -> Dict:
+def profile_steps(step: Callable[[int], None], steps: int = 5, warmup: int = 2,
+                  sync: Optional[Callable[[], None]] = None, top: int = 12) -> Dict:
     """Run ``step(i)`` ``warmup`` times untimed, then under the profiler once more unrecorded (the
     profiler's own start-up: on ranks that start it at different speeds the first collective would
     wait for the slowest), then ``sync()`` and ``steps`` recorded steps back to back; return
