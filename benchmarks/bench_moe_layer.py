@@ -35,6 +35,10 @@ Baselines and bounds are measured in the same run:
 - megakernel-fused-interleaved: megakernel-fused in interleaved roles (``"roles": "interleaved"``): its
   dispatch runs in a spare warp of each of the first expert GEMM's CTAs, so that GEMM has every SM; timed
   again alternately with megakernel (``--schedule-rounds``): what it gains over the sequential schedule;
+- megakernel-rank-partials: megakernel with ``"compression": {"combine": "rank_partials"}``: each expert
+  rank sums its rows of a token before they travel back (one row per token and rank, one more rounding:
+  not the slot-order bits, within bf16 tolerance); timed again alternately with megakernel
+  (``--schedule-rounds``): what the fewer bytes gain;
 - megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
@@ -93,7 +97,8 @@ from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
             "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
-            "megakernel-fused-interleaved", "megakernel-arrival", "megakernel-late-route", "autoep"]
+            "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-arrival", "megakernel-late-route",
+            "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -116,6 +121,10 @@ MEGAKERNEL_CONFIGS = {
     # megakernel-fused with its dispatch inside the first GEMM's CTAs (overlap.roles interleaved)
     "megakernel-fused-interleaved": {"backend": "megakernel", "expert_gemm": "uniep",
                                      "overlap": {"schedule": "fused", "roles": "interleaved"}},
+    # megakernel with compression.combine "rank_partials": each rank sums its rows of a token before they
+    # travel back (one row per token and rank; one more rounding, not the slot-order bits)
+    "megakernel-rank-partials": {"backend": "megakernel", "expert_gemm": "uniep",
+                                 "compression": {"combine": "rank_partials"}},
     "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
     # megakernel-torch-gemm with its dispatch queued after the whole gate and the experts' stacking
     # (UniEPMoE.route_early = False), as before the dispatch was queued between them
@@ -718,6 +727,7 @@ def main(argv=None):
                     ("megakernel-fused-push", "megakernel-fused", "epilogue_combine", args.schedule_rounds),
                     ("megakernel", "megakernel-fused-epilogue", "epilogue_only", args.schedule_rounds),
                     ("megakernel", "megakernel-fused-interleaved", "schedule_interleaved", args.schedule_rounds),
+                    ("megakernel", "megakernel-rank-partials", "rank_partials", args.schedule_rounds),
                     ("megakernel-late-route", "megakernel-torch-gemm", "route_early", args.schedule_rounds)):
                 pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
@@ -731,7 +741,8 @@ def main(argv=None):
                                     "cost": med[pair[0]] / med[pair[1]] - 1}
                     else:
                         row[key] = {"sequential_ms": times[pair[0]], "speedup": med[pair[0]] / med[pair[1]]}
-                        if key in ("schedule_fused", "epilogue_combine", "epilogue_only", "schedule_interleaved"):
+                        if key in ("schedule_fused", "epilogue_combine", "epilogue_only", "schedule_interleaved",
+                                   "rank_partials"):
                             row[key]["fused_ms"] = times[pair[1]]
                         elif key == "route_early":
                             row[key]["early_ms"] = times[pair[1]]
@@ -773,7 +784,7 @@ def main(argv=None):
 
 _TIMED = ("stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
           "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
-          "megakernel-fused-interleaved", "autoep")
+          "megakernel-fused-interleaved", "megakernel-rank-partials", "autoep")
 _OURS = tuple(b for b in _TIMED if b not in ("stock", "autoep"))  # the ds_uniep layers
 
 
@@ -781,7 +792,8 @@ def print_times(results, suffix="_ms"):
     """The table of one timing (``suffix`` "_ms": runs started from a barrier; "_streamed_ms": per step of
     back-to-back steps) with the bounds and the best ds_uniep layer's ratios."""
     head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
-            "mk fused", "mk fused push", "mk fused epilogue", "mk fused interleaved", "autoep", "gemm alone",
+            "mk fused", "mk fused push", "mk fused epilogue", "mk fused interleaved", "mk rank partials", "autoep",
+            "gemm alone",
             "experts alone", "practical", "physical", "vs stock", "vs autoep", "best/practical"]
     print(" | ".join(head))
     notes = {}
@@ -837,7 +849,7 @@ def print_table(results):
         return "/".join(f"{x:.2f}" for x in v)
     # the alternating timings of two megakernel layers
     for key in ("determinism", "schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
-                "schedule_interleaved", "route_early"):
+                "schedule_interleaved", "rank_partials", "route_early"):
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
@@ -852,6 +864,10 @@ def print_table(results):
             elif key == "epilogue_combine":
                 what = (f"fused: epilogue combines vs rows pushed by the combine kernels, {r['shape']} "
                         f"{r['mode']}: {d['speedup']:.3f}x (pushed {times(d['sequential_ms'])} ms, epilogue "
+                        f"{times(d['fused_ms'])} ms")
+            elif key == "rank_partials":
+                what = (f"combine of rank partials vs slot rows (ds_uniep's GEMM, sequential), {r['shape']} "
+                        f"{r['mode']}: {d['speedup']:.3f}x (slots {times(d['sequential_ms'])} ms, rank partials "
                         f"{times(d['fused_ms'])} ms")
             elif key == "epilogue_only":
                 what = (f"sequential dispatch + epilogue combines vs sequential (ds_uniep's "

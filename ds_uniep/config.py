@@ -13,7 +13,7 @@ Example::
         "deterministic": true,
         "max_tokens_per_rank": 8192,
         "overlap": {"schedule": "pipelined", "num_chunks": 4},
-        "compression": {"dispatch_dtype": "activation"},
+        "compression": {"dispatch_dtype": "activation", "combine": "slots"},
         "autotune": {"enabled": false}
     }
 """
@@ -128,6 +128,17 @@ class CompressionConfig(_Block):
         "activation",
         description="activation: rows travel in the activation dtype (exact); fp8_e4m3: rows travel as FP8 "
         "e4m3 with one fp32 scale per 128 elements (deterministic, but not exact).")
+    combine: Literal["slots", "rank_partials"] = Field(
+        "slots",
+        description="slots: every (token, slot) output row travels back to its source, which sums the token's k "
+        "rows in slot order in fp32 with the gate weights and casts once. rank_partials: each expert rank first "
+        "sums its rows of a token (the token's slots on that rank, gate-weighted, in slot order, fp32) and sends "
+        "that sum cast to the activation dtype, one row per token and rank, as the deduplicated dispatch sends "
+        "it; the source adds those rows in the order of each rank's first slot, in fp32, cast once. Fewer bytes "
+        "where a token has several slots on one rank, one more rounding per rank (deterministic, not the slots "
+        "bits). The backward of dispatch sums the input-gradient rows the same way (unweighted). Megakernel: "
+        "where its combine kernels move the rows (the sequential schedule, the fused one without "
+        "epilogue_combine), with deterministic on; reference backend: the same numbers in torch.")
 
 
 class AutotuneConfig(_Block):

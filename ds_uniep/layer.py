@@ -181,6 +181,9 @@ class UniEPMoE(MoE):
         self.hybrid_domain_size, self.hybrid_migrated_experts = S, (m if S > 1 else 0)
         self._hybrid = None
         if S > 1:
+            if self.uniep_config.compression.combine == "rank_partials":
+                raise ValueError(f"{self.layer_name}: compression.combine 'rank_partials' is not built for HybridEP, "
+                                 "whose domains combine in slot order; use 'slots'")
             boundary = self._accumulation_boundary if self._accumulation_boundary is not None else \
                 self._hybrid_boundary
             ratio = hyb.compression.ratio if hyb.compression.enabled else None
@@ -316,6 +319,8 @@ class UniEPMoE(MoE):
         new dispatch dtype rebuilds the dispatchers."""
         self._applied_plan = plan
         cfg = plan.apply(self.uniep_config)
+        for name in set(self._backend_by_device.values()):
+            self._check_combine_mode(cfg, name)
         if cfg == self.uniep_config and _comm_blocks(cfg) == _comm_blocks(self.uniep_config):
             return
         rebuild = cfg.compression != self.uniep_config.compression
@@ -607,10 +612,12 @@ class UniEPMoE(MoE):
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
         name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name)
         _say_overlap_knobs_wait(self.uniep_config.overlap, name, self.layer_name,
-                                self.uniep_config.expert_gemm == "uniep" and self._hybrid is None)
+                                self.uniep_config.expert_gemm == "uniep" and self._hybrid is None,
+                                self.uniep_config.compression.combine == "rank_partials")
         if name == "megakernel" and self._pacing is not None:
             raise ValueError(f"{self.layer_name}: inter-site pacing (set_inter_site_pacing) runs on the reference "
                              'backend; set "uniep": {"backend": "reference"}')
+        self._check_combine_mode(self.uniep_config, name)
         if name == "megakernel":
             from .megakernel import NVLinkDispatcher
             # The fused schedule gives num_comm_sms to its dispatch only (its first GEMM takes the other
@@ -625,10 +632,30 @@ class UniEPMoE(MoE):
                 logger.info(f'{self.layer_name}: "deterministic": false changes nothing on the {name} backend, '
                             "whose sums always run in the fixed order")
             d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group,
-                                    dispatch_dtype=self.uniep_config.compression.dispatch_dtype, pacing=self._pacing)
+                                    dispatch_dtype=self.uniep_config.compression.dispatch_dtype, pacing=self._pacing,
+                                    combine=self.uniep_config.compression.combine)
         self._backend_by_device[key] = name
         self._dispatchers[key] = d
         return d
+
+    def _check_combine_mode(self, cfg: UniEPConfig, backend: str) -> None:
+        """``compression.combine`` "rank_partials" runs where something builds it: the reference
+        backend, and the megakernel's combine kernels (the sequential schedule, the fused one without
+        epilogue_combine) in layout order; elsewhere it raises rather than run the slots' sums
+        (HybridEP raises when it is built)."""
+        if cfg.compression.combine != "rank_partials":
+            return
+        where = f"{self.layer_name}: compression.combine 'rank_partials'"
+        if backend != "megakernel":
+            return
+        from .tuning.space import Plan
+        o = cfg.overlap
+        if not Plan(schedule=o.schedule, epilogue_combine=o.epilogue_combine).runs_combine_kernels():
+            raise ValueError(f"{where} runs in the megakernel's combine kernels: the sequential schedule, or the "
+                             f"fused one with epilogue_combine false (got schedule {o.schedule!r}, epilogue_combine "
+                             f"{o.epilogue_combine})")
+        if not cfg.deterministic:
+            raise ValueError(f'{where} sums in a fixed order; "deterministic": false adds rows as they arrive')
 
     # ------------------------------------------------------------------ autotune
     def _autotune(self, hidden_states: Tensor) -> None:
@@ -786,7 +813,8 @@ _NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or G
                 "expert tensor parallelism)")
 
 
-def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: bool = False) -> None:
+def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: bool = False,
+                            rank_partials: bool = False) -> None:
     """Warn when the ``uniep`` block sets overlap knobs that nothing acts on: :data:`_FUSED_KNOBS`,
     ``schedule`` (pipelined or fused) on a backend other than the megakernel, ``num_chunks``
     outside the megakernel's pipelined schedule, ``fused_dispatch`` and ``epilogue_combine``
@@ -794,7 +822,8 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
     do not move the rows (``combine_queue`` also with ``combine_chunks`` 0); once per process for
     each setting and backend,
     naming the first layer that met it. ``tiles_read``: ds_uniep's GEMM runs the experts and reads
-    ``tile_m`` and ``tile_n``."""
+    ``tile_m`` and ``tile_n``. ``rank_partials``: ``compression.combine`` is "rank_partials", whose
+    combine pushes then sums (``combine_chunks`` and ``combine_queue`` are not read)."""
     pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
     fused_here = overlap.schedule == "fused" and backend == "megakernel"
     schedule_here = overlap.schedule == "sequential" or backend == "megakernel"
@@ -802,8 +831,8 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
     from .tuning.space import Plan  # where the combine kernels move the rows: the plans' own rule
-    combine_here = backend == "megakernel" and Plan(schedule=overlap.schedule,
-                                                    epilogue_combine=overlap.epilogue_combine).runs_combine_kernels()
+    combine_here = backend == "megakernel" and not rank_partials and Plan(
+        schedule=overlap.schedule, epilogue_combine=overlap.epilogue_combine).runs_combine_kernels()
     knobs += [k for k in ("combine_chunks", "combine_queue") if k in overlap.model_fields_set and not (
         combine_here and (k == "combine_chunks" or overlap.combine_chunks > 0))]
     knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))
@@ -816,7 +845,8 @@ def _say_overlap_knobs_wait(overlap, backend: str, layer_name: str, tiles_read: 
                           "and signal granularity only reach the fused schedule's dispatch (fused_dispatch) and "
                           "tile sizes only ds_uniep's GEMM (expert_gemm 'uniep'), combine_chunks and "
                           "combine_queue only the combine kernels (the sequential schedule, the fused one "
-                          "without epilogue_combine; combine_queue with combine_chunks > 0)"
+                          "without epilogue_combine; combine_queue with combine_chunks > 0; neither under "
+                          "compression.combine 'rank_partials')"
                           if backend == "megakernel" else
                           "the sequential schedule") + "; results are the same under every value. Said once for "
                        "every layer.")

@@ -76,10 +76,11 @@ MAX_RANKS = 8
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 FP8_GROUP = 128
-NUM_PHASES = 6
+NUM_PHASES = 7
+_PHASE_GATES = 6  # kPhaseGates: a source's gates are in its gates region (rank partials)
 MAX_COMBINE_CHUNKS = 64
 ERROR_RECORD_WORDS = 8
-PHASE_NAMES = ("counts", "dispatch", "combine", "barrier", "pull", "arrived")
+PHASE_NAMES = ("counts", "dispatch", "combine", "barrier", "pull", "arrived", "gates")
 _ALIGN = 256
 
 
@@ -212,6 +213,9 @@ class NVLinkHandle:
     counts_all: Tensor
     #: ``[L]`` int64 rows of each local expert.
     local_expert_counts: Tensor
+    #: compression.combine "rank_partials": the kPhaseGates epoch of the gates dispatch staged for the
+    #: combine (0: none; the combine then stages the gates it gets).
+    gates_epoch: int = 0
 
 
 _REGISTRY: "weakref.WeakValueDictionary[int, NVLinkDispatcher]" = weakref.WeakValueDictionary()
@@ -346,6 +350,12 @@ class NVLinkDispatcher:
         if ordering == "arrival" and (self.fp8 or pull_combine):
             raise ValueError(f"{where}: arrival ordering moves activation-dtype rows and combines by pushing: "
                              "it runs neither with FP8 dispatch nor with pull_combine")
+        #: compression.combine "rank_partials": each rank sums its rows of a token before they travel
+        #: (see _rank_partials)
+        self.rank_partials = config.compression.combine == "rank_partials"
+        if ordering == "arrival" and self.rank_partials:
+            raise ValueError(f"{where}: compression.combine 'rank_partials' sums in a fixed order; arrival "
+                             'ordering ("deterministic": false) adds rows as they arrive')
         elsize = torch.empty(0, dtype=dtype).element_size()
         if hidden_size * elsize % 16:
             raise ValueError(f"{where}: rows of {hidden_size} x {dtype} are not a multiple of 16 bytes")
@@ -402,7 +412,16 @@ class NVLinkDispatcher:
         #: dispatches whose input-gradient rows the first GEMM's dgrad stored (landed_dgrad); chunked
         #: combines, forward or backward, whose pushing blocks shared one queue (queued)
         self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0, "landed_dgrad": 0,
-                              "queued": 0}
+                              "queued": 0, "rank_partials": 0}
+        self._firsts = (None, None)  # (expert_idx, its first slot per rank) of the last rank-partials combine
+        self._firsts_version = -1
+        # rank partials: the local pair table ([G * pairs_per_rank] int64, made on first use) and its tag,
+        # the kPhaseGates epoch of the gates now in the gates region (0: none, or overwritten since) and
+        # the one the next combine's handle brought
+        self._pair_table = None
+        self._table_epoch = 0
+        self._last_gates_epoch = 0
+        self._next_gates = 0
         #: the pipelined schedule's copy kernels (one per chunk and destination on the copy engines,
         #: one per chunk by SM stores), forward and backward
         self.push_stats = {"copy_engines": 0, "sm_stores": 0}
@@ -786,8 +805,61 @@ class NVLinkDispatcher:
         """Pushing blocks of the chunked combine: ``combine_push_blocks``, or half of ``num_blocks``."""
         return self.combine_push_blocks or max(1, self.num_blocks // 2)
 
+    def _first_slots(self, expert_idx: Tensor) -> Tensor:
+        """``expert_idx`` with every slot but the first of each destination rank dropped (-1): where the
+        rank partials land, summed by ``combine_reduce`` in that order. Kept for the next call with the
+        same tensor (a forward's combine and its dispatch's backward share the routing)."""
+        cached, firsts = self._firsts
+        if cached is expert_idx and cached._version == self._firsts_version:
+            return firsts
+        from .reference import first_slots_of_ranks
+        rank = torch.where(expert_idx >= 0, expert_idx // (self.num_experts // self.ep_size), -1)
+        firsts = torch.where(first_slots_of_ranks(rank), expert_idx, -1).contiguous()
+        self._firsts, self._firsts_version = (expert_idx, firsts), expert_idx._version
+        return firsts
+
+    def _stage_gates(self, gates: Tensor) -> int:
+        """Write ``gates [T, k]`` fp32 into this rank's gates region and raise kPhaseGates on every
+        rank (the expert ranks of a rank-partials combine read them there); returns its epoch. Queued
+        after this rank's dispatch kernels, so every peer has finished reading what the previous
+        combine or backward left there (they have reached this dispatch's counts exchange)."""
+        self.bufs.gates[:gates.numel()].copy_(gates.detach().reshape(-1))
+        e = self._next_epoch(_PHASE_GATES)
+        self.ext.signal_raise(self.bufs.descriptor, _PHASE_GATES, e, self.device.index)
+        self._last_gates_epoch = e
+        return e
+
+    def _rank_partials(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
+                       num_recv: Tensor, T: int) -> Tensor:
+        """compression.combine "rank_partials": each rank sums its rows of a source token (the token's
+        slots on it) in slot order in fp32, times the gates when ``weights`` is given, casts the sum
+        once and stores that one row at the token's first slot on it in the source's combine buffer;
+        the source adds its tokens' rows (one per rank) in the order of those first slots, in fp32,
+        cast once. A token crosses back to a rank once, as the deduplicated dispatch sends it."""
+        gates_epoch, self._next_gates = self._next_gates, 0
+        if weights is not None and not gates_epoch:
+            # Not staged by this routing's dispatch (or overwritten since): staged now, and the expert
+            # ranks wait for them.
+            gates_epoch = self._stage_gates(weights)
+        firsts = self._first_slots(expert_idx)
+        if self._pair_table is None:
+            self._pair_table = torch.zeros(self.ep_size * self.bufs.pairs_per_rank, dtype=torch.int64,
+                                           device=self.device)
+        self._table_epoch = self._table_epoch % 0xFFFFFFFF + 1  # a new tag each call: no reset needed
+        e = self._next_epoch(2)
+        self.ext.combine_partials_push(rows, recv_pair, num_recv, self._pair_table, self._table_epoch, self.k,
+                                       weights is not None, gates_epoch, self.bufs.descriptor, e, *self._wait_args(),
+                                       self.num_blocks)
+        out = rows.new_empty(T, self.hidden_size)
+        self.ext.combine_reduce(firsts, None, self.num_experts, out, self.bufs.descriptor, e, *self._wait_args(),
+                                self.num_blocks)
+        self.combine_stats["rank_partials"] += 1
+        return out
+
     def _push_and_reduce(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
                          num_recv: Tensor, T: int) -> Tensor:
+        if self.rank_partials:
+            return self._rank_partials(rows, weights, expert_idx, recv_pair, num_recv, T)
         # Checked before the epoch moves on, so a refused call leaves the ranks in step.
         chunked = self.combine_chunks and self.ordering != "arrival"
         queue = self._queue_workspace(rows.shape[0]) if chunked and self.combine_push_queue else None
@@ -850,7 +922,7 @@ class NVLinkDispatcher:
     def _combine_fwd(self, y, gates, expert_idx, dest_row, recv_pair, num_recv):
         self._join_fused()
         self.check()
-        if not self._pulls_from(y):
+        if self.rank_partials or not self._pulls_from(y):
             self.combine_stats["pushed"] += 1
             return self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
         out = y.new_empty(expert_idx.shape[0], self.hidden_size)
@@ -910,6 +982,7 @@ class NVLinkDispatcher:
         # products, so y never travels back.
         T = expert_idx.shape[0]
         self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
+        self._last_gates_epoch = 0  # what a dispatch staged there is gone
         e_disp = self._next_epoch(1)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
                                self.direct_descriptor(False, 0), e_disp, self.num_blocks, None, None, self.dedup, False)
@@ -961,8 +1034,11 @@ class NVLinkDispatcher:
                  ) -> Tuple[Tensor, Tensor, NVLinkHandle]:
         """x ``[T, M]`` activation dtype, expert_idx ``[T, k]`` int (-1 dropped) ->
         (recv ``[R, M]`` (``[R_max, M]`` if padded_recv), local_expert_counts ``[L]`` int64, handle).
-        ``gates [T, k]``: the weights the following :meth:`combine` gets; needed (only) with
-        arrival ordering, which stages them for the expert ranks."""
+        ``gates [T, k]``: the weights the following :meth:`combine` gets; needed with arrival
+        ordering, which stages them for the expert ranks; with ``compression.combine``
+        "rank_partials" they are staged for the expert ranks here too, and that combine (given this
+        handle) weights the rows by these gates, not by the ones it is given, so pass it the same
+        (given none here, the combine stages its own and the expert ranks wait for them)."""
         T, k = expert_idx.shape
         x, idx = self.checked_inputs(x, expert_idx)
         staged = None
@@ -973,8 +1049,14 @@ class NVLinkDispatcher:
             staged = gates.detach().to(device=x.device, dtype=torch.float32).contiguous()
         recv, local_counts, dest_row, recv_pair, num_recv, counts_all = _DispatchFn.apply(
             x, idx, staged, self.layer_id)
+        gates_epoch = 0
+        if self.rank_partials and gates is not None:
+            # The combine's expert ranks weight the rows: the gates wait in this rank's gates region.
+            if gates.shape != (T, k):
+                raise ValueError(f"{self.layer_name}: gates must be [{T}, {k}], got {tuple(gates.shape)}")
+            gates_epoch = self._stage_gates(gates.to(device=x.device, dtype=torch.float32))
         handle = NVLinkHandle(expert_idx=idx, dest_row=dest_row, recv_pair=recv_pair, num_recv=num_recv,
-                              counts_all=counts_all, local_expert_counts=local_counts)
+                              counts_all=counts_all, local_expert_counts=local_counts, gates_epoch=gates_epoch)
         return recv, local_counts, handle
 
     def combine(self, y: Tensor, gates: Tensor, handle: NVLinkHandle) -> Tensor:
@@ -985,6 +1067,10 @@ class NVLinkDispatcher:
         if gates.shape != handle.expert_idx.shape:
             raise ValueError(f"{self.layer_name}: gates must be {tuple(handle.expert_idx.shape)}, got "
                              f"{tuple(gates.shape)}")
+        # Rank partials: the gates this handle's dispatch staged, if the region still holds them (the
+        # same on every rank: every rank stages and overwrites in the same order).
+        staged = handle.gates_epoch
+        self._next_gates = staged if staged and staged == self._last_gates_epoch else 0
         return _CombineFn.apply(y.contiguous(), gates.float().contiguous(), handle.expert_idx, handle.dest_row,
                                 handle.recv_pair, handle.num_recv, self.layer_id)
 

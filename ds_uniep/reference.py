@@ -100,17 +100,20 @@ class _GatherPairs(torch.autograd.Function):
     on GPUs orders duplicate indices by arrival."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, pairs: Tensor, k: int) -> Tensor:
-        ctx.save_for_backward(pairs)
+    def forward(ctx, x: Tensor, pairs: Tensor, k: int, slot_rank: Optional[Tensor] = None) -> Tensor:
+        ctx.save_for_backward(pairs, slot_rank)
         ctx.k, ctx.T = k, x.shape[0]
         return x.index_select(0, pairs // k)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (pairs, ) = ctx.saved_tensors
+        pairs, slot_rank = ctx.saved_tensors
         per_pair = grad.new_zeros(ctx.T * ctx.k, grad.shape[1]).index_copy(0, pairs, grad)
+        per_pair = per_pair.view(ctx.T, ctx.k, grad.shape[1])
+        if slot_rank is not None:
+            return rank_partial_sum(per_pair, None, slot_rank, grad.dtype), None, None, None
         ones = grad.new_ones(ctx.T, ctx.k, dtype=torch.float32)
-        return weighted_slot_sum(per_pair.view(ctx.T, ctx.k, grad.shape[1]), ones, grad.dtype), None, None
+        return weighted_slot_sum(per_pair, ones, grad.dtype), None, None, None
 
 
 class DispatchHandle:
@@ -118,6 +121,7 @@ class DispatchHandle:
 
     def __init__(self, layout: Layout, expert_idx: Tensor, capacity: Optional[int]):
         self.layout = layout
+        self.expert_idx = expert_idx
         #: ``[N]`` expert of each sent row (send order); names the padded slot with capacity.
         self.send_expert = expert_idx.reshape(-1).long()[layout.send_pairs]
         self.capacity = capacity
@@ -137,6 +141,36 @@ def weighted_slot_sum(pair_rows: Tensor, gates: Tensor, out_dtype: torch.dtype) 
     return acc.to(out_dtype)
 
 
+def first_slots_of_ranks(slot_rank: Tensor) -> Tensor:
+    """``[T, k]`` bool: slot j is kept (``slot_rank[t, j] >= 0``) and no earlier slot of token t goes
+    to the same rank."""
+    k = slot_rank.shape[1]
+    earlier = torch.ones(k, k, dtype=torch.bool, device=slot_rank.device).tril(-1)  # [j, j'] j' < j
+    repeated = ((slot_rank.unsqueeze(2) == slot_rank.unsqueeze(1)) & earlier).any(2)
+    return ~repeated & (slot_rank >= 0)
+
+
+def rank_partial_sum(pair_rows: Tensor, gates: Optional[Tensor], slot_rank: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """The ``"rank_partials"`` combine (``compression.combine``): for each token and rank, the token's
+    slots on that rank summed in slot order in fp32 (times ``gates`` when given), cast to
+    ``out_dtype``; then those partials added in fp32 in the order of each rank's first slot, cast
+    once. ``pair_rows [T, k, M]``; ``slot_rank [T, k]`` the rank of each slot's expert, -1 dropped.
+    The megakernel's ``combine_partials_push`` and ``combine_reduce`` give the same bits."""
+    T, k, M = pair_rows.shape
+    firsts = first_slots_of_ranks(slot_rank)
+    out = pair_rows.new_zeros(T, M, dtype=torch.float32)
+    for j in range(k):
+        part = pair_rows.new_zeros(T, M, dtype=torch.float32)
+        for jj in range(j, k):
+            term = pair_rows[:, jj].float()
+            if gates is not None:
+                term = gates[:, jj:jj + 1].float() * term
+            same = (firsts[:, j] & (slot_rank[:, jj] == slot_rank[:, j])).unsqueeze(1)
+            part = torch.where(same, part + term, part)
+        out = torch.where(firsts[:, j:j + 1], out + part.to(out_dtype).float(), out)
+    return out.to(out_dtype)
+
+
 class ReferenceDispatcher:
     """Dispatch/combine with ``all_to_all_single``.
 
@@ -147,7 +181,11 @@ class ReferenceDispatcher:
     """
 
     def __init__(self, num_experts: int, ep_size: int, group=None, rank: Optional[int] = None,
-                 dispatch_dtype: str = "activation", pacing=None):
+                 dispatch_dtype: str = "activation", pacing=None, combine: str = "slots"):
+        if combine not in ("slots", "rank_partials"):
+            raise ValueError(f"combine must be 'slots' or 'rank_partials', got {combine!r}")
+        #: compression.combine: "rank_partials" sums each rank's rows of a token first (rank_partial_sum)
+        self.combine_mode = combine
         self.num_experts = num_experts
         self.pacing = pacing
         self.fp8 = dispatch_dtype == "fp8_e4m3"
@@ -167,7 +205,8 @@ class ReferenceDispatcher:
             raise RuntimeError(f"{int(counts.max())} rows routed to one expert exceed the capacity {capacity}")
         layout = build_layout(expert_idx, gather_counts(counts, self.group, self.ep_size), self.rank)
         handle = DispatchHandle(layout, expert_idx, capacity)
-        send = _GatherPairs.apply(x, layout.send_pairs, k)  # [N, M], (destination rank, destination row) order
+        slot_rank = self._slot_rank(expert_idx) if self.combine_mode == "rank_partials" else None
+        send = _GatherPairs.apply(x, layout.send_pairs, k, slot_rank)  # [N, M], (destination rank, row) order
         if self.fp8:
             send = _FP8Dispatch.apply(send)
         if capacity is None:
@@ -202,8 +241,15 @@ class ReferenceDispatcher:
             returned = all_to_all(back, handle.send_splits, handle.recv_splits, self.group, self.pacing)
         else:
             returned = self._padded_return(back, handle, handle.capacity)
-        pair_rows = y.new_zeros(T * k, y.shape[1]).index_copy(0, layout.send_pairs, returned)
-        return weighted_slot_sum(pair_rows.view(T, k, y.shape[1]), gates, y.dtype)
+        pair_rows = y.new_zeros(T * k, y.shape[1]).index_copy(0, layout.send_pairs, returned).view(T, k, y.shape[1])
+        if self.combine_mode == "rank_partials":
+            return rank_partial_sum(pair_rows, gates, self._slot_rank(handle.expert_idx), y.dtype)
+        return weighted_slot_sum(pair_rows, gates, y.dtype)
+
+    def _slot_rank(self, expert_idx: Tensor) -> Tensor:
+        """``[T, k]`` rank of each slot's expert, -1 for a dropped slot."""
+        idx = expert_idx.long()
+        return torch.where(idx >= 0, idx // self.num_local_experts, -1)
 
     def _padded_return(self, back: Tensor, handle: DispatchHandle, C: int) -> Tensor:
         G, L = self.ep_size, self.num_local_experts

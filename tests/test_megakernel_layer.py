@@ -17,7 +17,7 @@ from dist_utils import run_distributed
 
 
 def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False,
-          max_tokens=4096):
+          max_tokens=4096, compression=None):
     """A layer with the same weights on every call (bf16 experts, fp32 gate); SwiGLU experts, or
     GeLU ones with biases (``gelu``); buffers for ``max_tokens`` tokens per rank. At least 2k
     experts, so that with every token's first choice on one expert that expert is crowded."""
@@ -28,7 +28,7 @@ def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="tor
     layer = UniEPMoE(M, expert, num_experts=E, ep_size=world_size, k=k, min_capacity=0,
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                      config={"backend": backend, "max_tokens_per_rank": max_tokens, "deterministic": det,
-                             "expert_gemm": expert_gemm,
+                             "expert_gemm": expert_gemm, "compression": compression or {},
                              "overlap": dict(timeout_s=5.0, **(overlap or {}))})
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + rank)
@@ -137,6 +137,52 @@ def test_megakernel_layer_matches_reference(world_size):
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
     run_distributed(_compare, world_size, backend="nccl")
+
+
+def _compare_rank_partials(rank, world_size):
+    """compression.combine "rank_partials": the megakernel's forward bitwise the reference backend's
+    under it (the same torch GEMMs, the same sums), every tensor repeatable, within bf16 tolerance of
+    the reference (and of the slot-order combine, whose distance is printed); the fused schedule
+    without its epilogues (its combine kernels move the rows) bitwise the sequential one. Every k at
+    ep 2; k 2 and 8 at ep 4."""
+    rp = {"combine": "rank_partials"}
+    device = torch.device("cuda", rank)
+    for k, T, one_expert in [c for c in CASES if world_size == 2 or c[0] in (2, 8)]:  # ep 4: k 2 and 8
+        where = f"rank {rank} k={k} T={T} one_expert={one_expert}"
+        tokens = max(T, 4096)
+        ref = _step(_make(rank, world_size, k, "reference", compression=rp, max_tokens=tokens), rank, T, one_expert)
+        slots = _step(_make(rank, world_size, k, "reference", max_tokens=tokens), rank, T, one_expert)
+        mks = []
+        for _ in range(2):
+            layer = _make(rank, world_size, k, "megakernel", compression=rp, max_tokens=tokens)
+            mks.append(_step(layer, rank, T, one_expert))
+            stats = layer._dispatchers[device].combine_stats
+            assert stats["rank_partials"] == 2, f"{where}: {stats} (a forward combine and a dispatch backward)"
+        assert torch.equal(mks[0][0], ref[0]), f"{where}: forward output differs from the reference's rank partials"
+        worst = 0.0
+        for i, (a, b, c, d) in enumerate(zip(ref, mks[0], mks[1], slots)):
+            assert torch.equal(b, c), f"{where}: tensor {i} of the megakernel not bitwise repeatable"
+            rel = ((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+            assert rel <= 1e-2, f"{where}: tensor {i}: relative error {rel:.3e} against the reference"
+            worst = max(worst, ((b.float() - d.float()).norm() / d.float().norm().clamp_min(1e-30)).item())
+        assert worst <= 2e-2, f"{where}: {worst:.3e} from the slot-order combine"
+        if rank == 0:
+            print(f"rank_partials {where}: largest relative distance to the slot-order combine {worst:.3e}")
+    cases, tokens = [(4096, False), (4096, True)], 4096
+    seq = [_step(_make(rank, world_size, 8, "megakernel", expert_gemm="uniep", compression=rp, max_tokens=tokens),
+                 rank, T, one) for T, one in cases]
+    fused = _make(rank, world_size, 8, "megakernel", expert_gemm="uniep", compression=rp, max_tokens=tokens,
+                  overlap={"schedule": "fused", "epilogue_combine": False, "num_comm_sms": 16})
+    _check_same(fused, rank, cases, seq, "fused without epilogues, rank partials")
+    assert fused._dispatchers[device].fused_stats["fused"] >= 2
+
+
+@needs_gpus(2)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_rank_partials_combine(world_size):
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_distributed(_compare_rank_partials, world_size, backend="nccl")
 
 
 def _compare_route_order(rank, world_size):

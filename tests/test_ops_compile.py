@@ -77,7 +77,7 @@ def test_limits_agree_with_python():
     assert const("kFp8GroupSize") == py("FP8_GROUP")
     assert const("kErrorRecordWords") == py("ERROR_RECORD_WORDS")
     assert const("kMaxCombineChunks") == py("MAX_COMBINE_CHUNKS")
-    assert text.count("kPhase") and "kNumPhases = 6" in text and py("NUM_PHASES") == 6
+    assert text.count("kPhase") and "kNumPhases = 7" in text and py("NUM_PHASES") == 7
 
 
 def test_kernel_headers_are_torch_free():

@@ -29,10 +29,12 @@ class PlanCacheWarning(UserWarning):
     """A cache file exists but is not used (stale or corrupt); the message names the file and why."""
 
 
-def cache_key(shape: Shape, gpu: GPUInfo, backend: str = "megakernel", version: str = __version__) -> Dict[str, Any]:
-    """The fields a cached plan is valid for: GPU name, ep, T, M, F, E, k, dtype, backend, package version."""
+def cache_key(shape: Shape, gpu: GPUInfo, backend: str = "megakernel", version: str = __version__,
+              combine: str = "slots") -> Dict[str, Any]:
+    """The fields a cached plan is valid for: GPU name, ep, T, M, F, E, k, dtype, backend, package version
+    and ``compression.combine`` (which changes what the combine moves)."""
     return {"gpu": gpu.name, "ep": shape.ep, "T": shape.T, "M": shape.M, "F": shape.F, "E": shape.E,
-            "k": shape.k, "dtype": shape.dtype, "backend": backend, "version": version}
+            "k": shape.k, "dtype": shape.dtype, "backend": backend, "version": version, "combine": combine}
 
 
 def cache_path(cache_dir: str, key: Dict[str, Any]) -> str:

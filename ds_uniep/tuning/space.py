@@ -375,7 +375,8 @@ class Space:
 
     def __init__(self, shape: Shape, gpu: GPUInfo, ep: Optional[int] = None, max_tokens_per_rank: int = 8192,
                  allow_numerics_change: bool = False, values: Optional[Mapping[str, Sequence[Any]]] = None,
-                 backend: Optional[str] = None, dispatch_dtype: str = "activation", expert_gemm: str = "torch"):
+                 backend: Optional[str] = None, dispatch_dtype: str = "activation", expert_gemm: str = "torch",
+                 combine: str = "slots"):
         if ep is not None and ep != shape.ep:
             raise ValueError(f"Space: ep={ep} disagrees with the shape's ep={shape.ep}")
         unknown = set(values or {}) - set(DEFAULT_VALUES)
@@ -385,6 +386,10 @@ class Space:
             raise ValueError(f"Space: backend must be None or one of {', '.join(ACTING_KNOBS)}, got {backend!r}")
         _one_of("dispatch_dtype", dispatch_dtype, DISPATCH_DTYPES)
         self.dispatch_dtype = dispatch_dtype
+        _one_of("combine", combine, ("slots", "rank_partials"))
+        #: compression.combine: under "rank_partials" the megakernel runs only plans whose combine kernels
+        #: move the rows (Plan.runs_combine_kernels)
+        self.combine = combine
         #: the layer's grouped GEMM: with "uniep" the pipelined schedule's GEMMs leave num_comm_sms SMs
         #: to its copies (ds_uniep.pipelined.partition)
         self.expert_gemm = expert_gemm
@@ -403,12 +408,14 @@ class Space:
         cfg = UniEPConfig.coerce(config)
         kw.setdefault("dispatch_dtype", cfg.compression.dispatch_dtype)
         kw.setdefault("expert_gemm", cfg.expert_gemm)
+        kw.setdefault("combine", cfg.compression.combine)
         return cls(shape, gpu, shape.ep, cfg.max_tokens_per_rank, cfg.autotune.allow_numerics_change, **kw)
 
     def for_backend(self, backend: Optional[str]) -> "Space":
         """The same shape, GPU and settings, walking what ``backend`` acts on (None: the design space)."""
         return Space(self.shape, self.gpu, self.ep, self.max_tokens_per_rank, self.allow_numerics_change,
-                     backend=backend, dispatch_dtype=self.dispatch_dtype, expert_gemm=self.expert_gemm)
+                     backend=backend, dispatch_dtype=self.dispatch_dtype, expert_gemm=self.expert_gemm,
+                     combine=self.combine)
 
     # ------------------------------------------------------------------ knobs
     def acting_knobs(self) -> Tuple[str, ...]:
@@ -522,6 +529,10 @@ class Space:
             if "fused" not in self.built_schedules():
                 reasons.append('the fused schedule needs ds_uniep\'s grouped GEMM ("expert_gemm": "uniep") and '
                                f"bf16 rows (expert_gemm={self.expert_gemm}, dtype={self.shape.dtype})")
+        if self.combine == "rank_partials" and self.backend == "megakernel" and not plan.runs_combine_kernels():
+            reasons.append("compression.combine 'rank_partials' runs in the combine kernels: the sequential schedule "
+                           f"or the fused one without epilogue_combine (schedule={plan.schedule}, "
+                           f"epilogue_combine={plan.epilogue_combine})")
         if plan.dispatch_dtype == "fp8_e4m3" and self.backend == "megakernel" and s.M % FP8_GROUP:
             reasons.append(f"FP8 rows need the hidden size divisible by {FP8_GROUP}: M={s.M}")
         if plan.dispatch_dtype != self.dispatch_dtype and not self.allow_numerics_change:

@@ -249,7 +249,7 @@ def tune(space: Space, run_plan: RunPlan, *, budget_s: float = 60.0, warmup: int
     cost_model = cost_model if cost_model is not None else estimate_ms
 
     # 1. Cache.
-    key = cache_mod.cache_key(space.shape, space.gpu, backend) if cache_dir is not None else None
+    key = cache_mod.cache_key(space.shape, space.gpu, backend, combine=space.combine) if cache_dir is not None else None
     if key is not None:
         entry = cache_mod.load(cache_dir, key, space) if rank == 0 else None
         entry = _broadcast_from_first(entry, group)

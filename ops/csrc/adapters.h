@@ -62,6 +62,14 @@ void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, t
 // combine_adapter.cpp
 void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t num_blocks);
+// Each source token's rows here summed (slot order, fp32, times the source's gates when weighted, once
+// every rank raised kPhaseGates of gates_epoch), cast once and stored at its first slot here in the
+// source's combine buffer (compression.combine "rank_partials"); table: [G * pairs_per_rank] int64 on
+// the device, this rank's own (zero at first), table_epoch a new value > 0 each call.
+void combine_partials_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                           torch::Tensor& table, int64_t table_epoch, int64_t k, bool weighted, int64_t gates_epoch,
+                           const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                           const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                     int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                     int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);

@@ -14,6 +14,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("recv_copyout", &uniep::recv_copyout, "wait for all rows, copy them (and their source pairs) out");
   // combine: rows back to their sources, reduced in slot order
   m.def("combine_push", &uniep::combine_push, "store every received row back at its source pair");
+  m.def("combine_partials_push", &uniep::combine_partials_push,
+        "sum each source token's rows here in slot order and store one row at its first slot here");
   m.def("combine_reduce", &uniep::combine_reduce, "wait, then sum each token's k rows in slot order in fp32");
   m.def("combine_chunked", &uniep::combine_chunked,
         "push and reduce in one kernel, by chunks of source tokens (same bits as push then reduce)");

@@ -32,7 +32,8 @@ enum SignalPhase : int {
   kPhaseBarrier = 3,   // entry barrier of backward ops
   kPhasePull = 4,      // every rank's expert outputs are in its source region (pulling combine)
   kPhaseArrived = 5,   // fused schedule, local only: word [5][s] says source s's rows are usable here
-  kNumPhases = 6,
+  kPhaseGates = 6,     // a source's gates are in its gates region (combine of rank partials)
+  kNumPhases = 7,
 };
 
 // Chunked combine: a source's tokens fall into at most this many chunks; every rank raises one

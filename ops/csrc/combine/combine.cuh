@@ -15,6 +15,19 @@ namespace uniep {
 cudaError_t launch_combine_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
                                 int hidden, const SymView& sym, uint32_t epoch, int num_blocks, cudaStream_t stream);
 
+// Rank partials (compression.combine "rank_partials"): for each source token with rows here, its
+// rows summed in slot order in fp32, times the source's gate when weighted (read from its gates
+// region, after every rank raised kPhaseGates of gates_epoch), cast once and stored at the token's
+// first slot here in the source's combine buffer. table [G * pairs_per_rank] uint64, this rank's
+// own, zero at first: entry pair = (table_epoch << 32) | row, rewritten here for the first
+// min(R, y_rows) rows (table_epoch > 0, a new one each call, so no reset is needed). The last block
+// raises kPhaseCombine of epoch on every rank; launch_combine_reduce then sums each token's rows at
+// the first slot of each rank (an expert_idx with the other slots dropped), unweighted.
+cudaError_t launch_combine_partials_push(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
+                                         int y_rows, uint64_t* table, uint32_t table_epoch, int k, int hidden,
+                                         bool weighted, uint32_t gates_epoch, const SymView& sym, uint32_t epoch,
+                                         const WaitPolicy& wait, int num_blocks, cudaStream_t stream);
+
 // Waits for kPhaseCombine of every rank, then
 // out[t] = cast(sum over j = 0..k-1 with expert_idx[t, j] kept of w[t, j] * float(comb[t * k + j])),
 // fp32, left to right; w = weights [T, k] fp32, or 1 when weights is null (the backward

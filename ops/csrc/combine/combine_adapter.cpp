@@ -56,6 +56,27 @@ void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const 
                                          c10::cuda::getCurrentCUDAStream()));
 }
 
+void combine_partials_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
+                           torch::Tensor& table, int64_t table_epoch, int64_t k, bool weighted, int64_t gates_epoch,
+                           const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
+                           const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
+  const SymView s = check_rows_back(y, recv_pair, num_recv, sym);
+  UNIEP_CHECK_INPUT(table);
+  UNIEP_CHECK_DTYPE(table, torch::kInt64);
+  TORCH_CHECK(table.numel() >= s.num_ranks * s.pairs_per_rank, "the pair table holds ", table.numel(),
+              " entries, fewer than the ", s.num_ranks * s.pairs_per_rank, " pair codes");
+  TORCH_CHECK(k >= 1 && s.pairs_per_rank % k == 0, "k = ", k, " does not divide the ", s.pairs_per_rank,
+              " pairs per rank");
+  TORCH_CHECK(table_epoch > 0 && table_epoch <= 0xffffffffLL, "table_epoch must be in 1..2^32-1, got ", table_epoch);
+  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
+  const c10::cuda::CUDAGuard guard(y.device());
+  UNIEP_CHECK_LAUNCH(launch_combine_partials_push(
+      dtype_of(y), y.data_ptr(), recv_pair.data_ptr<int>(), num_recv.data_ptr<int>(), static_cast<int>(y.size(0)),
+      reinterpret_cast<uint64_t*>(table.data_ptr<int64_t>()), static_cast<uint32_t>(table_epoch),
+      static_cast<int>(k), static_cast<int>(y.size(1)), weighted, static_cast<uint32_t>(gates_epoch), s,
+      static_cast<uint32_t>(epoch), w, static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
+}
+
 void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                     int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                     int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
