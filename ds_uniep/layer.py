@@ -643,11 +643,9 @@ class UniEPMoE(MoE):
         backend, and the megakernel's combine kernels (the sequential schedule, the fused one without
         epilogue_combine) in layout order; elsewhere it raises rather than run the slots' sums
         (HybridEP raises when it is built)."""
-        if cfg.compression.combine != "rank_partials":
+        if cfg.compression.combine != "rank_partials" or backend != "megakernel":
             return
         where = f"{self.layer_name}: compression.combine 'rank_partials'"
-        if backend != "megakernel":
-            return
         from .tuning.space import Plan
         o = cfg.overlap
         if not Plan(schedule=o.schedule, epilogue_combine=o.epilogue_combine).runs_combine_kernels():

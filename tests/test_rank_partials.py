@@ -138,6 +138,9 @@ def test_tuning_space_keeps_rank_partials_in_the_combine_kernels():
         assert slots.check(plan) is None
     plans = space.enumerate()
     assert plans and all(p.runs_combine_kernels() for p in plans)
+    # the combine's chunks and queue are not read under it: one value each
+    assert len({(p.combine_chunks, p.combine_queue) for p in plans}) == 1
+    assert len({(p.combine_chunks, p.combine_queue) for p in slots.enumerate()}) > 1
     assert space.digest() != slots.digest()
     assert cache_key(shape, h200, combine="rank_partials") != cache_key(shape, h200)
     with pytest.raises(ValueError, match="combine"):

@@ -36,7 +36,10 @@ Two kinds of space:
   ``expert_gemm: "uniep"``) the tuner keeps as configured rather than walks
   (:data:`KEPT_KNOBS`; left unset, the GEMM picks its tiles itself and the fused
   dispatch waits per run of tiles; :meth:`Plan.apply` keeps them unset).
-  The reference backend acts on ``dispatch_dtype`` only.
+  The reference backend acts on ``dispatch_dtype`` only. Under ``compression.combine``
+  "rank_partials" (``Space(combine=...)``) the megakernel's plans keep to the schedules whose
+  combine kernels move the rows, and ``combine_chunks`` and ``combine_queue``, which that
+  combine does not read, take one value.
 """
 
 import dataclasses
@@ -468,6 +471,9 @@ class Space:
                   "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES,
                   "fused_dispatch": (True, False), "epilogue_combine": (True, False), "roles": ROLES,
                   "combine_chunks": BACKEND_COMBINE_CHUNKS, "combine_queue": (False, True)}
+        if self.combine == "rank_partials":  # its combine pushes, then sums: neither knob is read
+            base = self.baseline()
+            walked["combine_chunks"], walked["combine_queue"] = (base.combine_chunks,), (base.combine_queue,)
         out = {k: (v,) for k, v in self.fixed_knobs().items()}
         out.update({k: walked[k] for k in ACTING_KNOBS[self.backend]})
         return {k: out[k] for k in DEFAULT_VALUES}
