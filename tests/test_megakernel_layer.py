@@ -7,7 +7,9 @@ bf16 tolerance. Megakernel runs must be bitwise identical to each other. The
 arrival-ordered megakernel (``"deterministic": false``) must agree to bf16 tolerance.
 The pipelined and fused schedules must equal the sequential one bit for bit, for every chunk
 count and number of communication SMs, and so must the sequential schedule with its dispatch
-queued before the rest of the gate (the default) and after it.
+queued before the rest of the gate (the default) and after it. Under ``compression.combine``
+"rank_partials" both backends sum a token's rows per rank first, so forward outputs again agree
+bit for bit (gradients to bf16 tolerance).
 """
 import pytest
 import torch
