@@ -413,8 +413,8 @@ class NVLinkDispatcher:
         #: combines, forward or backward, whose pushing blocks shared one queue (queued)
         self.combine_stats = {"pulled": 0, "pushed": 0, "pipelined": 0, "landed": 0, "landed_dgrad": 0,
                               "queued": 0, "rank_partials": 0}
-        self._firsts = (None, None)  # (expert_idx, its first slot per rank) of the last rank-partials combine
-        self._firsts_version = -1
+        # (expert_idx, its version, its first slot per rank) of the last rank-partials combine
+        self._firsts = (None, -1, None)
         # rank partials: the local pair table ([G * pairs_per_rank] int64, made on first use) and its tag,
         # the kPhaseGates epoch of the gates now in the gates region (0: none, or overwritten since) and
         # the one the next combine's handle brought
@@ -809,13 +809,13 @@ class NVLinkDispatcher:
         """``expert_idx`` with every slot but the first of each destination rank dropped (-1): where the
         rank partials land, summed by ``combine_reduce`` in that order. Kept for the next call with the
         same tensor (a forward's combine and its dispatch's backward share the routing)."""
-        cached, firsts = self._firsts
-        if cached is expert_idx and cached._version == self._firsts_version:
+        cached, version, firsts = self._firsts
+        if cached is expert_idx and version == expert_idx._version:
             return firsts
-        from .reference import first_slots_of_ranks
-        rank = torch.where(expert_idx >= 0, expert_idx // (self.num_experts // self.ep_size), -1)
+        from .reference import first_slots_of_ranks, slot_ranks
+        rank = slot_ranks(expert_idx, self.num_experts // self.ep_size)
         firsts = torch.where(first_slots_of_ranks(rank), expert_idx, -1).contiguous()
-        self._firsts, self._firsts_version = (expert_idx, firsts), expert_idx._version
+        self._firsts = (expert_idx, expert_idx._version, firsts)
         return firsts
 
     def _stage_gates(self, gates: Tensor) -> int:
@@ -823,7 +823,7 @@ class NVLinkDispatcher:
         rank (the expert ranks of a rank-partials combine read them there); returns its epoch. Queued
         after this rank's dispatch kernels, so every peer has finished reading what the previous
         combine or backward left there (they have reached this dispatch's counts exchange)."""
-        self.bufs.gates[:gates.numel()].copy_(gates.detach().reshape(-1))
+        self.bufs.gates[:gates.numel()].view(gates.shape).copy_(gates.detach())  # one copy: dtype and layout
         e = self._next_epoch(_PHASE_GATES)
         self.ext.signal_raise(self.bufs.descriptor, _PHASE_GATES, e, self.device.index)
         self._last_gates_epoch = e
@@ -1054,7 +1054,7 @@ class NVLinkDispatcher:
             # The combine's expert ranks weight the rows: the gates wait in this rank's gates region.
             if gates.shape != (T, k):
                 raise ValueError(f"{self.layer_name}: gates must be [{T}, {k}], got {tuple(gates.shape)}")
-            gates_epoch = self._stage_gates(gates.to(device=x.device, dtype=torch.float32))
+            gates_epoch = self._stage_gates(gates)
         handle = NVLinkHandle(expert_idx=idx, dest_row=dest_row, recv_pair=recv_pair, num_recv=num_recv,
                               counts_all=counts_all, local_expert_counts=local_counts, gates_epoch=gates_epoch)
         return recv, local_counts, handle

@@ -141,6 +141,12 @@ def weighted_slot_sum(pair_rows: Tensor, gates: Tensor, out_dtype: torch.dtype) 
     return acc.to(out_dtype)
 
 
+def slot_ranks(expert_idx: Tensor, experts_per_rank: int) -> Tensor:
+    """``[T, k]`` rank of each slot's expert (experts split evenly, ``experts_per_rank`` each), -1 for
+    a dropped slot; ``expert_idx``'s dtype."""
+    return torch.where(expert_idx >= 0, expert_idx // experts_per_rank, -1)
+
+
 def first_slots_of_ranks(slot_rank: Tensor) -> Tensor:
     """``[T, k]`` bool: slot j is kept (``slot_rank[t, j] >= 0``) and no earlier slot of token t goes
     to the same rank."""
@@ -205,7 +211,7 @@ class ReferenceDispatcher:
             raise RuntimeError(f"{int(counts.max())} rows routed to one expert exceed the capacity {capacity}")
         layout = build_layout(expert_idx, gather_counts(counts, self.group, self.ep_size), self.rank)
         handle = DispatchHandle(layout, expert_idx, capacity)
-        slot_rank = self._slot_rank(expert_idx) if self.combine_mode == "rank_partials" else None
+        slot_rank = slot_ranks(expert_idx, self.num_local_experts) if self.combine_mode == "rank_partials" else None
         send = _GatherPairs.apply(x, layout.send_pairs, k, slot_rank)  # [N, M], (destination rank, row) order
         if self.fp8:
             send = _FP8Dispatch.apply(send)
@@ -243,13 +249,8 @@ class ReferenceDispatcher:
             returned = self._padded_return(back, handle, handle.capacity)
         pair_rows = y.new_zeros(T * k, y.shape[1]).index_copy(0, layout.send_pairs, returned).view(T, k, y.shape[1])
         if self.combine_mode == "rank_partials":
-            return rank_partial_sum(pair_rows, gates, self._slot_rank(handle.expert_idx), y.dtype)
+            return rank_partial_sum(pair_rows, gates, slot_ranks(handle.expert_idx, self.num_local_experts), y.dtype)
         return weighted_slot_sum(pair_rows, gates, y.dtype)
-
-    def _slot_rank(self, expert_idx: Tensor) -> Tensor:
-        """``[T, k]`` rank of each slot's expert, -1 for a dropped slot."""
-        idx = expert_idx.long()
-        return torch.where(idx >= 0, idx // self.num_local_experts, -1)
 
     def _padded_return(self, back: Tensor, handle: DispatchHandle, C: int) -> Tensor:
         G, L = self.ep_size, self.num_local_experts

@@ -79,6 +79,11 @@ def _two_steps(layer, rank):
     return outs + [x.grad for x in xs] + [p.grad for p in layer.parameters()]
 
 
+def _rel(got, want):
+    """Relative distance of ``got`` from ``want`` (Frobenius norms, fp32)."""
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+
+
 def _tiles_ran(config):
     """Assert that every grouped GEMM since the last clear ran ``config`` (the bits cannot show it)."""
     from ds_uniep.gemm import TILE_RUNS
@@ -128,7 +133,7 @@ def _compare(rank, world_size):
         for i, (a, b, c) in enumerate(zip(ref, mk1, mk2)):
             assert torch.equal(b, c), f"{where}: tensor {i} of the megakernel not bitwise repeatable"
             for mine, what in ((b, "megakernel"), (arrival[i], "arrival-ordered megakernel")):
-                rel = ((mine.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+                rel = _rel(mine, a)
                 assert rel <= 1e-2, f"{where}: tensor {i} of the {what}: relative error {rel:.3e} against " \
                                     "the reference"
 
@@ -164,9 +169,9 @@ def _compare_rank_partials(rank, world_size):
         worst = 0.0
         for i, (a, b, c, d) in enumerate(zip(ref, mks[0], mks[1], slots)):
             assert torch.equal(b, c), f"{where}: tensor {i} of the megakernel not bitwise repeatable"
-            rel = ((b.float() - a.float()).norm() / a.float().norm().clamp_min(1e-30)).item()
+            rel = _rel(b, a)
             assert rel <= 1e-2, f"{where}: tensor {i}: relative error {rel:.3e} against the reference"
-            worst = max(worst, ((b.float() - d.float()).norm() / d.float().norm().clamp_min(1e-30)).item())
+            worst = max(worst, _rel(b, d))
         assert worst <= 2e-2, f"{where}: {worst:.3e} from the slot-order combine"
         if rank == 0:
             print(f"rank_partials {where}: largest relative distance to the slot-order combine {worst:.3e}")
