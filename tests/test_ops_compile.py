@@ -218,3 +218,58 @@ def _build_outcome_body(rank, world_size, fail_rank0):
 def test_a_failed_build_on_local_rank_0_reaches_every_rank(fail_rank0):
     from dist_utils import run_distributed
     run_distributed(_build_outcome_body, 2, fail_rank0)
+
+
+def test_combine_chunking_matches_python():
+    """ops/csrc/combine/chunking.cuh (the chunked combine's chunks, host and device code) run on
+    the host, against NVLinkDispatcher.combine_chunk_bounds and the chunk each token falls in
+    by those bounds, with and without the last chunk cut in halves."""
+    import bisect
+    from types import SimpleNamespace
+
+    from ds_uniep.megakernel import NVLinkDispatcher
+
+    nvcc = _nvcc()
+    if nvcc is None:
+        if os.environ.get("UNIEP_REQUIRE_NVCC"):
+            pytest.fail("nvcc not found but UNIEP_REQUIRE_NVCC is set")
+        pytest.skip("nvcc not found (set CUDA_HOME or put nvcc on the PATH)")
+    # (max_tokens, combine_chunks, combine_min_chunk_tokens, combine_tail_split): tail splits past
+    # what the chunk's tokens or the 64-chunk limit allow are cut down by combine_tail.
+    cases = [(2048, 4, 256, 0), (2048, 4, 1, 2), (2048, 4, 1, 3), (4096, 7, 1, 4), (19, 16, 256, 3),
+             (19, 16, 1, 9), (1000, 3, 1, 20), (8192, 64, 1, 2), (8192, 60, 1, 9), (4096, 16, 256, 1)]
+    dispatchers = []
+    for max_tokens, chunks, min_tokens, split in cases:
+        d = SimpleNamespace(max_tokens=max_tokens, combine_chunks=chunks, combine_min_chunk_tokens=min_tokens,
+                            combine_tail_split=split)
+        d.combine_chunking = lambda d=d: NVLinkDispatcher.combine_chunking(d)
+        d.combine_tail = lambda d=d: NVLinkDispatcher.combine_tail(d)
+        d.combine_chunk_bounds = lambda d=d: NVLinkDispatcher.combine_chunk_bounds(d)
+        dispatchers.append(d)
+    params = [(*d.combine_chunking(), d.combine_tail()) for d in dispatchers]
+    assert params[1] == (512, 4, 2) and params[5] == (2, 10, 1) and params[7] == (128, 64, 0)
+    assert params[8][2] == 4  # 60 chunks: four cuts fit under 64
+    src = '#include <cstdio>\n#include "combine/chunking.cuh"\nint main() {\n'
+    for tokens, uniform, split in params:
+        src += (f"  {{ const uniep::Chunking ch{{{tokens}, {uniform}, {split}}};\n"
+                "    for (int c = 0; c <= ch.count(); ++c) std::printf(\"%d \", ch.begin(c));\n"
+                "    std::printf(\"|\");\n"
+                "    for (int t = 0; t < ch.uniform * ch.tokens; ++t) std::printf(\" %d\", ch.of(t));\n"
+                "    std::printf(\"\\n\"); }\n")
+    src += "  return 0;\n}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        unit, exe = os.path.join(tmp, "chunking.cu"), os.path.join(tmp, "chunking")
+        open(unit, "w").write(src)
+        r = subprocess.run([nvcc, "-std=c++17", "-I", CSRC, unit, "-o", exe], capture_output=True, text=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        lines = subprocess.run([exe], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert len(lines) == len(cases)
+    for d, (tokens, uniform, split), line in zip(dispatchers, params, lines):
+        begins, of = line.split("|")
+        bounds = d.combine_chunk_bounds()
+        assert [int(v) for v in begins.split()] == bounds, (tokens, uniform, split)
+        assert len(bounds) == uniform + split + 1 and bounds[0] == 0 and bounds[-1] == uniform * tokens
+        assert all(a < b for a, b in zip(bounds, bounds[1:])), bounds  # no empty chunk
+        cut = [b - a for a, b in zip(bounds, bounds[1:])][uniform - 1:]  # the last chunk, cut split times
+        assert cut == [(tokens >> j) - (tokens >> (j + 1)) for j in range(split)] + [tokens >> split], cut
+        assert [int(v) for v in of.split()] == [bisect.bisect_right(bounds, t) - 1 for t in range(uniform * tokens)]
