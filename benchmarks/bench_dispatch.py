@@ -52,23 +52,20 @@ PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
 
 def parse_variant(text):
-    """``"C/R/L/S[/q][/tN]"`` -> a COMBINE_VARIANTS entry (R 0 and S 0 mean the dispatcher's
-    defaults; ``/q``: the pushing warps share one queue, ``combine_push_queue``; ``/tN``: the last
-    chunk cut N times into halves, ``combine_tail_split``)."""
+    """``"C/R/L/S[/q]"`` -> a COMBINE_VARIANTS entry (R 0 and S 0 mean the dispatcher's defaults;
+    a trailing ``/q``: the pushing warps share one queue, ``combine_push_queue``)."""
     fields = text.split("/")
-    queue = len(fields) > 4 and fields[4] == "q"
-    tail_field = fields[4 + queue] if len(fields) == 5 + queue else None
+    queue = len(fields) == 5 and fields[4] == "q"
     try:
-        if len(fields) not in (4 + queue, 5 + queue) or (tail_field is not None and not tail_field.startswith("t")):
+        if len(fields) != 4 + queue:
             raise ValueError
         chunks, reducers, lead, share = int(fields[0]), int(fields[1]), int(fields[2]), float(fields[3])
-        tail = int(tail_field[1:]) if tail_field is not None else 0
     except ValueError:
-        raise SystemExit(f"--combine-variants: {text!r} is not chunks/reduce_blocks/push_lead/push_share[/q][/tN], "
-                         "e.g. 16/0/2/0.5, 16/0/2/0.5/q or 4/0/2/0.5/q/t2") from None
-    if chunks < 0 or reducers < 0 or lead < 0 or tail < 0 or not 0 <= share <= 1:
+        raise SystemExit(f"--combine-variants: {text!r} is not chunks/reduce_blocks/push_lead/push_share[/q], "
+                         "e.g. 16/0/2/0.5 or 16/0/2/0.5/q") from None
+    if chunks < 0 or reducers < 0 or lead < 0 or not 0 <= share <= 1:
         raise SystemExit(f"--combine-variants: {text!r} has a negative count or a share outside [0, 1]")
-    return chunks, reducers or None, lead, share or None, queue, tail
+    return chunks, reducers or None, lead, share or None, queue
 
 
 def _median_over_ranks(times, device):
@@ -148,15 +145,13 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--combine-variants", nargs="+", metavar="C/R/L/S[/q][/tN]",
+    p.add_argument("--combine-variants", nargs="+", metavar="C/R/L/S[/q]",
                    help="combine variants to time instead of the built-in list: chunks/reduce blocks (0: one per "
-                        "SM)/push lead/pushing blocks as a share of num_blocks (0: the default half), /q for "
-                        "the pushing warps' shared queue and /tN to cut the last chunk N times into halves, e.g. "
-                        "16/0/2/0.4, 16/0/2/0.5/q or 4/0/2/0.5/q/t2")
+                        "SM)/push lead/pushing blocks as a share of num_blocks (0: the default half), and /q for "
+                        "the pushing warps' shared queue, e.g. 16/0/2/0.4 or 16/0/2/0.5/q")
     p.add_argument("--out", default="bench_dispatch.json")
     a = p.parse_args()
-    variants = ([v + (0,) for v in COMBINE_VARIANTS] if not a.combine_variants
-                else [parse_variant(v) for v in a.combine_variants])
+    variants = COMBINE_VARIANTS if not a.combine_variants else [parse_variant(v) for v in a.combine_variants]
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -249,26 +244,23 @@ def main():
             put("combine", lambda: disp.combine(y, gates, h))
             results["combine_default_chunking"] = list(disp.combine_chunking())  # (tokens per chunk, chunks)
             default = (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
-                       disp.combine_push_blocks, disp.combine_push_queue, disp.combine_tail_split)
+                       disp.combine_push_blocks, disp.combine_push_queue)
             first = combine_first = disp.combine(y, gates, h)
             results["combine_variants"] = {}
             min_chunk = disp.combine_min_chunk_tokens
             disp.combine_min_chunk_tokens = 1  # a variant's chunk count is what it says
-            for chunks, reducers, lead, share, queue, tail in variants:
+            for chunks, reducers, lead, share, queue in variants:
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
                 disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
-                disp.combine_push_queue, disp.combine_tail_split = queue, tail
+                disp.combine_push_queue = queue
                 pushers = disp.combine_pushers()
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
-                key = f"{chunks}/{reducers}/{lead}/{pushers}" + ("/queue" if queue else "")
-                key += f"/t{tail}" if tail else ""
-                results["combine_variants"][key] = {
+                results["combine_variants"][f"{chunks}/{reducers}/{lead}/{pushers}" + ("/queue" if queue else "")] = {
                     "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "push_blocks": pushers,
-                    "push_queue": queue, "tail_split": disp.combine_tail(), "chunk_bounds": disp.combine_chunk_bounds(),
-                    "ms": ms, "queued_ms": queued_ms, "bitwise_equal": same}
+                    "push_queue": queue, "ms": ms, "queued_ms": queued_ms, "bitwise_equal": same}
             (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
-             disp.combine_push_blocks, disp.combine_push_queue, disp.combine_tail_split) = default
+             disp.combine_push_blocks, disp.combine_push_queue) = default
             disp.combine_min_chunk_tokens = min_chunk
             # Pulling: the expert outputs sit in every rank's source region, each source reads its rows.
             src = disp.combine_source(y.shape[0])
@@ -329,8 +321,7 @@ def main():
     rows += [(f"combine bf16 ({v['chunks']} chunks, {v['push_blocks']}/"
               f"{v['reduce_blocks'] or 'default'} push/reduce blocks, "
               f"{'lead ' + str(v['push_lead']) if v['push_lead'] else 'by chunk'}"
-              f"{', one queue' if v['push_queue'] else ''}"
-              f"{', tail cut ' + str(v['tail_split']) + 'x' if v.get('tail_split') else ''})"
+              f"{', one queue' if v['push_queue'] else ''})"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)
              for v in results["combine_variants"].values()]
     rows += [(f"combine bf16 (pull, {blocks} block{'s' if blocks > 1 else ''} per SM)", results[f"{key}_ms"],

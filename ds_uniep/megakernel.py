@@ -270,10 +270,6 @@ class NVLinkDispatcher:
             store faster push more rows and none is left pushing alone at the end
             (``combine_push_lead`` is then unused). Its pushing blocks must all be resident at once
             (at most two per SM; more are refused). The output bits are the same either way.
-        combine_tail_split: (default 0) the chunked combine cuts its last chunk this many times
-            into halves (tokens / 2, / 4, ..., and two of tokens >> n; at most what the chunk's
-            tokens and the 64-chunk limit allow), so that a source has fewer tokens left to sum
-            once the last rows arrive (:meth:`combine_chunk_bounds`). The same bits either way.
         combine_push_blocks: pushing blocks of the chunked combine; default half of
             ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
             quarter or all of them at ep 2 and 4).
@@ -309,7 +305,7 @@ class NVLinkDispatcher:
                  num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: Optional[int] = None,
                  combine_reduce_blocks: Optional[int] = None, combine_push_lead: int = 2,
                  combine_push_blocks: Optional[int] = None, combine_min_chunk_tokens: int = 256,
-                 combine_push_queue: Optional[bool] = None, combine_tail_split: int = 0, pull_combine: bool = False,
+                 combine_push_queue: Optional[bool] = None, pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
                  dedup: bool = True, fused_dedup: bool = True):
         config = UniEPConfig.coerce(config)
@@ -343,8 +339,6 @@ class NVLinkDispatcher:
             raise ValueError(f"{where}: combine_min_chunk_tokens = {combine_min_chunk_tokens} must be at least 1")
         if combine_push_lead < 0:
             raise ValueError(f"{where}: combine_push_lead = {combine_push_lead} must be at least 0")
-        if combine_tail_split < 0:
-            raise ValueError(f"{where}: combine_tail_split = {combine_tail_split} must be at least 0")
         if combine_push_blocks is not None and combine_push_blocks < 1:
             raise ValueError(f"{where}: combine_push_blocks = {combine_push_blocks} must be at least 1")
         if combine_reduce_blocks is not None and combine_reduce_blocks < 1:
@@ -377,7 +371,6 @@ class NVLinkDispatcher:
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self.combine_chunks = combine_chunks
         self.combine_min_chunk_tokens = combine_min_chunk_tokens
-        self.combine_tail_split = combine_tail_split
         self.gate_grad_on_experts = gate_grad_on_experts
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
@@ -788,33 +781,11 @@ class NVLinkDispatcher:
     def combine_chunking(self) -> Tuple[int, int]:
         """(source tokens per chunk, chunks) of the chunked combine: the same on every rank, since
         they depend on ``max_tokens_per_rank`` only, not on this call's tokens. (0, 0) with
-        ``combine_chunks`` 0 (push, then reduce). ``combine_tail_split`` then cuts the last chunk
-        (:meth:`combine_chunk_bounds`)."""
+        ``combine_chunks`` 0 (push, then reduce)."""
         if not self.combine_chunks:
             return 0, 0
         chunk_tokens = max(-(-self.max_tokens // self.combine_chunks), self.combine_min_chunk_tokens)
         return chunk_tokens, -(-self.max_tokens // chunk_tokens)
-
-    def combine_tail(self) -> int:
-        """How many times the chunked combine cuts its last chunk in halves: ``combine_tail_split``,
-        at most what the chunk's tokens and the chunk limit allow (the same on every rank)."""
-        chunk_tokens, num_chunks = self.combine_chunking()
-        if not chunk_tokens:
-            return 0
-        return max(0, min(self.combine_tail_split, chunk_tokens.bit_length() - 1, MAX_COMBINE_CHUNKS - num_chunks))
-
-    def combine_chunk_bounds(self) -> list:
-        """First source token of every chunk of the chunked combine, and the end (``[]`` with
-        ``combine_chunks`` 0): chunks of ``combine_chunking()[0]`` tokens, the last one cut
-        ``combine_tail()`` times into halves (tokens / 2, / 4, ..., and two of tokens >> split), so
-        that the sum left after the last rows arrive is smaller. What the kernel computes."""
-        tokens, uniform = self.combine_chunking()
-        if not tokens:
-            return []
-        split, last = self.combine_tail(), uniform - 1
-        bounds = [c * tokens for c in range(uniform)]
-        bounds += [last * tokens + tokens - (tokens >> j) for j in range(1, split + 1)]
-        return bounds + [uniform * tokens]
 
     def _queue_workspace(self, rows: int) -> Tensor:
         """The chunked combine's queue workspace, large enough for this call's pushing blocks and
@@ -906,8 +877,7 @@ class NVLinkDispatcher:
             chunk_tokens, num_chunks = self.combine_chunking()
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
                                      self.bufs.descriptor, e, *self._wait_args(), self.combine_pushers(),
-                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_tail(),
-                                     self.combine_push_lead, queue)
+                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead, queue)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,

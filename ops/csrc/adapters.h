@@ -75,14 +75,13 @@ void combine_reduce(const torch::Tensor& expert_idx, const c10::optional<torch::
                     int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 // combine_push then combine_reduce as one kernel pipelined by chunks of source tokens: the
 // same output bits. num_blocks blocks push and reduce_blocks more sum; chunk_tokens * num_chunks covers the
-// largest token count of any rank and num_chunks is the same on every rank; tail_split > 0 cuts the last
-// chunk into halves that many times (launch_combine_chunked).
+// largest token count of any rank and num_chunks is the same on every rank.
 void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
                      const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
-                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t tail_split,
-                     int64_t push_lead, const c10::optional<torch::Tensor>& queue);
+                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
+                     const c10::optional<torch::Tensor>& queue);
 // int32 words of combine_chunked's queue workspace for num_blocks pushing blocks and rows rows.
 int64_t combine_queue_size(int64_t num_blocks, int64_t rows);
 // Pulling combine: out [T, M] from every rank's source region (source: kMaxRanks region bases).

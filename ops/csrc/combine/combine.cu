@@ -1,5 +1,4 @@
 #include "../common.cuh"
-#include "chunking.cuh"
 #include "combine.cuh"
 
 namespace uniep {
@@ -452,11 +451,10 @@ __device__ __forceinline__ void queue_chunk_stored(const SymView& s, int* q, int
 
 template <typename T>
 __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ recv_pair, int R, int k,
-                              const Chunking& ch, int segs, int num_vecs, int hidden, const SymView& s,
+                              int chunk_tokens, int num_chunks, int segs, int num_vecs, int hidden, const SymView& s,
                               uint32_t epoch, int P, int* q, int* chunk_fill, int* chunk_begin, int* chunk_total) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int num_chunks = ch.count();
   int* counts = q + kQueueCounts;
   int* order = counts + static_cast<int64_t>(P) * kMaxCombineChunks;
   const int64_t granules = (static_cast<int64_t>(R) + kPushGranule - 1) / kPushGranule;
@@ -466,7 +464,7 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
            i % kPushGranule;
   };
   auto chunk_of = [&](int64_t r) {
-    return ch.of(static_cast<int>(__ldg(recv_pair + r) % s.pairs_per_rank / k));
+    return static_cast<int>(__ldg(recv_pair + r) % s.pairs_per_rank / k / chunk_tokens);
   };
   for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) chunk_fill[c] = 0;
   __syncthreads();
@@ -532,8 +530,8 @@ template <typename T, bool kWeighted, int kSlots>
 __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
-    int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, Chunking ch, int list_cap,
-    int push_lead, int* __restrict__ queue, T* __restrict__ out) {
+    int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
+    int list_cap, int push_lead, int* __restrict__ queue, T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
   constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
   constexpr int kPushThreads = kPushWarps * 32;
@@ -553,9 +551,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   const int num_vecs = hidden / kElems;
   const int segs = (num_vecs + kCombineSegVecs - 1) / kCombineSegVecs;
   const int P = gridDim.x - reduce_blocks;
-  const int num_chunks = ch.count();
   if (blockIdx.x < P && queue != nullptr) {
-    push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, ch, segs, num_vecs, hidden, s,
+    push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, chunk_tokens, num_chunks, segs, num_vecs, hidden, s,
                      epoch, P, queue, chunk_fill, chunk_begin, chunk_total);
     return;
   }
@@ -569,7 +566,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
              i % kPushGranule;
     };
     auto chunk_of = [&](int64_t r) {
-      return ch.of(static_cast<int>(__ldg(recv_pair + r) % s.pairs_per_rank / k));
+      return static_cast<int>(__ldg(recv_pair + r) % s.pairs_per_rank / k / chunk_tokens);
     };
     for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) chunk_fill[c] = chunk_done[c] = 0;
     if (threadIdx.x == 0) chunks_signalled = 0;
@@ -634,8 +631,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
           const int64_t r = base + threadIdx.x;
           if (r < R) {
             const int64_t slot = __ldg(recv_pair + r) % s.pairs_per_rank;
-            if (ch.of(static_cast<int>(slot / k)) == c)
-              list[atomicAdd(&list_len, 1)] = static_cast<int>(r);  // any order
+            if (slot / k / chunk_tokens == c) list[atomicAdd(&list_len, 1)] = static_cast<int>(r);  // any order
           }
           named_barrier_sync(1, kPushThreads);
           const int items = list_len * segs;
@@ -658,7 +654,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   }
   const int q = blockIdx.x - P;
   const CombRows rows = comb_rows(s);
-  const int my_chunks = num_tokens > 0 ? ch.of(num_tokens - 1) + 1 : 0;
+  const int my_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
   for (int c = 0; c < my_chunks; ++c) {
     if (threadIdx.x == 0) flag_shared = 1;
     __syncthreads();
@@ -667,8 +663,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
       atomicAnd(&flag_shared, 0);
     __syncthreads();
     if (!flag_shared) return;
-    const int t0 = ch.begin(c);
-    const int items = (min(ch.begin(c + 1), num_tokens) - t0) * segs;
+    const int t0 = c * chunk_tokens;
+    const int items = min(chunk_tokens, num_tokens - t0) * segs;
     for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += reduce_blocks * kWarpsPerCopyBlock) {
       const int seg = item % segs;
       reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
@@ -957,14 +953,12 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, int tail_split, int push_lead, int* queue,
-                                   int64_t queue_words_given, cudaStream_t stream) {
+                                   int num_chunks, int push_lead, int* queue, int64_t queue_words_given,
+                                   cudaStream_t stream) {
   if (queue != nullptr && queue_words_given < queue_words(num_blocks, y_rows)) return cudaErrorInvalidValue;
-  if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 || tail_split < 0 ||
-      tail_split > 30 || (chunk_tokens >> tail_split) < 1 || num_chunks + tail_split > kMaxCombineChunks ||
-      static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens || push_lead < 0)
+  if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 ||
+      num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens || push_lead < 0)
     return cudaErrorInvalidValue;
-  const Chunking ch{chunk_tokens, num_chunks, tail_split};
   // A sorting block's share of y's rows: whole granules, every num_blocks-th one.
   const int64_t granules = (static_cast<int64_t>(y_rows) + kPushGranule - 1) / kPushGranule;
   const int64_t list_cap = push_lead > 0 ? (granules + num_blocks - 1) / num_blocks * kPushGranule : 0;
@@ -983,7 +977,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
         }
         combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
-            num_tokens, k, hidden, num_experts, reduce_blocks, ch, cap, push_lead, queue,
+            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead, queue,
             static_cast<T*>(out));
       });
     });

@@ -37,10 +37,7 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
                                   int num_experts, void* out, int num_blocks, cudaStream_t stream);
 
 // launch_combine_push and launch_combine_reduce in one kernel, pipelined by chunks of source
-// tokens (chunk c: tokens [c * chunk_tokens, (c + 1) * chunk_tokens); with tail_split > 0 the last
-// of the num_chunks chunks is cut into tail_split + 1 chunks of chunk_tokens / 2, / 4, ...,
-// and two of chunk_tokens >> tail_split, so that less is left to sum after the last rows arrive;
-// num_chunks + tail_split <= kMaxCombineChunks): num_blocks blocks push
+// tokens (chunk c: tokens [c * chunk_tokens, (c + 1) * chunk_tokens)): num_blocks blocks push
 // chunk after chunk and raise each chunk's flag on every rank when it is stored; reduce_blocks
 // more blocks sum a chunk once every rank's flag for it is up. The same output bits as
 // push then reduce. num_chunks (<= kMaxCombineChunks) must be the same on every rank (it covers
@@ -57,7 +54,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, int tail_split, int push_lead, int* queue, int64_t queue_words,
+                                   int num_chunks, int push_lead, int* queue, int64_t queue_words,
                                    cudaStream_t stream);
 // Words of the queue workspace for num_blocks pushing blocks and y_rows rows.
 int64_t combine_queue_words(int num_blocks, int y_rows);
