@@ -270,6 +270,11 @@ class NVLinkDispatcher:
             store faster push more rows and none is left pushing alone at the end
             (``combine_push_lead`` is then unused). Its pushing blocks must all be resident at once
             (at most two per SM; more are refused). The output bits are the same either way.
+        combine_queue_gpu_fence: (default off) with the queue, a pushing warp that moves past a chunk
+            fences at GPU scope before it counts the chunk's rows, and only the warp that completes
+            the chunk fences at system scope before raising its flags on every rank (correct by the
+            PTX memory model's causality order; one system fence per chunk instead of one per warp).
+            The bits are the same either way.
         combine_push_blocks: pushing blocks of the chunked combine; default half of
             ``num_blocks`` (in ``bench_dispatch.py`` on H200s, with the sorted walk, faster than a
             quarter or all of them at ep 2 and 4).
@@ -305,7 +310,8 @@ class NVLinkDispatcher:
                  num_blocks: Optional[int] = None, direct_receive: bool = True, combine_chunks: Optional[int] = None,
                  combine_reduce_blocks: Optional[int] = None, combine_push_lead: int = 2,
                  combine_push_blocks: Optional[int] = None, combine_min_chunk_tokens: int = 256,
-                 combine_push_queue: Optional[bool] = None, pull_combine: bool = False,
+                 combine_push_queue: Optional[bool] = None, combine_queue_gpu_fence: bool = False,
+                 pull_combine: bool = False,
                  pull_blocks: Optional[int] = None, gate_grad_on_experts: bool = True, ordering: str = "layout",
                  dedup: bool = True, fused_dedup: bool = True):
         config = UniEPConfig.coerce(config)
@@ -371,6 +377,7 @@ class NVLinkDispatcher:
         self.num_blocks = num_blocks or torch.cuda.get_device_properties(self.device).multi_processor_count
         self.combine_chunks = combine_chunks
         self.combine_min_chunk_tokens = combine_min_chunk_tokens
+        self.combine_queue_gpu_fence = combine_queue_gpu_fence
         self.gate_grad_on_experts = gate_grad_on_experts
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
@@ -877,7 +884,8 @@ class NVLinkDispatcher:
             chunk_tokens, num_chunks = self.combine_chunking()
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
                                      self.bufs.descriptor, e, *self._wait_args(), self.combine_pushers(),
-                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead, queue)
+                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead, queue,
+                                     self.combine_queue_gpu_fence)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,

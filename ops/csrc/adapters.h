@@ -81,7 +81,7 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
                      int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
-                     const c10::optional<torch::Tensor>& queue);
+                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence);
 // int32 words of combine_chunked's queue workspace for num_blocks pushing blocks and rows rows.
 int64_t combine_queue_size(int64_t num_blocks, int64_t rows);
 // Pulling combine: out [T, M] from every rank's source region (source: kMaxRanks region bases).

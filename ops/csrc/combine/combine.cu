@@ -434,14 +434,21 @@ __device__ __forceinline__ bool queue_barrier(int* q, int bar, int P, const SymV
 }
 
 // A pushing warp's `n` segments of chunk c are stored: fence, count them, and raise the chunk's
-// flag on every rank if they complete it (`total`: the chunk's segments).
+// flag on every rank if they complete it (`total`: the chunk's segments). gpu_fence: the warp's
+// fence before its count is GPU-scoped (a release to the warps of this GPU); the warp that completes
+// the chunk still fences at system scope before its release of the flags, and by the PTX memory
+// model's causality (release gpu -> acquire gpu -> release sys -> acquire sys on the peer) the peer
+// that sees the flag sees every warp's rows.
 __device__ __forceinline__ void queue_chunk_stored(const SymView& s, int* q, int c, int n, int total, int lane,
-                                                   uint32_t epoch) {
+                                                   uint32_t epoch, bool gpu_fence) {
   if (n == 0) return;
   __syncwarp();  // the lanes' stores before lane 0's fence
   bool last = false;
   if (lane == 0) {
-    __threadfence_system();
+    if (gpu_fence)
+      __threadfence();
+    else
+      __threadfence_system();
     last = atomicAdd(q + kQueueDone + c, n) + n == total;
     if (last) __threadfence_system();  // every warp's stores (seen through the count) before the flags
   }
@@ -452,7 +459,8 @@ __device__ __forceinline__ void queue_chunk_stored(const SymView& s, int* q, int
 template <typename T>
 __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ recv_pair, int R, int k,
                               int chunk_tokens, int num_chunks, int segs, int num_vecs, int hidden, const SymView& s,
-                              uint32_t epoch, int P, int* q, int* chunk_fill, int* chunk_begin, int* chunk_total) {
+                              uint32_t epoch, int P, int* q, int* chunk_fill, int* chunk_begin, int* chunk_total,
+                              bool gpu_fence) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   int* counts = q + kQueueCounts;
@@ -515,7 +523,7 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
     for (int item = first; item < last; ++item) {
       const int at = item / segs;
       if (at >= chunk_begin[c + 1]) {
-        queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch);
+        queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch, gpu_fence);
         pending = 0;
         while (at >= chunk_begin[c + 1]) ++c;
       }
@@ -523,7 +531,7 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
       ++pending;
     }
   }
-  queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch);
+  queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch, gpu_fence);
 }
 
 template <typename T, bool kWeighted, int kSlots>
@@ -531,7 +539,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
     int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
-    int list_cap, int push_lead, int* __restrict__ queue, T* __restrict__ out) {
+    int list_cap, int push_lead, int* __restrict__ queue, bool queue_gpu_fence, T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
   constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
   constexpr int kPushThreads = kPushWarps * 32;
@@ -553,7 +561,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   const int P = gridDim.x - reduce_blocks;
   if (blockIdx.x < P && queue != nullptr) {
     push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, chunk_tokens, num_chunks, segs, num_vecs, hidden, s,
-                     epoch, P, queue, chunk_fill, chunk_begin, chunk_total);
+                     epoch, P, queue, chunk_fill, chunk_begin, chunk_total, queue_gpu_fence);
     return;
   }
   if (blockIdx.x < P && list_cap > 0) {
@@ -954,7 +962,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
                                    int num_chunks, int push_lead, int* queue, int64_t queue_words_given,
-                                   cudaStream_t stream) {
+                                   bool queue_gpu_fence, cudaStream_t stream) {
   if (queue != nullptr && queue_words_given < queue_words(num_blocks, y_rows)) return cudaErrorInvalidValue;
   if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 ||
       num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens || push_lead < 0)
@@ -978,7 +986,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
         combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
             num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead, queue,
-            static_cast<T*>(out));
+            queue_gpu_fence, static_cast<T*>(out));
       });
     });
   });

@@ -49,13 +49,15 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
 // combine_queue_words(num_blocks, y_rows); null: none): the pushing blocks sort all rows by chunk
 // into one order and every pushing warp takes its next segments from one cursor, so faster blocks
 // push more (push_lead is then unused); zero when allocated, each launch leaves it ready for the
-// next (stream-ordered launches may share it). The bits are the same.
+// next (stream-ordered launches may share it); queue_gpu_fence: its pushing warps fence at GPU
+// scope before counting a chunk's rows, and only the warp that completes a chunk fences at system
+// scope before raising its flags. The bits are the same.
 cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
                                    int num_chunks, int push_lead, int* queue, int64_t queue_words,
-                                   cudaStream_t stream);
+                                   bool queue_gpu_fence, cudaStream_t stream);
 // Words of the queue workspace for num_blocks pushing blocks and y_rows rows.
 int64_t combine_queue_words(int num_blocks, int y_rows);
 

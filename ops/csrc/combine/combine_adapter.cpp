@@ -99,7 +99,7 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
                      int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
-                     const c10::optional<torch::Tensor>& queue) {
+                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence) {
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(recv_pair);
   UNIEP_CHECK_INPUT(num_recv);
@@ -132,7 +132,7 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
       s, static_cast<uint32_t>(epoch), w, expert_idx.data_ptr<int>(), wp, static_cast<int>(out.size(0)),
       static_cast<int>(expert_idx.size(1)), static_cast<int>(out.size(1)), static_cast<int>(num_experts),
       out.data_ptr(), static_cast<int>(num_blocks), static_cast<int>(reduce_blocks), static_cast<int>(chunk_tokens),
-      static_cast<int>(num_chunks), static_cast<int>(push_lead), qp, q_words,
+      static_cast<int>(num_chunks), static_cast<int>(push_lead), qp, q_words, queue_gpu_fence,
       c10::cuda::getCurrentCUDAStream()));
 }
 
