@@ -52,22 +52,22 @@ PULL_VARIANTS = [("combine_pull", 2), ("combine_pull_1x", 1)]
 
 
 def parse_variant(text):
-    """``"C/R/L/S[/q[/g]]"`` -> a COMBINE_VARIANTS entry (R 0 and S 0 mean the dispatcher's defaults;
-    ``/q``: the pushing warps share one queue, ``combine_push_queue``; ``/q/g``: with GPU-scoped
-    fences per warp, ``combine_queue_gpu_fence``)."""
+    """``"C/R/L/S[/q[/s]]"`` -> a COMBINE_VARIANTS entry (R 0 and S 0 mean the dispatcher's defaults;
+    ``/q``: the pushing warps share one queue, ``combine_push_queue``, each fencing at GPU scope;
+    ``/q/s``: each fencing at system scope, ``combine_queue_gpu_fence=False``)."""
     fields = text.split("/")
     queue = len(fields) >= 5 and fields[4] == "q"
-    gpu_fence = queue and len(fields) == 6 and fields[5] == "g"
+    sys_fence = queue and len(fields) == 6 and fields[5] == "s"
     try:
-        if len(fields) != 4 + queue + gpu_fence:
+        if len(fields) != 4 + queue + sys_fence:
             raise ValueError
         chunks, reducers, lead, share = int(fields[0]), int(fields[1]), int(fields[2]), float(fields[3])
     except ValueError:
-        raise SystemExit(f"--combine-variants: {text!r} is not chunks/reduce_blocks/push_lead/push_share[/q[/g]], "
-                         "e.g. 16/0/2/0.5, 16/0/2/0.5/q or 16/0/2/0.5/q/g") from None
+        raise SystemExit(f"--combine-variants: {text!r} is not chunks/reduce_blocks/push_lead/push_share[/q[/s]], "
+                         "e.g. 16/0/2/0.5, 16/0/2/0.5/q or 16/0/2/0.5/q/s") from None
     if chunks < 0 or reducers < 0 or lead < 0 or not 0 <= share <= 1:
         raise SystemExit(f"--combine-variants: {text!r} has a negative count or a share outside [0, 1]")
-    return chunks, reducers or None, lead, share or None, queue, gpu_fence
+    return chunks, reducers or None, lead, share or None, queue, sys_fence
 
 
 def _median_over_ranks(times, device):
@@ -147,11 +147,11 @@ def main():
     p.add_argument("--topk", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--combine-variants", nargs="+", metavar="C/R/L/S[/q[/g]]",
+    p.add_argument("--combine-variants", nargs="+", metavar="C/R/L/S[/q[/s]]",
                    help="combine variants to time instead of the built-in list: chunks/reduce blocks (0: one per "
                         "SM)/push lead/pushing blocks as a share of num_blocks (0: the default half), and /q for "
-                        "the pushing warps' shared queue (/q/g: its warps fence at GPU scope), e.g. 16/0/2/0.4 "
-                        "or 16/0/2/0.5/q")
+                        "the pushing warps' shared queue (/q/s: its warps fence at system scope), e.g. "
+                        "16/0/2/0.4 or 16/0/2/0.5/q")
     p.add_argument("--out", default="bench_dispatch.json")
     a = p.parse_args()
     variants = ([v + (False,) for v in COMBINE_VARIANTS] if not a.combine_variants
@@ -253,18 +253,18 @@ def main():
             results["combine_variants"] = {}
             min_chunk = disp.combine_min_chunk_tokens
             disp.combine_min_chunk_tokens = 1  # a variant's chunk count is what it says
-            for chunks, reducers, lead, share, queue, gpu_fence in variants:
+            for chunks, reducers, lead, share, queue, sys_fence in variants:
                 disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead = chunks, reducers, lead
                 disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
-                disp.combine_push_queue, disp.combine_queue_gpu_fence = queue, gpu_fence
+                disp.combine_push_queue, disp.combine_queue_gpu_fence = queue, not sys_fence
                 pushers = disp.combine_pushers()
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
                 key = f"{chunks}/{reducers}/{lead}/{pushers}" + ("/queue" if queue else "")
-                key += "/gpu" if gpu_fence else ""
+                key += "/sys" if sys_fence else ""
                 results["combine_variants"][key] = {
                     "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "push_blocks": pushers,
-                    "push_queue": queue, "queue_gpu_fence": gpu_fence, "ms": ms, "queued_ms": queued_ms,
+                    "push_queue": queue, "queue_sys_fence": sys_fence, "ms": ms, "queued_ms": queued_ms,
                     "bitwise_equal": same}
             (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
              disp.combine_push_blocks, disp.combine_push_queue, disp.combine_queue_gpu_fence) = default
@@ -328,7 +328,7 @@ def main():
     rows += [(f"combine bf16 ({v['chunks']} chunks, {v['push_blocks']}/"
               f"{v['reduce_blocks'] or 'default'} push/reduce blocks, "
               f"{'lead ' + str(v['push_lead']) if v['push_lead'] else 'by chunk'}"
-              f"{', one queue' if v['push_queue'] else ''}{', GPU fences' if v.get('queue_gpu_fence') else ''})"
+              f"{', one queue' if v['push_queue'] else ''}{', system fences' if v.get('queue_sys_fence') else ''})"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)
              for v in results["combine_variants"].values()]
     rows += [(f"combine bf16 (pull, {blocks} block{'s' if blocks > 1 else ''} per SM)", results[f"{key}_ms"],
