@@ -20,7 +20,8 @@ import sys
 
 # What a setting may change (attributes NVLinkDispatcher reads at each call).
 SETTABLE = ("own_rows_whole", "combine_chunks", "combine_min_chunk_tokens", "combine_push_lead",
-            "combine_push_blocks", "combine_reduce_blocks", "combine_push_queue", "pull_blocks")
+            "combine_push_blocks", "combine_reduce_blocks", "combine_push_queue", "combine_queue_gpu_fence",
+            "pull_blocks")
 
 
 def parse_setting(text):
