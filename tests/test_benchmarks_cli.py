@@ -62,9 +62,11 @@ def test_bench_dispatcher_settings_parses_literals():
 def test_bench_dispatch_parses_combine_variants():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_dispatch import parse_variant
-    assert parse_variant("16/0/2/0.5") == (16, None, 2, 0.5, False)
-    assert parse_variant("8/33/1/0/q") == (8, 33, 1, None, True)
-    for bad in ("16/0/2", "16/0/2/0.5/x", "16/0/2/0.5/q/q", "a/0/2/0.5", "16/0/2/1.5"):
+    assert parse_variant("16/0/2/0.5") == (16, None, 2, 0.5, False, False)
+    assert parse_variant("8/33/1/0/q") == (8, 33, 1, None, True, False)  # the queue's default GPU fences
+    assert parse_variant("8/0/2/0.5/q/s") == (8, None, 2, 0.5, True, True)  # system fences per warp
+    for bad in ("16/0/2", "16/0/2/0.5/x", "16/0/2/0.5/q/q", "a/0/2/0.5", "16/0/2/1.5", "16/0/2/0.5/s",
+                "16/0/2/0.5/q/g", "16/0/2/0.5/q/s/s"):
         with pytest.raises(SystemExit, match="--combine-variants"):
             parse_variant(bad)
 
