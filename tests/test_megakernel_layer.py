@@ -11,6 +11,8 @@ queued before the rest of the gate (the default) and after it. Under ``compressi
 "rank_partials" both backends sum a token's rows per rank first, so forward outputs again agree
 bit for bit (gradients to bf16 tolerance).
 """
+import time
+
 import pytest
 import torch
 
@@ -222,8 +224,15 @@ def test_early_dispatch_is_bitwise_the_late_one(world_size):
     run_distributed(_compare_route_order, world_size, backend="nccl")
 
 
+def _progress(rank, world_size, what, t0):
+    """Rank 0 says how far a long comparison got (seen with ``pytest -s``, also when a time limit stops it)."""
+    if rank == 0:
+        print(f"[ep {world_size}] {what} done, {time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def _compare_schedules(rank, world_size):
     # One layer per (k, schedule), run on every token count: layers are built len(CASES) times less.
+    t0 = time.perf_counter()
     for k in (1, 2, 6, 8):
         cases, big = _cases(k)
         seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, max_tokens=big)
@@ -235,6 +244,7 @@ def _compare_schedules(rank, world_size):
             _check_same(layer, rank, cases, want, f"k={k} chunks={chunks}")
             stats = next(iter(layer._dispatchers.values())).combine_stats
             assert stats["pipelined"] == len(cases) and stats["pushed"] == 0, f"k={k} chunks={chunks}: {stats}"
+        _progress(rank, world_size, f"pipelined, torch's GEMM, k={k}", t0)
     # ds_uniep's GEMM: the pipelined schedule's chunks run it on the SMs num_comm_sms leaves, and
     # their rows travel by SM stores; the bits are still the sequential schedule's (on all SMs).
     for k in (2, 8):
@@ -262,6 +272,7 @@ def _compare_schedules(rank, world_size):
         _check_same(layer, rank, cases, want, f"k={k} {overlap}")
         assert next(iter(layer._dispatchers.values())).combine_stats["pipelined"] == len(cases)
         _tiles_ran("coop256x128")
+        _progress(rank, world_size, f"pipelined, ds_uniep's GEMM, k={k}", t0)
 
 
 @needs_gpus(2)
@@ -278,6 +289,7 @@ def _compare_fused(rank, world_size):
     # ds_uniep's GEMM in both; the fused schedule's first GEMM starts each (source, expert) run of
     # rows when that source's rows are there. Wider rows than the other tests (M 1024), so the
     # dispatch takes long enough for the GEMM to start on early sources while later ones travel.
+    t0 = time.perf_counter()
     for k in (1, 2, 6, 8):
         cases, big = _cases(k)
         seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
@@ -375,6 +387,7 @@ def _compare_fused(rank, world_size):
             d = next(iter(layer._dispatchers.values()))
             assert d.fused_stats == {"fused": len(cases), "sequential": 0}, d.fused_stats
             assert (d.combine_stats["landed"], d.combine_stats["landed_dgrad"]) == (len(cases), len(cases))
+        _progress(rank, world_size, f"fused, k={k}", t0)
 
 
 @needs_gpus(2)
