@@ -104,6 +104,13 @@ def _check_same(layer, rank, cases, want, where):
                                       "the sequential schedule"
 
 
+def _on_gpus(body, world_size):
+    """``body(rank, world_size)`` on ``world_size`` GPUs over NCCL (skipped where fewer are here)."""
+    if torch.cuda.device_count() < world_size:
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    run_distributed(body, world_size, backend="nccl")
+
+
 def _run(rank, world_size, k, T, one_expert, backend, det=True, overlap=None):
     layer = _make(rank, world_size, k, backend, det, overlap, max_tokens=max(T, 4096))
     res = _step(layer, rank, T, one_expert)
@@ -143,9 +150,7 @@ def _compare(rank, world_size):
 @needs_gpus(2)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_megakernel_layer_matches_reference(world_size):
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    run_distributed(_compare, world_size, backend="nccl")
+    _on_gpus(_compare, world_size)
 
 
 def _compare_rank_partials(rank, world_size):
@@ -189,9 +194,7 @@ def _compare_rank_partials(rank, world_size):
 @needs_gpus(2)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_rank_partials_combine(world_size):
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    run_distributed(_compare_rank_partials, world_size, backend="nccl")
+    _on_gpus(_compare_rank_partials, world_size)
 
 
 def _compare_route_order(rank, world_size):
@@ -219,9 +222,7 @@ def test_early_dispatch_is_bitwise_the_late_one(world_size):
     the gate and the experts' stacking, against it queued after them; k 2-8, 1 to 4096 tokens (at
     k 1 DeepSpeed's top-1 gate is called whole: both paths are one, the test checks that no
     dispatch was queued early)."""
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    run_distributed(_compare_route_order, world_size, backend="nccl")
+    _on_gpus(_compare_route_order, world_size)
 
 
 def _progress(rank, world_size, what, t0):
@@ -280,9 +281,7 @@ def _compare_schedules(rank, world_size):
 def test_pipelined_schedule_is_bitwise_the_sequential_one(world_size):
     """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens (8192 at k 8), all tokens
     to one expert, 1 to 4 chunks (one per local expert)."""
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    run_distributed(_compare_schedules, world_size, backend="nccl")
+    _on_gpus(_compare_schedules, world_size)
 
 
 def _compare_fused(rank, world_size):
@@ -397,6 +396,4 @@ def test_fused_schedule_is_bitwise_the_sequential_one(world_size):
     tokens to one expert, 8 and 20 communication SMs in partitioned roles and interleaved roles (the default, which
     the cases that name no roles run: two forwards before their backwards, tile sizes, GeLU experts,
     flattened experts), each signal granularity; every forward ran fused."""
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    run_distributed(_compare_fused, world_size, backend="nccl")
+    _on_gpus(_compare_fused, world_size)
