@@ -70,6 +70,53 @@ def parse_variant(text):
     return chunks, reducers or None, lead, share or None, queue, sys_fence
 
 
+def summarize_trace(words, grid, pushers, num_chunks, block_words, max_chunks):
+    """One chunked combine's timeline (``NVLinkDispatcher.combine_trace``'s words: %globaltimer ns,
+    0 where nothing was stamped) as microseconds from the first block's start: when the last
+    pushing and reducing blocks started, when the last pushing block had sorted its rows, when the
+    first and last pushing blocks finished, when each chunk's flags were raised, seen by the last
+    reducing block and summed by it, and when the last block ended. None where not stamped."""
+    rows = [words[b * block_words:(b + 1) * block_words] for b in range(grid)]
+    t0 = min(r[0] for r in rows)
+
+    def last(values):
+        values = list(values)
+        return (max(values) - t0) / 1e3 if values and all(values) else None
+
+    push, red = rows[:pushers], rows[pushers:]
+    flags = words[grid * block_words:grid * block_words + num_chunks]
+    return {"push_started": last(r[0] for r in push), "reduce_started": last(r[0] for r in red),
+            "sorted": last(r[2] for r in push),
+            "push_end_first": (min(r[1] for r in push) - t0) / 1e3 if all(r[1] for r in push) else None,
+            "push_end": last(r[1] for r in push),
+            "chunk_raised": [(f - t0) / 1e3 if f else None for f in flags],
+            "chunk_seen": [last(r[3 + c] for r in red) for c in range(num_chunks)],
+            "chunk_summed": [last(r[3 + max_chunks + c] for r in red) for c in range(num_chunks)],
+            "end": last(r[1] for r in rows)}
+
+
+def median_trace(summaries):
+    """Field by field (list fields element by element) median of summarize_trace results; None
+    where any run has None."""
+    def med(values):
+        return None if any(v is None for v in values) else statistics.median(values)
+
+    first = summaries[0]
+    return {key: [med([s[key][i] for s in summaries]) for i in range(len(first[key]))]
+            if isinstance(first[key], list) else med([s[key] for s in summaries]) for key in first}
+
+
+def trace_line(t):
+    """A short text form of a median_trace result."""
+    def f(v):
+        return "-" if v is None else f"{v:.1f}"
+
+    return (f"started {f(t['push_started'])}/{f(t['reduce_started'])} (push/reduce), sorted {f(t['sorted'])}, "
+            f"push end {f(t['push_end_first'])}-{f(t['push_end'])}, flags raised "
+            f"[{', '.join(f(v) for v in t['chunk_raised'])}], last chunk seen {f(t['chunk_seen'][-1])}, "
+            f"end {f(t['end'])} us")
+
+
 def _median_over_ranks(times, device):
     t = torch.tensor(times, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank bounds a collective step
@@ -140,6 +187,28 @@ def peer_copy_gbps(nbytes, iters, device):
     return float(out[0])
 
 
+def traced_combine(disp, fn, runs, pushers, device):
+    """median_trace of ``runs`` runs of fn (a chunked combine) with disp's combine timeline on, each
+    started like a queued timing (a GPU spin, then a GPU-side barrier)."""
+    grid = pushers + (disp.combine_reduce_blocks or disp.num_blocks)
+    ext = disp.ext
+    block_words, max_chunks = ext.combine_trace_size(1) - ext.combine_trace_size(0), ext.combine_trace_size(0)
+    trace = torch.zeros(ext.combine_trace_size(grid), dtype=torch.int64, device=device)
+    summaries = []
+    for _ in range(runs):
+        trace.zero_()
+        dist.barrier()
+        torch.cuda.synchronize(device)
+        disp.combine_trace = trace
+        queued_start(1.0)()
+        fn()
+        disp.combine_trace = None
+        torch.cuda.synchronize(device)
+        summaries.append(summarize_trace(trace.tolist(), grid, pushers, disp.combine_chunking()[1], block_words,
+                                         max_chunks))
+    return median_trace(summaries)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -152,6 +221,9 @@ def main():
                         "SM)/push lead/pushing blocks as a share of num_blocks (0: the default half), and /q for "
                         "the pushing warps' shared queue (/q/s: its warps fence at system scope), e.g. "
                         "16/0/2/0.4 or 16/0/2/0.5/q")
+    p.add_argument("--trace", type=int, default=0, metavar="N",
+                   help="also run each combine variant N more times with its timeline recorded (%%globaltimer "
+                        "stamps) and report the median of each stamp (rank 0's)")
     p.add_argument("--out", default="bench_dispatch.json")
     a = p.parse_args()
     variants = ([v + (False,) for v in COMBINE_VARIANTS] if not a.combine_variants
@@ -258,6 +330,7 @@ def main():
                 disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
                 disp.combine_push_queue, disp.combine_queue_gpu_fence = queue, not sys_fence
                 pushers = disp.combine_pushers()
+                disp.combine_queue_opts = lead if queue else 0
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
                 key = f"{chunks}/{reducers}/{lead}/{pushers}" + ("/queue" if queue else "")
@@ -266,6 +339,10 @@ def main():
                     "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "push_blocks": pushers,
                     "push_queue": queue, "queue_sys_fence": sys_fence, "ms": ms, "queued_ms": queued_ms,
                     "bitwise_equal": same}
+                if a.trace and chunks:
+                    results["combine_variants"][key]["trace"] = traced_combine(
+                        disp, lambda: disp.combine(y, gates, h), a.trace, pushers, dev)
+                disp.combine_queue_opts = 0
             (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
              disp.combine_push_blocks, disp.combine_push_queue, disp.combine_queue_gpu_fence) = default
             disp.combine_min_chunk_tokens = min_chunk
@@ -368,6 +445,11 @@ def main():
         for r in table:
             print(f"{r['op']:48s} {r['ms']:11.3f} {pct(r['of_peer_copy'])} {r['vs_nccl']:6.2f} "
                   f"{r['queued_ms']:10.3f} {pct(r['queued_of_peer_copy'])} {r['queued_vs_nccl']:6.2f}")
+        if a.trace:
+            print(f"combine timelines (rank 0, median of {a.trace} runs, us from the first block's start):")
+            for key, v in results["combine_variants"].items():
+                if "trace" in v:
+                    print(f"  {key}: {trace_line(v['trace'])}")
     dist.barrier()
     dist.destroy_process_group()
     failed = [f"combine variant {name}" for name, v in results["combine_variants"].items() if not v["bitwise_equal"]]

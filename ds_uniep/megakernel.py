@@ -379,6 +379,11 @@ class NVLinkDispatcher:
         self.combine_chunks = combine_chunks
         self.combine_min_chunk_tokens = combine_min_chunk_tokens
         self.combine_queue_gpu_fence = combine_queue_gpu_fence
+        # An int64 CUDA tensor of at least ext.combine_trace_size(pushing + reducing blocks) words, zeroed
+        # by its owner, makes the chunked combine record its timeline there (%globaltimer stamps, ns; read
+        # by benchmarks/bench_dispatch.py --trace). None: no stamps.
+        self.combine_trace: Optional[Tensor] = None
+        self.combine_queue_opts = 0  # experiment: 1 counts read in parallel; (opts & 6) claim 4/2/8/16
         self.gate_grad_on_experts = gate_grad_on_experts
         self.ordering = ordering
         self.dedup = dedup and not self.fp8
@@ -885,8 +890,9 @@ class NVLinkDispatcher:
             chunk_tokens, num_chunks = self.combine_chunking()
             self.ext.combine_chunked(rows, recv_pair, num_recv, expert_idx, weights, self.num_experts, out,
                                      self.bufs.descriptor, e, *self._wait_args(), self.combine_pushers(),
-                                     reduce_blocks, chunk_tokens, num_chunks, self.combine_push_lead, queue,
-                                     self.combine_queue_gpu_fence)
+                                     reduce_blocks, chunk_tokens, num_chunks,
+                                     self.combine_queue_opts if queue is not None else self.combine_push_lead, queue,
+                                     self.combine_queue_gpu_fence, self.combine_trace)
             return out
         self.ext.combine_push(rows, recv_pair, num_recv, self.bufs.descriptor, e, nb)
         self.ext.combine_reduce(expert_idx, weights, self.num_experts, out, self.bufs.descriptor, e,

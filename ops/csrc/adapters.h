@@ -81,9 +81,12 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
                      int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
-                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence);
+                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence,
+                     const c10::optional<torch::Tensor>& trace);
 // int32 words of combine_chunked's queue workspace for num_blocks pushing blocks and rows rows.
 int64_t combine_queue_size(int64_t num_blocks, int64_t rows);
+// int64 words of combine_chunked's optional timeline for a grid of `grid` blocks (pushing and reducing).
+int64_t combine_trace_size(int64_t grid);
 // Pulling combine: out [T, M] from every rank's source region (source: kMaxRanks region bases).
 void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                   const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,

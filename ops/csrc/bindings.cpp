@@ -20,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_chunked", &uniep::combine_chunked,
         "push and reduce in one kernel, by chunks of source tokens (same bits as push then reduce)");
   m.def("combine_queue_size", &uniep::combine_queue_size, "int32 words of combine_chunked's queue workspace");
+  m.def("combine_trace_size", &uniep::combine_trace_size, "int64 words of combine_chunked's optional timeline");
   m.def("combine_pull", &uniep::combine_pull,
         "raise and wait for every rank's pull signal, then sum each token's rows read from the ranks' source regions");
   m.def("combine_mirror", &uniep::combine_mirror,

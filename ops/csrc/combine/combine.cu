@@ -285,6 +285,25 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_pull_kernel(SymView s
                                        hidden / Vec<T>::kElems, lane, out);
 }
 
+// The chunked combine's optional timeline (trace != nullptr; the caller zeroes it first): %globaltimer
+// stamps in ns. Block b's words from b * kTraceBlockWords: [0] its start, [1] its end (a pushing
+// block: its last warp's), [2] a pushing block's rows sorted (queue: past the second barrier), and
+// a reducing block's [3 + c] chunk c's flags seen, [3 + kMaxCombineChunks + c] chunk c summed. After
+// the blocks' words, [c]: when chunk c's flags were raised.
+constexpr int kTraceBlockWords = 3 + 2 * kMaxCombineChunks;
+
+__host__ __device__ __forceinline__ int64_t trace_words(int grid) {
+  return static_cast<int64_t>(grid) * kTraceBlockWords + kMaxCombineChunks;
+}
+
+__device__ __forceinline__ void trace_block(unsigned long long* trace, int word) {
+  if (trace != nullptr) trace[static_cast<int64_t>(blockIdx.x) * kTraceBlockWords + word] = global_timer_ns();
+}
+
+__device__ __forceinline__ void trace_chunk_raised(unsigned long long* trace, int c) {
+  if (trace != nullptr) trace[static_cast<int64_t>(gridDim.x) * kTraceBlockWords + c] = global_timer_ns();
+}
+
 // One segment (kCombineSegVecs vectors) of expert-output row `row` stored into its source's
 // combine buffer at the pair's slot, by one warp.
 template <typename T>
@@ -315,7 +334,7 @@ __device__ __forceinline__ void push_segment(const T* __restrict__ y, const int*
 // ordered before this call): a system fence, then the block that arrives last at the chunk's
 // counter raises the chunk's flag on every rank.
 __device__ __forceinline__ void signal_chunk_pushed(const SymView& s, int c, int pushing_blocks, int lane,
-                                                    uint32_t epoch) {
+                                                    uint32_t epoch, unsigned long long* trace) {
   bool last = false;
   if (lane == 0) {
     __threadfence_system();
@@ -324,6 +343,7 @@ __device__ __forceinline__ void signal_chunk_pushed(const SymView& s, int c, int
     if (last) {
       *counter = 0;
       __threadfence_system();  // every block's rows (seen through the counter) before the flags
+      trace_chunk_raised(trace, c);
     }
   }
   last = __shfl_sync(0xffffffffu, last, 0);
@@ -440,7 +460,7 @@ __device__ __forceinline__ bool queue_barrier(int* q, int bar, int P, const SymV
 // model's causality (release gpu -> acquire gpu -> release sys -> acquire sys on the peer) the peer
 // that sees the flag sees every warp's rows.
 __device__ __forceinline__ void queue_chunk_stored(const SymView& s, int* q, int c, int n, int total, int lane,
-                                                   uint32_t epoch, bool gpu_fence) {
+                                                   uint32_t epoch, bool gpu_fence, unsigned long long* trace) {
   if (n == 0) return;
   __syncwarp();  // the lanes' stores before lane 0's fence
   bool last = false;
@@ -450,7 +470,10 @@ __device__ __forceinline__ void queue_chunk_stored(const SymView& s, int* q, int
     else
       __threadfence_system();
     last = atomicAdd(q + kQueueDone + c, n) + n == total;
-    if (last) __threadfence_system();  // every warp's stores (seen through the count) before the flags
+    if (last) {
+      __threadfence_system();  // every warp's stores (seen through the count) before the flags
+      trace_chunk_raised(trace, c);
+    }
   }
   last = __shfl_sync(0xffffffffu, last, 0);
   if (last && lane < s.num_ranks) st_release_sys(chunk_flag(s, lane, c, s.rank), epoch);
@@ -460,7 +483,8 @@ template <typename T>
 __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ recv_pair, int R, int k,
                               int chunk_tokens, int num_chunks, int segs, int num_vecs, int hidden, const SymView& s,
                               uint32_t epoch, int P, int* q, int* chunk_fill, int* chunk_begin, int* chunk_total,
-                              bool gpu_fence) {
+                              bool gpu_fence, int opts, unsigned long long* trace) {
+  const int claim = (opts & 6) == 0 ? kQueueClaim : (opts & 6) == 2 ? 2 : (opts & 6) == 4 ? 8 : 16;
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   int* counts = q + kQueueCounts;
@@ -488,7 +512,16 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
     for (int c = 0; c < num_chunks; ++c) atomicExch(q + kQueueDone + c, 0);
   };
   if (!queue_barrier(q, kQueueBar1, P, s, fresh_counts)) return;
-  if (threadIdx.x < num_chunks) {  // the chunk's rows in all blocks, and in the blocks before this one
+  if (opts & 1) {  // every (block, chunk) count read by its own thread, summed in shared memory
+    if (threadIdx.x < num_chunks) chunk_total[threadIdx.x] = chunk_fill[threadIdx.x] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < num_chunks * P; i += blockDim.x) {
+      const int c = i % num_chunks, b = i / num_chunks;
+      const int n = __ldcg(counts + b * kMaxCombineChunks + c);
+      atomicAdd(&chunk_total[c], n);
+      if (b < static_cast<int>(blockIdx.x)) atomicAdd(&chunk_fill[c], n);
+    }
+  } else if (threadIdx.x < num_chunks) {  // the chunk's rows in all blocks, and in the blocks before this one
     int total = 0, before = 0;
     for (int b = 0; b < P; ++b) {
       const int n = __ldcg(counts + b * kMaxCombineChunks + threadIdx.x);
@@ -512,18 +545,19 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
     for (int d = 0; d < s.num_ranks; ++d) st_release_sys(chunk_flag(s, d, threadIdx.x, s.rank), epoch);
   __syncthreads();
   if (!queue_barrier(q, kQueueBar2, P, s, [] {})) return;
+  if (threadIdx.x == 0) trace_block(trace, 2);
   const int items = chunk_begin[num_chunks] * segs;
   int c = 0, pending = 0;
   for (;;) {
     int first = 0;
-    if (lane == 0) first = atomicAdd(q + kQueueCursor, kQueueClaim);
+    if (lane == 0) first = atomicAdd(q + kQueueCursor, claim);
     first = __shfl_sync(0xffffffffu, first, 0);
     if (first >= items) break;
-    const int last = min(items, first + kQueueClaim);
+    const int last = min(items, first + claim);
     for (int item = first; item < last; ++item) {
       const int at = item / segs;
       if (at >= chunk_begin[c + 1]) {
-        queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch, gpu_fence);
+        queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch, gpu_fence, trace);
         pending = 0;
         while (at >= chunk_begin[c + 1]) ++c;
       }
@@ -531,7 +565,9 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
       ++pending;
     }
   }
-  queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch, gpu_fence);
+  queue_chunk_stored(s, q, c, pending, chunk_total[c] * segs, lane, epoch, gpu_fence, trace);
+  if (trace != nullptr && lane == 0)
+    atomicMax(trace + static_cast<int64_t>(blockIdx.x) * kTraceBlockWords + 1, global_timer_ns());
 }
 
 template <typename T, bool kWeighted, int kSlots>
@@ -539,7 +575,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
     int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
-    int list_cap, int push_lead, int* __restrict__ queue, bool queue_gpu_fence, T* __restrict__ out) {
+    int list_cap, int push_lead, int* __restrict__ queue, bool queue_gpu_fence, unsigned long long* trace,
+    T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
   constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
   constexpr int kPushThreads = kPushWarps * 32;
@@ -554,6 +591,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   __shared__ int chunks_signalled;
   __shared__ int chunk_total[kMaxCombineChunks];
   if (poisoned(s)) return;
+  if (threadIdx.x == 0) trace_block(trace, 0);
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int num_vecs = hidden / kElems;
@@ -561,7 +599,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   const int P = gridDim.x - reduce_blocks;
   if (blockIdx.x < P && queue != nullptr) {
     push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, chunk_tokens, num_chunks, segs, num_vecs, hidden, s,
-                     epoch, P, queue, chunk_fill, chunk_begin, chunk_total, queue_gpu_fence);
+                     epoch, P, queue, chunk_fill, chunk_begin, chunk_total, queue_gpu_fence, push_lead, trace);
     return;
   }
   if (blockIdx.x < P && list_cap > 0) {
@@ -595,6 +633,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
       if (r < R) sorted_rows[atomicAdd(&chunk_fill[chunk_of(r)], 1)] = static_cast<int>(r);  // any order
     }
     __syncthreads();
+    if (threadIdx.x == 0) trace_block(trace, 2);
     if (warp < kPushWarps) {
       const int items = chunk_begin[num_chunks] * segs;
       int c = 0;
@@ -619,9 +658,10 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
           __threadfence_block();
         }
         __syncwarp();
-        signal_chunk_pushed(s, c, P, lane, epoch);
+        signal_chunk_pushed(s, c, P, lane, epoch, trace);
         if (lane == 0) atomicExch(&chunks_signalled, c + 1);
       }
+      if (lane == 0) trace_block(trace, 1);
     }
     return;
   }
@@ -654,7 +694,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     } else {
       for (int c = 0; c < num_chunks; ++c) {
         named_barrier_sync(2 + c % 2, kCopyThreads);  // the barrier makes the pushed rows part of the fence
-        signal_chunk_pushed(s, c, P, lane, epoch);
+        signal_chunk_pushed(s, c, P, lane, epoch, trace);
         named_barrier_arrive(4 + c % 2, kCopyThreads);
       }
     }
@@ -671,6 +711,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
       atomicAnd(&flag_shared, 0);
     __syncthreads();
     if (!flag_shared) return;
+    if (threadIdx.x == 0) trace_block(trace, 3 + c);
     const int t0 = c * chunk_tokens;
     const int items = min(chunk_tokens, num_tokens - t0) * segs;
     for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += reduce_blocks * kWarpsPerCopyBlock) {
@@ -680,7 +721,9 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
                                          out);
     }
     __syncthreads();  // flag_shared is rewritten by the next chunk
+    if (threadIdx.x == 0) trace_block(trace, 3 + kMaxCombineChunks + c);
   }
+  if (threadIdx.x == 0) trace_block(trace, 1);
 }
 
 // grad_gates[t, j] = <grad_out[t], row of (t, j)>; Rows: CombRows (after every rank's push,
@@ -957,13 +1000,17 @@ cudaError_t launch_combine_mirror(DType dtype, const SymView& sym, uint32_t epoc
 
 int64_t combine_queue_words(int num_blocks, int y_rows) { return queue_words(num_blocks, y_rows); }
 
+int64_t combine_trace_words(int grid) { return trace_words(grid); }
+
 cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_pair, const int* num_recv,
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
                                    int num_chunks, int push_lead, int* queue, int64_t queue_words_given,
-                                   bool queue_gpu_fence, cudaStream_t stream) {
+                                   bool queue_gpu_fence, unsigned long long* trace, int64_t trace_words_given,
+                                   cudaStream_t stream) {
   if (queue != nullptr && queue_words_given < queue_words(num_blocks, y_rows)) return cudaErrorInvalidValue;
+  if (trace != nullptr && trace_words_given < trace_words(num_blocks + reduce_blocks)) return cudaErrorInvalidValue;
   if (k <= 0 || num_blocks < 1 || reduce_blocks < 1 || chunk_tokens < 1 || num_chunks < 1 ||
       num_chunks > kMaxCombineChunks || static_cast<int64_t>(chunk_tokens) * num_chunks < num_tokens || push_lead < 0)
     return cudaErrorInvalidValue;
@@ -986,7 +1033,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
         combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
             static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
             num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead, queue,
-            queue_gpu_fence, static_cast<T*>(out));
+            queue_gpu_fence, trace, static_cast<T*>(out));
       });
     });
   });

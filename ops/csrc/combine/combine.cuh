@@ -57,9 +57,13 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
                                    int num_chunks, int push_lead, int* queue, int64_t queue_words,
-                                   bool queue_gpu_fence, cudaStream_t stream);
+                                   bool queue_gpu_fence, unsigned long long* trace, int64_t trace_words,
+                                   cudaStream_t stream);
 // Words of the queue workspace for num_blocks pushing blocks and y_rows rows.
 int64_t combine_queue_words(int num_blocks, int y_rows);
+// uint64 words of the chunked combine's optional timeline (trace: %globaltimer stamps, zeroed by the
+// caller) for a grid of `grid` blocks (pushing and reducing).
+int64_t combine_trace_words(int grid);
 
 // As launch_combine_reduce, reading the row of (t, j) from this rank's combine buffer at
 // dest_row[t, j] + mirror_off[expert_idx[t, j]] (mirror_off [E] int32): the buffer the

@@ -99,7 +99,8 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
                      int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
-                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence) {
+                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence,
+                     const c10::optional<torch::Tensor>& trace) {
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(recv_pair);
   UNIEP_CHECK_INPUT(num_recv);
@@ -124,6 +125,17 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                 " rows need ", combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(y.size(0))));
     qp = queue->data_ptr<int>();
   }
+  unsigned long long* tp = nullptr;
+  int64_t t_words = 0;
+  if (trace.has_value()) {
+    UNIEP_CHECK_INPUT((*trace));
+    UNIEP_CHECK_DTYPE((*trace), torch::kInt64);
+    t_words = trace->numel();
+    const int grid = static_cast<int>(num_blocks + reduce_blocks);
+    TORCH_CHECK(t_words >= combine_trace_words(grid), "the combine trace holds ", t_words, " words; a grid of ",
+                grid, " blocks needs ", combine_trace_words(grid));
+    tp = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
+  }
   const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
   const float* wp = optional_weights(weights, expert_idx);
   const c10::cuda::CUDAGuard guard(out.device());
@@ -132,12 +144,15 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
       s, static_cast<uint32_t>(epoch), w, expert_idx.data_ptr<int>(), wp, static_cast<int>(out.size(0)),
       static_cast<int>(expert_idx.size(1)), static_cast<int>(out.size(1)), static_cast<int>(num_experts),
       out.data_ptr(), static_cast<int>(num_blocks), static_cast<int>(reduce_blocks), static_cast<int>(chunk_tokens),
-      static_cast<int>(num_chunks), static_cast<int>(push_lead), qp, q_words, queue_gpu_fence,
+      static_cast<int>(num_chunks), static_cast<int>(push_lead), qp, q_words, queue_gpu_fence, tp, t_words,
       c10::cuda::getCurrentCUDAStream()));
 }
 
 int64_t combine_queue_size(int64_t num_blocks, int64_t rows) {
   return combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(rows));
+}
+
+int64_t combine_trace_size(int64_t grid) { return combine_trace_words(static_cast<int>(grid));
 }
 
 void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
