@@ -483,8 +483,7 @@ template <typename T>
 __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ recv_pair, int R, int k,
                               int chunk_tokens, int num_chunks, int segs, int num_vecs, int hidden, const SymView& s,
                               uint32_t epoch, int P, int* q, int* chunk_fill, int* chunk_begin, int* chunk_total,
-                              bool gpu_fence, int opts, unsigned long long* trace) {
-  const int claim = (opts & 6) == 0 ? kQueueClaim : (opts & 6) == 2 ? 2 : (opts & 6) == 4 ? 8 : 16;
+                              bool gpu_fence, unsigned long long* trace) {
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   int* counts = q + kQueueCounts;
@@ -512,24 +511,15 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
     for (int c = 0; c < num_chunks; ++c) atomicExch(q + kQueueDone + c, 0);
   };
   if (!queue_barrier(q, kQueueBar1, P, s, fresh_counts)) return;
-  if (opts & 1) {  // every (block, chunk) count read by its own thread, summed in shared memory
-    if (threadIdx.x < num_chunks) chunk_total[threadIdx.x] = chunk_fill[threadIdx.x] = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < num_chunks * P; i += blockDim.x) {
-      const int c = i % num_chunks, b = i / num_chunks;
-      const int n = __ldcg(counts + b * kMaxCombineChunks + c);
-      atomicAdd(&chunk_total[c], n);
-      if (b < static_cast<int>(blockIdx.x)) atomicAdd(&chunk_fill[c], n);
-    }
-  } else if (threadIdx.x < num_chunks) {  // the chunk's rows in all blocks, and in the blocks before this one
-    int total = 0, before = 0;
-    for (int b = 0; b < P; ++b) {
-      const int n = __ldcg(counts + b * kMaxCombineChunks + threadIdx.x);
-      total += n;
-      if (b < static_cast<int>(blockIdx.x)) before += n;
-    }
-    chunk_total[threadIdx.x] = total;
-    chunk_fill[threadIdx.x] = before;
+  // Each chunk's rows in all blocks and in the blocks before this one: every (block, chunk) count
+  // read by a thread of its own (one round trip, not P), summed in shared memory.
+  if (threadIdx.x < num_chunks) chunk_total[threadIdx.x] = chunk_fill[threadIdx.x] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_chunks * P; i += blockDim.x) {
+    const int c = i % num_chunks, b = i / num_chunks;
+    const int n = __ldcg(counts + b * kMaxCombineChunks + c);
+    atomicAdd(&chunk_total[c], n);
+    if (b < static_cast<int>(blockIdx.x)) atomicAdd(&chunk_fill[c], n);
   }
   __syncthreads();
   if (warp == 0) scan_chunks(chunk_total, chunk_begin, num_chunks, lane);  // each chunk's first position
@@ -550,10 +540,10 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
   int c = 0, pending = 0;
   for (;;) {
     int first = 0;
-    if (lane == 0) first = atomicAdd(q + kQueueCursor, claim);
+    if (lane == 0) first = atomicAdd(q + kQueueCursor, kQueueClaim);
     first = __shfl_sync(0xffffffffu, first, 0);
     if (first >= items) break;
-    const int last = min(items, first + claim);
+    const int last = min(items, first + kQueueClaim);
     for (int item = first; item < last; ++item) {
       const int at = item / segs;
       if (at >= chunk_begin[c + 1]) {
@@ -599,7 +589,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   const int P = gridDim.x - reduce_blocks;
   if (blockIdx.x < P && queue != nullptr) {
     push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, chunk_tokens, num_chunks, segs, num_vecs, hidden, s,
-                     epoch, P, queue, chunk_fill, chunk_begin, chunk_total, queue_gpu_fence, push_lead, trace);
+                     epoch, P, queue, chunk_fill, chunk_begin, chunk_total, queue_gpu_fence, trace);
     return;
   }
   if (blockIdx.x < P && list_cap > 0) {
@@ -701,6 +691,7 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     return;
   }
   const int q = blockIdx.x - P;
+  const bool prefetch = queue != nullptr && (push_lead & 1);
   const CombRows rows = comb_rows(s);
   const int my_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
   for (int c = 0; c < my_chunks; ++c) {
@@ -716,6 +707,12 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const int items = min(chunk_tokens, num_tokens - t0) * segs;
     for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += reduce_blocks * kWarpsPerCopyBlock) {
       const int seg = item % segs;
+      if (prefetch) {  // experiment: every row segment of the item asked into L2 at once
+        const int64_t t = t0 + item / segs;
+        for (int v = seg * kCombineSegVecs + lane; v < min(num_vecs, (seg + 1) * kCombineSegVecs); v += 32)
+          for (int j = 0; j < k; ++j)
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.base + (t * k + j) * rows.row_vecs + v));
+      }
       reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
                                          seg * kCombineSegVecs, min(num_vecs, (seg + 1) * kCombineSegVecs), lane,
                                          out);
