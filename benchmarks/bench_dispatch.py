@@ -75,7 +75,8 @@ def summarize_trace(words, grid, pushers, num_chunks, block_words, max_chunks):
     0 where nothing was stamped) as microseconds from the first block's start: when the last
     pushing and reducing blocks started, when the last pushing block had sorted its rows, when the
     first and last pushing blocks finished, when each chunk's flags were raised, seen by the last
-    reducing block and summed by it, and when the last block ended. None where not stamped."""
+    reducing block and summed by it, and the latest stamp of any block (the end). None where not
+    stamped."""
     rows = [words[b * block_words:(b + 1) * block_words] for b in range(grid)]
     t0 = min(r[0] for r in rows)
 
@@ -92,7 +93,7 @@ def summarize_trace(words, grid, pushers, num_chunks, block_words, max_chunks):
             "chunk_raised": [(f - t0) / 1e3 if f else None for f in flags],
             "chunk_seen": [last(r[3 + c] for r in red) for c in range(num_chunks)],
             "chunk_summed": [last(r[3 + max_chunks + c] for r in red) for c in range(num_chunks)],
-            "end": last(r[1] for r in rows)}
+            "end": (max(max(r) for r in rows) - t0) / 1e3}
 
 
 def median_trace(summaries):

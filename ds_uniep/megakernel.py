@@ -383,7 +383,7 @@ class NVLinkDispatcher:
         # by its owner, makes the chunked combine record its timeline there (%globaltimer stamps, ns; read
         # by benchmarks/bench_dispatch.py --trace). None: no stamps.
         self.combine_trace: Optional[Tensor] = None
-        self.combine_queue_opts = 0  # experiment: 1 the reducing warps prefetch their rows into L2
+        self.combine_queue_opts = 0  # experiment: 1 the pushing blocks sum the last chunk beside the reducing ones
         self.gate_grad_on_experts = gate_grad_on_experts
         self.ordering = ordering
         self.dedup = dedup and not self.fp8

@@ -587,9 +587,37 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
   const int num_vecs = hidden / kElems;
   const int segs = (num_vecs + kCombineSegVecs - 1) / kCombineSegVecs;
   const int P = gridDim.x - reduce_blocks;
+  const CombRows rows = comb_rows(s);
+  const int my_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
+  // Chunk c: wait for every rank's flag, then sum its tokens' segments as reducer q of nq blocks
+  // (segments spread over all their warps). False when a wait failed.
+  auto reduce_chunk = [&](int c, int q, int nq) {
+    if (threadIdx.x == 0) flag_shared = 1;
+    __syncthreads();
+    if (threadIdx.x < s.num_ranks &&
+        !wait_word(s, w, chunk_flag(s, s.rank, c, threadIdx.x), threadIdx.x, kPhaseCombine, epoch))
+      atomicAnd(&flag_shared, 0);
+    __syncthreads();
+    if (!flag_shared) return false;
+    if (threadIdx.x == 0) trace_block(trace, 3 + c);
+    const int t0 = c * chunk_tokens;
+    const int items = min(chunk_tokens, num_tokens - t0) * segs;
+    for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += nq * kWarpsPerCopyBlock) {
+      const int seg = item % segs;
+      reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
+                                         seg * kCombineSegVecs, min(num_vecs, (seg + 1) * kCombineSegVecs), lane,
+                                         out);
+    }
+    __syncthreads();  // flag_shared is rewritten by the next chunk
+    if (threadIdx.x == 0) trace_block(trace, 3 + kMaxCombineChunks + c);
+    return true;
+  };
+  // experiment: the pushing blocks, once pushed, sum the last chunk beside the reducing ones
+  const bool help = queue != nullptr && (push_lead & 1);
   if (blockIdx.x < P && queue != nullptr) {
     push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, chunk_tokens, num_chunks, segs, num_vecs, hidden, s,
                      epoch, P, queue, chunk_fill, chunk_begin, chunk_total, queue_gpu_fence, trace);
+    if (help && my_chunks > 0) reduce_chunk(my_chunks - 1, reduce_blocks + blockIdx.x, reduce_blocks + P);
     return;
   }
   if (blockIdx.x < P && list_cap > 0) {
@@ -691,35 +719,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     return;
   }
   const int q = blockIdx.x - P;
-  const bool prefetch = queue != nullptr && (push_lead & 1);
-  const CombRows rows = comb_rows(s);
-  const int my_chunks = (num_tokens + chunk_tokens - 1) / chunk_tokens;
-  for (int c = 0; c < my_chunks; ++c) {
-    if (threadIdx.x == 0) flag_shared = 1;
-    __syncthreads();
-    if (threadIdx.x < s.num_ranks &&
-        !wait_word(s, w, chunk_flag(s, s.rank, c, threadIdx.x), threadIdx.x, kPhaseCombine, epoch))
-      atomicAnd(&flag_shared, 0);
-    __syncthreads();
-    if (!flag_shared) return;
-    if (threadIdx.x == 0) trace_block(trace, 3 + c);
-    const int t0 = c * chunk_tokens;
-    const int items = min(chunk_tokens, num_tokens - t0) * segs;
-    for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += reduce_blocks * kWarpsPerCopyBlock) {
-      const int seg = item % segs;
-      if (prefetch) {  // experiment: every row segment of the item asked into L2 at once
-        const int64_t t = t0 + item / segs;
-        for (int v = seg * kCombineSegVecs + lane; v < min(num_vecs, (seg + 1) * kCombineSegVecs); v += 32)
-          for (int j = 0; j < k; ++j)
-            asm volatile("prefetch.global.L2 [%0];" ::"l"(rows.base + (t * k + j) * rows.row_vecs + v));
-      }
-      reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
-                                         seg * kCombineSegVecs, min(num_vecs, (seg + 1) * kCombineSegVecs), lane,
-                                         out);
-    }
-    __syncthreads();  // flag_shared is rewritten by the next chunk
-    if (threadIdx.x == 0) trace_block(trace, 3 + kMaxCombineChunks + c);
-  }
+  for (int c = 0; c < my_chunks; ++c)
+    if (!reduce_chunk(c, q, help && c == my_chunks - 1 ? reduce_blocks + P : reduce_blocks)) return;
   if (threadIdx.x == 0) trace_block(trace, 1);
 }
 
