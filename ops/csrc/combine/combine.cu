@@ -167,7 +167,7 @@ struct SourceRegions {
 // (no contraction), so the result depends neither on the schedule that moved the rows nor on
 // where they are read from. kSlots >= k is a compile-time bound, so a token's rows and gates
 // stay in registers and a lane issues the loads of up to 4 slots before adding them.
-template <typename T, bool kWeighted, int kSlots, typename Rows>
+template <typename T, bool kWeighted, int kSlots, typename Rows, int kMaxGroup = 4>
 __device__ __forceinline__ void reduce_token(const Rows& rows, const int* __restrict__ expert_idx,
                                              const float* __restrict__ weights, int t, int k, int hidden,
                                              int num_experts, int c_begin, int c_end, int lane,
@@ -193,9 +193,9 @@ __device__ __forceinline__ void reduce_token(const Rows& rows, const int* __rest
     float acc[kElems];
 #pragma unroll
     for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
-    // Slots in groups of up to 4 (all loads of a group issued, then added in slot order): the
-    // registers of a lane fit two blocks per SM.
-    constexpr int kGroup = kSlots < 4 ? kSlots : 4;
+    // Slots in groups of up to kMaxGroup (all loads of a group issued, then added in slot order):
+    // with 4 the registers of a lane fit two blocks per SM.
+    constexpr int kGroup = kSlots < kMaxGroup ? kSlots : kMaxGroup;
 #pragma unroll
     for (int j0 = 0; j0 < kSlots; j0 += kGroup) {
       int4 v[kGroup];
@@ -560,8 +560,8 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
     atomicMax(trace + static_cast<int64_t>(blockIdx.x) * kTraceBlockWords + 1, global_timer_ns());
 }
 
-template <typename T, bool kWeighted, int kSlots>
-__global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
+template <typename T, bool kWeighted, int kSlots, int kMinBlocks>
+__global__ void __launch_bounds__(kCopyThreads, kMinBlocks) combine_chunked_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     SymView s, uint32_t epoch, WaitPolicy w, const int* __restrict__ expert_idx, const float* __restrict__ weights,
     int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
@@ -604,9 +604,9 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_chunked_kernel(
     const int items = min(chunk_tokens, num_tokens - t0) * segs;
     for (int item = q * kWarpsPerCopyBlock + warp; item < items; item += nq * kWarpsPerCopyBlock) {
       const int seg = item % segs;
-      reduce_token<T, kWeighted, kSlots>(rows, expert_idx, weights, t0 + item / segs, k, hidden, num_experts,
-                                         seg * kCombineSegVecs, min(num_vecs, (seg + 1) * kCombineSegVecs), lane,
-                                         out);
+      reduce_token<T, kWeighted, kSlots, CombRows, kMinBlocks == 1 ? 8 : 4>(
+          rows, expert_idx, weights, t0 + item / segs, k, hidden, num_experts, seg * kCombineSegVecs,
+          min(num_vecs, (seg + 1) * kCombineSegVecs), lane, out);
     }
     __syncthreads();  // flag_shared is rewritten by the next chunk
     if (threadIdx.x == 0) trace_block(trace, 3 + kMaxCombineChunks + c);
@@ -1018,20 +1018,31 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
   const int cap = list_cap * static_cast<int64_t>(sizeof(int)) > kMaxSortedListBytes ? 0 : static_cast<int>(list_cap);
   // The queue sorts in global memory; the sorted walk in shared memory.
   const size_t smem = queue != nullptr ? 0 : static_cast<size_t>(cap) * sizeof(int);
+  // A grid no larger than the SMs runs one block per SM: the kernel built for that keeps twice the
+  // registers per thread (no spills, all slots' loads of a token issued at once).
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return cudaGetLastError();
+  const bool wide = num_blocks + reduce_blocks <= sms && !(queue != nullptr && (push_lead & 2));
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
       UNIEP_SWITCH_SLOTS(k, kSlots, {
-        if (smem > static_cast<size_t>(kDynamicSmemNoOptIn)) {  // beside the static arrays: past 48 KiB
-          const cudaError_t err = cudaFuncSetAttribute(combine_chunked_kernel<T, kWeighted, kSlots>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       static_cast<int>(smem));
-          if (err != cudaSuccess) return err;
-        }
-        combine_chunked_kernel<T, kWeighted, kSlots><<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
-            static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
-            num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead, queue,
-            queue_gpu_fence, trace, static_cast<T*>(out));
+        UNIEP_SWITCH_BOOL(wide, kWide, {
+          constexpr int kMinBlocks = kWide ? 1 : 2;
+          if (smem > static_cast<size_t>(kDynamicSmemNoOptIn)) {  // beside the static arrays: past 48 KiB
+            const cudaError_t err =
+                cudaFuncSetAttribute(combine_chunked_kernel<T, kWeighted, kSlots, kMinBlocks>,
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+            if (err != cudaSuccess) return err;
+          }
+          combine_chunked_kernel<T, kWeighted, kSlots, kMinBlocks>
+              <<<num_blocks + reduce_blocks, kCopyThreads, smem, stream>>>(
+                  static_cast<const T*>(y), recv_pair, num_recv, y_rows, sym, epoch, wait, expert_idx, weights,
+                  num_tokens, k, hidden, num_experts, reduce_blocks, chunk_tokens, num_chunks, cap, push_lead,
+                  queue, queue_gpu_fence, trace, static_cast<T*>(out));
+        });
       });
     });
   });
