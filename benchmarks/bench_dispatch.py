@@ -191,7 +191,7 @@ def peer_copy_gbps(nbytes, iters, device):
 def traced_combine(disp, fn, runs, pushers, device):
     """median_trace of ``runs`` runs of fn (a chunked combine) with disp's combine timeline on, each
     started like a queued timing (a GPU spin, then a GPU-side barrier)."""
-    grid = pushers + (disp.combine_reduce_blocks or disp.num_blocks)
+    grid = pushers + disp.combine_reducers()
     ext = disp.ext
     block_words, max_chunks = ext.combine_trace_size(1) - ext.combine_trace_size(0), ext.combine_trace_size(0)
     trace = torch.zeros(ext.combine_trace_size(grid), dtype=torch.int64, device=device)
@@ -331,7 +331,6 @@ def main():
                 disp.combine_push_blocks = round(share * disp.num_blocks) if share else None
                 disp.combine_push_queue, disp.combine_queue_gpu_fence = queue, not sys_fence
                 pushers = disp.combine_pushers()
-                disp.combine_queue_opts = lead if queue else 0
                 ms, queued_ms, _ = timed(lambda: disp.combine(y, gates, h), a.iters, a.warmup, dev)
                 same = bool(torch.equal(disp.combine(y, gates, h), first))
                 key = f"{chunks}/{reducers}/{lead}/{pushers}" + ("/queue" if queue else "")
@@ -339,11 +338,10 @@ def main():
                 results["combine_variants"][key] = {
                     "chunks": chunks, "reduce_blocks": reducers, "push_lead": lead, "push_blocks": pushers,
                     "push_queue": queue, "queue_sys_fence": sys_fence, "ms": ms, "queued_ms": queued_ms,
-                    "bitwise_equal": same}
+                    "bitwise_equal": same, "reduce_blocks_used": disp.combine_reducers()}
                 if a.trace and chunks:
                     results["combine_variants"][key]["trace"] = traced_combine(
                         disp, lambda: disp.combine(y, gates, h), a.trace, pushers, dev)
-                disp.combine_queue_opts = 0
             (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
              disp.combine_push_blocks, disp.combine_push_queue, disp.combine_queue_gpu_fence) = default
             disp.combine_min_chunk_tokens = min_chunk
@@ -404,7 +402,7 @@ def main():
           f"{results['combine_host_ms']:.3f}, pulling combine {results['combine_pull_host_ms']:.3f}, NCCL "
           f"{results['nccl_a2a_host_ms']:.3f}")
     rows += [(f"combine bf16 ({v['chunks']} chunks, {v['push_blocks']}/"
-              f"{v['reduce_blocks'] or 'default'} push/reduce blocks, "
+              f"{v.get('reduce_blocks_used') or v['reduce_blocks'] or 'default'} push/reduce blocks, "
               f"{'lead ' + str(v['push_lead']) if v['push_lead'] else 'by chunk'}"
               f"{', one queue' if v['push_queue'] else ''}{', system fences' if v.get('queue_sys_fence') else ''})"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)

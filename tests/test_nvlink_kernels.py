@@ -46,6 +46,24 @@ def _expert_fn(rows, experts):
     return (rows.float() * (experts.float().unsqueeze(1) + 1) / 8).to(rows.dtype)
 
 
+def _check_timeline(words, d, T, where):
+    """The chunked combine's timeline (NVLinkDispatcher.combine_trace) is in order: every block
+    started; a pushing block sorted, then ended; a reducing block saw each of this rank's chunks
+    before it summed it, and summed it before it saw the next."""
+    block_words, max_chunks = d.ext.combine_trace_size(1) - d.ext.combine_trace_size(0), d.ext.combine_trace_size(0)
+    P, R = d.combine_pushers(), d.combine_reducers()
+    rows = [words[b * block_words:(b + 1) * block_words] for b in range(P + R)]
+    assert all(r[0] > 0 for r in rows), f"timeline: a block without a start stamp ({where})"
+    for b, r in enumerate(rows[:P]):
+        assert r[0] <= r[2] <= r[1], f"timeline: pushing block {b} start/sorted/end {r[:3]} ({where})"
+    chunk_tokens = d.combine_chunking()[0]
+    mine = -(-T // chunk_tokens)
+    for q, r in enumerate(rows[P:]):
+        stamps = [r[0]] + [v for c in range(mine) for v in (r[3 + c], r[3 + max_chunks + c])] + [r[1]]
+        assert all(v > 0 for v in stamps) and stamps == sorted(stamps), \
+            f"timeline: reducing block {q}: start, (seen, summed) per chunk, end out of order: {stamps} ({where})"
+
+
 def _body(rank, G, dtype_name):
     import deepspeed.comm as dist
     from ds_uniep.config import UniEPConfig
@@ -65,7 +83,8 @@ def _body(rank, G, dtype_name):
         # The same layer with combine as push-then-reduce kernels, chunked over 7 chunks with
         # five pushing blocks and one reducing block, pushing chunk by chunk (not sorted),
         # pulling from source regions, pushing from one queue shared by the pushing warps (with the
-        # default blocks and with five, the second with system-scoped fences per warp), with the gate
+        # default blocks, one per SM, its timeline recorded; and with five pushing and 300 reducing, more
+        # than fit one per SM, and system-scoped fences per warp), with the gate
         # gradients formed at the sources (y sent back) instead of on the experts, and sending a token once per slot
         # rather than once per destination rank: when and where rows move and are summed
         # changes, never the bits.
@@ -79,8 +98,10 @@ def _body(rank, G, dtype_name):
                     NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0),
                     NVLinkDispatcher(f"test.k{k}.queue", E, G, M, k, dtype, cfg, combine_push_queue=True),
                     NVLinkDispatcher(f"test.k{k}.queue7", E, G, M, k, dtype, cfg, combine_chunks=7,
-                                     combine_reduce_blocks=1, combine_push_blocks=5, combine_push_queue=True,
+                                     combine_reduce_blocks=300, combine_push_blocks=5, combine_push_queue=True,
                                      combine_queue_gpu_fence=False)]
+        queue = variants[-2]
+        assert queue.combine_pushers() + queue.combine_reducers() == queue.num_blocks
         # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
         # and sums within bf16 tolerance.
         arrival = NVLinkDispatcher(f"test.k{k}.arrival", E, G, M, k, dtype, cfg, ordering="arrival")
@@ -109,7 +130,13 @@ def _body(rank, G, dtype_name):
                     src.copy_(y)
                     y = src
                 pulled = d.combine_stats["pulled"]
+                if d is queue:
+                    trace = torch.zeros(d.ext.combine_trace_size(d.num_blocks), dtype=torch.int64, device=dev)
+                    d.combine_trace = trace
                 out = d.combine(y, g, handle)
+                d.combine_trace = None
+                if d is queue:
+                    _check_timeline(trace.tolist(), d, T, f"k={k}, T={T}, {mode}")
                 assert d.combine_stats["pulled"] == pulled + (d is pull), \
                     f"the pulling combine was not taken (k={k}, T={T}, {mode}, R={R})"
                 y = src = None  # the source region is free again once the backward has run
@@ -134,8 +161,9 @@ def _body(rank, G, dtype_name):
             arrival_vals = (out_a.detach(), x.grad.clone(), g.grad.clone())
             labels = ("a second run", "push-then-reduce combine", "7-chunk combine", "pulling combine",
                       "gate gradients at the sources", "one row per slot (no dedup)",
-                      "chunked combine pushing chunk by chunk", "chunked combine pushing from one queue",
-                      "7-chunk combine pushing from one queue (5 pushing blocks, system-scoped warp fences)")
+                      "chunked combine pushing chunk by chunk", "chunked combine pushing from one queue (timed)",
+                      "7-chunk combine pushing from one queue (5 pushing and 300 reducing blocks, system-scoped "
+                      "warp fences)")
             assert len(labels) == len(outs) - 1
             for other, what in zip(outs[1:], labels):
                 for a, b, name in zip(outs[0], other, ("recv", "out", "grad_x", "grad_gates")):

@@ -357,8 +357,14 @@ __device__ __forceinline__ void signal_chunk_pushed(const SymView& s, int c, int
 // and warp 15 signals: once the block's rows of chunk c are stored it fences and, in the block
 // that finishes the chunk last, raises the chunk's flag on every rank, so no pushing warp stalls
 // on a fence. Pushing blocks wait for nothing, and have the lower block indices, so they always
-// run. Two blocks fit on an SM (launch bounds), so the P pushing blocks (by default half as many
-// as SMs) and the reducing blocks (one per SM) are all resident at once.
+// run. Two blocks fit on an SM (kMinBlocks 2), so the P pushing blocks (by default half as many
+// as SMs) and the reducing blocks (one per SM) are all resident at once. A grid of at most one
+// block per SM (the queue's default: P pushing and SMs - P reducing blocks, each role on SMs of its
+// own) runs the build for one block per SM (kMinBlocks 1): twice the registers per thread, so
+// nothing spills and a reducing warp issues all k slots' loads of a vector at once. Timelines
+// (bench_dispatch.py --trace) showed why the roles want SMs of their own: beside pushing blocks
+// the reducing blocks took twice as long per chunk and fell behind the flags, and pushing beside
+// reducing blocks ended later.
 //
 // Which rows a pushing block stores, in what order:
 // - sorted (list_cap > 0): the block owns granules b, b + P, b + 2P, ... of kPushGranule rows
@@ -397,9 +403,10 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // cursor over that order. Blocks whose stores drain faster take more of the work, so no block
 // is left pushing alone at the end (with fixed shares, blocks finished at 35-100% of the
 // kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
-// (system scope) and adds them to the chunk's global count, and the warp that completes a
+// (GPU scope, or system scope without gpu_fence) and adds them to the chunk's global count, and the warp that completes a
 // chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
-// in order, so no lead bound is needed. Any order gives the same bits.
+// in order, so no lead bound is needed. Once pushed, the pushing blocks sum this rank's last
+// chunk beside the reducing blocks. Any order gives the same bits.
 // Workspace (int32 words): the header [0, kQueueCounts), zero when the workspace is allocated and
 // left ready for the next launch by every launch (so nothing zeroes it between launches: each
 // barrier's counter goes back to 0 and its generation word moves on; the last block to reach the
@@ -612,12 +619,14 @@ __global__ void __launch_bounds__(kCopyThreads, kMinBlocks) combine_chunked_kern
     if (threadIdx.x == 0) trace_block(trace, 3 + kMaxCombineChunks + c);
     return true;
   };
-  // experiment: the pushing blocks, once pushed, sum the last chunk beside the reducing ones
-  const bool help = queue != nullptr && (push_lead & 1);
+  // Queue mode: once a pushing block has pushed, it sums this rank's last chunk beside the reducing
+  // blocks (reducer reduce_blocks + b of reduce_blocks + P), so the tail after the last flag has
+  // every block of the grid (the reducing ones alone kept up with the chunks before, not with it).
+  const bool help = queue != nullptr;
   if (blockIdx.x < P && queue != nullptr) {
     push_by_queue<T>(y, recv_pair, min(*num_recv, y_rows), k, chunk_tokens, num_chunks, segs, num_vecs, hidden, s,
                      epoch, P, queue, chunk_fill, chunk_begin, chunk_total, queue_gpu_fence, trace);
-    if (help && my_chunks > 0) reduce_chunk(my_chunks - 1, reduce_blocks + blockIdx.x, reduce_blocks + P);
+    if (my_chunks > 0) reduce_chunk(my_chunks - 1, reduce_blocks + blockIdx.x, reduce_blocks + P);
     return;
   }
   if (blockIdx.x < P && list_cap > 0) {
@@ -1024,7 +1033,7 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     return cudaGetLastError();
-  const bool wide = num_blocks + reduce_blocks <= sms && !(queue != nullptr && (push_lead & 2));
+  const bool wide = num_blocks + reduce_blocks <= sms;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
