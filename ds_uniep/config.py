@@ -77,7 +77,9 @@ class OverlapConfig(_Block):
                                 "epilogue_combine). The same bits for every value.")
     combine_queue: bool = Field(False, description="The chunked combine's pushing blocks first sort all rows by "
                                 "chunk into one order, then every pushing warp takes its next rows from one shared "
-                                "queue, so blocks that store faster push more (fixed shares otherwise). Measured "
+                                "queue, so blocks that store faster push more (fixed shares otherwise); its reducing "
+                                "blocks default to the SMs the pushing ones leave, and the pushing blocks sum the last "
+                                "chunk once pushed. Measured "
                                 "faster than fixed shares at some sizes and chunk counts, slower at others: the "
                                 "tuner walks it with combine_chunks. Read with combine_chunks > 0 where "
                                 "combine_chunks is read. The same bits either way.")
