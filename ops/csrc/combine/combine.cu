@@ -287,9 +287,10 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_pull_kernel(SymView s
 
 // The chunked combine's optional timeline (trace != nullptr; the caller zeroes it first): %globaltimer
 // stamps in ns. Block b's words from b * kTraceBlockWords: [0] its start, [1] its end (a pushing
-// block: its last warp's), [2] a pushing block's rows sorted (queue: past the second barrier), and
-// a reducing block's [3 + c] chunk c's flags seen, [3 + kMaxCombineChunks + c] chunk c summed. After
-// the blocks' words, [c]: when chunk c's flags were raised.
+// block: when its last warp had pushed), [2] a pushing block's rows sorted (queue: past the second
+// barrier), and for each chunk c a block sums (a reducing block; with the queue a pushing block too,
+// for the last chunk) [3 + c] chunk c's flags seen, [3 + kMaxCombineChunks + c] chunk c summed.
+// After the blocks' words, [c]: when chunk c's flags were raised (0 for a chunk without rows here).
 constexpr int kTraceBlockWords = 3 + 2 * kMaxCombineChunks;
 
 __host__ __device__ __forceinline__ int64_t trace_words(int grid) {
@@ -403,8 +404,8 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // cursor over that order. Blocks whose stores drain faster take more of the work, so no block
 // is left pushing alone at the end (with fixed shares, blocks finished at 35-100% of the
 // kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
-// (GPU scope, or system scope without gpu_fence) and adds them to the chunk's global count, and the warp that completes a
-// chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
+// (GPU scope, or system scope without gpu_fence) and adds them to the chunk's global count, and
+// the warp that completes a chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
 // in order, so no lead bound is needed. Once pushed, the pushing blocks sum this rank's last
 // chunk beside the reducing blocks. Any order gives the same bits.
 // Workspace (int32 words): the header [0, kQueueCounts), zero when the workspace is allocated and
