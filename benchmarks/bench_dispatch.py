@@ -192,9 +192,8 @@ def traced_combine(disp, fn, runs, pushers, device):
     """median_trace of ``runs`` runs of fn (a chunked combine) with disp's combine timeline on, each
     started like a queued timing (a GPU spin, then a GPU-side barrier)."""
     grid = pushers + disp.combine_reducers()
-    ext = disp.ext
-    block_words, max_chunks = ext.combine_trace_size(1) - ext.combine_trace_size(0), ext.combine_trace_size(0)
-    trace = torch.zeros(ext.combine_trace_size(grid), dtype=torch.int64, device=device)
+    block_words, max_chunks = disp.combine_trace_layout()
+    trace = torch.zeros(disp.ext.combine_trace_size(grid), dtype=torch.int64, device=device)
     summaries = []
     for _ in range(runs):
         trace.zero_()

@@ -822,6 +822,13 @@ class NVLinkDispatcher:
         """Pushing blocks of the chunked combine: ``combine_push_blocks``, or half of ``num_blocks``."""
         return self.combine_push_blocks or max(1, self.num_blocks // 2)
 
+    def combine_trace_layout(self) -> Tuple[int, int]:
+        """``(words per block, chunk words)`` of ``combine_trace``: block b's stamps start at word
+        ``b * words per block``, a summing block's chunk c at ``3 + c`` (seen) and ``3 + chunk words
+        + c`` (summed); the chunks' raise stamps follow the blocks' words."""
+        chunk_words = self.ext.combine_trace_size(0)
+        return self.ext.combine_trace_size(1) - chunk_words, chunk_words
+
     def combine_reducers(self) -> int:
         """Reducing blocks of the chunked combine: ``combine_reduce_blocks``, or by default
         ``num_blocks`` less the pushing blocks with the queue (one block per SM in all, each role

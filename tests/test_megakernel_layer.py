@@ -104,11 +104,8 @@ def _check_same(layer, rank, cases, want, where):
                                       "the sequential schedule"
 
 
-def _on_gpus(body, world_size):
-    """``body(rank, world_size)`` on ``world_size`` GPUs over NCCL (skipped where fewer are here)."""
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    run_distributed(body, world_size, backend="nccl")
+# ep 2 and ep 4, each skipped (conftest's needs_gpus) where fewer GPUs are here.
+WORLD_SIZES = pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (2, 4)])
 
 
 def _run(rank, world_size, k, T, one_expert, backend, det=True, overlap=None):
@@ -147,10 +144,9 @@ def _compare(rank, world_size):
                                     "the reference"
 
 
-@needs_gpus(2)
-@pytest.mark.parametrize("world_size", [2, 4])
+@WORLD_SIZES
 def test_megakernel_layer_matches_reference(world_size):
-    _on_gpus(_compare, world_size)
+    run_distributed(_compare, world_size, backend="nccl")
 
 
 def _compare_rank_partials(rank, world_size):
@@ -191,10 +187,9 @@ def _compare_rank_partials(rank, world_size):
     assert fused._dispatchers[device].fused_stats["fused"] >= 2
 
 
-@needs_gpus(2)
-@pytest.mark.parametrize("world_size", [2, 4])
+@WORLD_SIZES
 def test_rank_partials_combine(world_size):
-    _on_gpus(_compare_rank_partials, world_size)
+    run_distributed(_compare_rank_partials, world_size, backend="nccl")
 
 
 def _compare_route_order(rank, world_size):
@@ -215,14 +210,13 @@ def _compare_route_order(rank, world_size):
             assert begun == (0 if k == 1 else len(cases)), f"rank {rank} k={k}: {begun} dispatches queued early"
 
 
-@needs_gpus(2)
-@pytest.mark.parametrize("world_size", [2, 4])
+@WORLD_SIZES
 def test_early_dispatch_is_bitwise_the_late_one(world_size):
     """Outputs, input and every parameter gradient with the dispatch queued before the rest of
     the gate and the experts' stacking, against it queued after them; k 2-8, 1 to 4096 tokens (at
     k 1 DeepSpeed's top-1 gate is called whole: both paths are one, the test checks that no
     dispatch was queued early)."""
-    _on_gpus(_compare_route_order, world_size)
+    run_distributed(_compare_route_order, world_size, backend="nccl")
 
 
 def _progress(rank, world_size, what, t0):
@@ -276,12 +270,11 @@ def _compare_schedules(rank, world_size):
         _progress(rank, world_size, f"pipelined, ds_uniep's GEMM, k={k}", t0)
 
 
-@needs_gpus(2)
-@pytest.mark.parametrize("world_size", [2, 4])
+@WORLD_SIZES
 def test_pipelined_schedule_is_bitwise_the_sequential_one(world_size):
     """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens (8192 at k 8), all tokens
     to one expert, 1 to 4 chunks (one per local expert)."""
-    _on_gpus(_compare_schedules, world_size)
+    run_distributed(_compare_schedules, world_size, backend="nccl")
 
 
 def _compare_fused(rank, world_size):
@@ -389,11 +382,10 @@ def _compare_fused(rank, world_size):
         _progress(rank, world_size, f"fused, k={k}", t0)
 
 
-@needs_gpus(2)
-@pytest.mark.parametrize("world_size", [2, 4])
+@WORLD_SIZES
 def test_fused_schedule_is_bitwise_the_sequential_one(world_size):
     """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens (8192 at k 8), all
     tokens to one expert, 8 and 20 communication SMs in partitioned roles and interleaved roles (the default, which
     the cases that name no roles run: two forwards before their backwards, tile sizes, GeLU experts,
     flattened experts), each signal granularity; every forward ran fused."""
-    _on_gpus(_compare_fused, world_size)
+    run_distributed(_compare_fused, world_size, backend="nccl")

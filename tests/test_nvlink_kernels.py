@@ -50,7 +50,7 @@ def _check_timeline(words, d, T, where):
     """The chunked combine's timeline (NVLinkDispatcher.combine_trace) is in order: every block
     started; a pushing block sorted, then ended; a reducing block saw each of this rank's chunks
     before it summed it, and summed it before it saw the next."""
-    block_words, max_chunks = d.ext.combine_trace_size(1) - d.ext.combine_trace_size(0), d.ext.combine_trace_size(0)
+    block_words, max_chunks = d.combine_trace_layout()
     P, R = d.combine_pushers(), d.combine_reducers()
     rows = [words[b * block_words:(b + 1) * block_words] for b in range(P + R)]
     assert all(r[0] > 0 for r in rows), f"timeline: a block without a start stamp ({where})"

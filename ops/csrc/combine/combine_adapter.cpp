@@ -152,8 +152,7 @@ int64_t combine_queue_size(int64_t num_blocks, int64_t rows) {
   return combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(rows));
 }
 
-int64_t combine_trace_size(int64_t grid) { return combine_trace_words(static_cast<int>(grid));
-}
+int64_t combine_trace_size(int64_t grid) { return combine_trace_words(static_cast<int>(grid)); }
 
 void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                   const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
