@@ -287,8 +287,8 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_pull_kernel(SymView s
 
 // The chunked combine's optional timeline (trace != nullptr; the caller zeroes it first): %globaltimer
 // stamps in ns. Block b's words from b * kTraceBlockWords: [0] its start, [1] its end (a pushing
-// block: when its last warp had pushed), [2] a pushing block's rows sorted (queue: past the second
-// barrier), and for each chunk c a block sums (a reducing block; with the queue a pushing block too,
+// block: when its last warp had pushed), [2] a pushing block's rows sorted (queue: its own rows
+// scattered into the global order), and for each chunk c a block sums (a reducing block; with the queue a pushing block too,
 // for the last chunk) [3 + c] chunk c's flags seen, [3 + kMaxCombineChunks + c] chunk c summed.
 // After the blocks' words, [c]: when chunk c's flags were raised (0 for a chunk without rows here).
 constexpr int kTraceBlockWords = 3 + 2 * kMaxCombineChunks;
@@ -400,8 +400,9 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // Queue mode of the chunked combine's pushing blocks (launch_combine_chunked with a queue
 // workspace): the P pushing blocks first sort all of y's rows by chunk into one global order
 // (each block counts its granules' rows per chunk, a barrier, each scatters them to its place,
-// a barrier), then every pushing warp claims kQueueClaim segments at a time from one global
-// cursor over that order. Blocks whose stores drain faster take more of the work, so no block
+// tagged with the launch's epoch), then every pushing warp claims kQueueClaim segments at a time
+// from one global cursor over that order, waiting at a position until its entry carries this
+// launch's epoch (the blocks scatter at once, so no second barrier is needed). Blocks whose stores drain faster take more of the work, so no block
 // is left pushing alone at the end (with fixed shares, blocks finished at 35-100% of the
 // kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
 // (GPU scope, or system scope without gpu_fence) and adds them to the chunk's global count, and
@@ -412,19 +413,33 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // left ready for the next launch by every launch (so nothing zeroes it between launches: each
 // barrier's counter goes back to 0 and its generation word moves on; the last block to reach the
 // first barrier zeroes the cursor and the chunk counts before it releases the others, and nothing
-// reads them before then); the per-block counts from kQueueCounts; the order after them.
-// The two barriers' counters and generations, the cursor and the chunk counts sit on separate
+// reads them before then); the per-block counts from kQueueCounts; the order after them, one
+// 64-bit entry (epoch << 32 | row) per row, so an entry of an earlier launch never passes for one
+// of this launch (epochs move on every call) and nothing zeroes the order either.
+// The barrier's counter and generation, the cursor and the chunk counts sit on separate
 // 128-byte lines.
 constexpr int kQueueBar1 = 0;
-constexpr int kQueueBar2 = 64;
-constexpr int kQueueGen = 32;  // a barrier's generation word, after its counter
+constexpr int kQueueGen = 32;  // the barrier's generation word, after its counter
 constexpr int kQueueCursor = 128;
 constexpr int kQueueDone = 160;  // [kMaxCombineChunks] segments stored per chunk
 constexpr int kQueueCounts = kQueueDone + kMaxCombineChunks;  // [P][kMaxCombineChunks] rows per (block, chunk)
 constexpr int kQueueClaim = 4;
+static_assert(kQueueCounts % 2 == 0 && kMaxCombineChunks % 2 == 0, "the order's 64-bit entries must be aligned");
 
 __host__ __device__ __forceinline__ int64_t queue_words(int pushing_blocks, int y_rows) {
-  return kQueueCounts + static_cast<int64_t>(pushing_blocks) * kMaxCombineChunks + y_rows;
+  return kQueueCounts + static_cast<int64_t>(pushing_blocks) * kMaxCombineChunks + 2 * static_cast<int64_t>(y_rows);
+}
+
+// The row at an order position, once a pushing block has scattered this launch's entry there
+// (-1 if the layer is poisoned meanwhile); one lane waits and the warp takes its answer.
+__device__ __forceinline__ int queue_row(const unsigned long long* entry, uint32_t epoch, const SymView& s) {
+  unsigned long long v = *reinterpret_cast<const volatile unsigned long long*>(entry);
+  while (static_cast<uint32_t>(v >> 32) != epoch) {
+    if (poisoned(s)) return -1;
+    __nanosleep(32);
+    v = *reinterpret_cast<const volatile unsigned long long*>(entry);
+  }
+  return static_cast<int>(static_cast<uint32_t>(v));
 }
 
 // The P pushing blocks meet (a sense-reversing barrier): thread 0 notes the barrier's generation,
@@ -495,7 +510,7 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   int* counts = q + kQueueCounts;
-  int* order = counts + static_cast<int64_t>(P) * kMaxCombineChunks;
+  auto* order = reinterpret_cast<unsigned long long*>(counts + static_cast<int64_t>(P) * kMaxCombineChunks);
   const int64_t granules = (static_cast<int64_t>(R) + kPushGranule - 1) / kPushGranule;
   const int mine = granules > blockIdx.x ? static_cast<int>((granules - 1 - blockIdx.x) / P + 1) * kPushGranule : 0;
   auto row_at = [&](int i) {
@@ -536,13 +551,14 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
   __syncthreads();
   for (int i = threadIdx.x; i < mine; i += blockDim.x) {
     const int64_t r = row_at(i);
-    if (r < R) order[atomicAdd(&chunk_fill[chunk_of(r)], 1)] = static_cast<int>(r);  // any order within a chunk
+    if (r < R)  // any order within a chunk
+      __stcg(order + atomicAdd(&chunk_fill[chunk_of(r)], 1),
+             (static_cast<unsigned long long>(epoch) << 32) | static_cast<uint32_t>(r));
   }
   // A chunk without rows here is stored already: block 0 raises its flags.
   if (blockIdx.x == 0 && threadIdx.x < num_chunks && chunk_total[threadIdx.x] == 0)
     for (int d = 0; d < s.num_ranks; ++d) st_release_sys(chunk_flag(s, d, threadIdx.x, s.rank), epoch);
   __syncthreads();
-  if (!queue_barrier(q, kQueueBar2, P, s, [] {})) return;
   if (threadIdx.x == 0) trace_block(trace, 2);
   const int items = chunk_begin[num_chunks] * segs;
   int c = 0, pending = 0;
@@ -559,7 +575,11 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
         pending = 0;
         while (at >= chunk_begin[c + 1]) ++c;
       }
-      push_segment<T>(y, recv_pair, s, __ldcg(order + at), item % segs, num_vecs, hidden, lane);
+      int row = 0;
+      if (lane == 0) row = queue_row(order + at, epoch, s);
+      row = __shfl_sync(0xffffffffu, row, 0);
+      if (row < 0) return;
+      push_segment<T>(y, recv_pair, s, row, item % segs, num_vecs, hidden, lane);
       ++pending;
     }
   }
