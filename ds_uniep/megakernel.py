@@ -269,8 +269,9 @@ class NVLinkDispatcher:
             chunk by chunk instead). 0: the block gathers and pushes one chunk's rows at a time.
             The output bits are the same either way.
         combine_push_queue: (default ``overlap.combine_queue``, off) the chunked combine's pushing
-            blocks first sort all rows by chunk into one order (two barriers among them), then
-            every pushing warp takes its next segments from one cursor over it, so blocks that
+            blocks first sort all rows by chunk into one order (a barrier among them; the order's
+            entries carry the call's epoch, so a warp takes a position once its entry is there),
+            then every pushing warp takes its next segments from one cursor over it, so blocks that
             store faster push more rows and none is left pushing alone at the end
             (``combine_push_lead`` is then unused); once pushed, the pushing blocks sum the last
             chunk beside the reducing ones. Its pushing blocks must all be resident at once
