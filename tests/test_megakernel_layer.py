@@ -240,8 +240,12 @@ def _compare_schedules(rank, world_size):
             stats = next(iter(layer._dispatchers.values())).combine_stats
             assert stats["pipelined"] == len(cases) and stats["pushed"] == 0, f"k={k} chunks={chunks}: {stats}"
         _progress(rank, world_size, f"pipelined, torch's GEMM, k={k}", t0)
+
+
+def _compare_schedules_uniep_gemm(rank, world_size):
     # ds_uniep's GEMM: the pipelined schedule's chunks run it on the SMs num_comm_sms leaves, and
     # their rows travel by SM stores; the bits are still the sequential schedule's (on all SMs).
+    t0 = time.perf_counter()
     for k in (2, 8):
         cases, big = _cases(k)
         seq = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"}, expert_gemm="uniep",
@@ -273,8 +277,16 @@ def _compare_schedules(rank, world_size):
 @WORLD_SIZES
 def test_pipelined_schedule_is_bitwise_the_sequential_one(world_size):
     """Outputs, input and every parameter gradient, for k 1-8, 1 to 4096 tokens (8192 at k 8), all tokens
-    to one expert, 1 to 4 chunks (one per local expert)."""
+    to one expert, 1 to 4 chunks (one per local expert); torch's grouped GEMM."""
     run_distributed(_compare_schedules, world_size, backend="nccl")
+
+
+@WORLD_SIZES
+def test_pipelined_schedule_on_uniep_gemm_is_bitwise_the_sequential_one(world_size):
+    """The same with ds_uniep's grouped GEMM (k 2 and 8): chunks on the SMs that ``num_comm_sms``
+    leaves with their rows sent by SM stores, or on every SM with the copy engines, and a tile size
+    from the block."""
+    run_distributed(_compare_schedules_uniep_gemm, world_size, backend="nccl")
 
 
 def _compare_fused(rank, world_size):
