@@ -288,8 +288,9 @@ __global__ void __launch_bounds__(kCopyThreads, 2) combine_pull_kernel(SymView s
 // The chunked combine's optional timeline (trace != nullptr; the caller zeroes it first): %globaltimer
 // stamps in ns. Block b's words from b * kTraceBlockWords: [0] its start, [1] its end (a pushing
 // block: when its last warp had pushed), [2] a pushing block's rows sorted (queue: its own rows
-// scattered into the global order), and for each chunk c a block sums (a reducing block; with the queue a pushing block too,
-// for the last chunk) [3 + c] chunk c's flags seen, [3 + kMaxCombineChunks + c] chunk c summed.
+// scattered into the global order), and for each chunk c a block sums (a reducing block; with the
+// queue a pushing block too, for the last chunk) [3 + c] chunk c's flags seen,
+// [3 + kMaxCombineChunks + c] chunk c summed.
 // After the blocks' words, [c]: when chunk c's flags were raised (0 for a chunk without rows here).
 constexpr int kTraceBlockWords = 3 + 2 * kMaxCombineChunks;
 
@@ -402,9 +403,9 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // (each block counts its granules' rows per chunk, a barrier, each scatters them to its place,
 // tagged with the launch's epoch), then every pushing warp claims kQueueClaim segments at a time
 // from one global cursor over that order, waiting at a position until its entry carries this
-// launch's epoch (the blocks scatter at once, so no second barrier is needed). Blocks whose stores drain faster take more of the work, so no block
-// is left pushing alone at the end (with fixed shares, blocks finished at 35-100% of the
-// kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
+// launch's epoch (the blocks scatter at once, so no second barrier is needed). Blocks whose
+// stores drain faster take more of the work, so no block is left pushing alone at the end (with
+// fixed shares, blocks finished at 35-100% of the kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
 // (GPU scope, or system scope without gpu_fence) and adds them to the chunk's global count, and
 // the warp that completes a chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
 // in order, so no lead bound is needed. Once pushed, the pushing blocks sum this rank's last
