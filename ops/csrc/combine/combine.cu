@@ -405,10 +405,11 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // from one global cursor over that order, waiting at a position until its entry carries this
 // launch's epoch (the blocks scatter at once, so no second barrier is needed). Blocks whose
 // stores drain faster take more of the work, so no block is left pushing alone at the end (with
-// fixed shares, blocks finished at 35-100% of the kernel's time). A warp counts its segments per chunk; when it moves past a chunk it fences
-// (GPU scope, or system scope without gpu_fence) and adds them to the chunk's global count, and
-// the warp that completes a chunk fences again and raises the chunk's flag on every rank. Chunks come out of the queue
-// in order, so no lead bound is needed. Once pushed, the pushing blocks sum this rank's last
+// fixed shares, blocks finished at 35-100% of the kernel's time). A warp counts its segments per
+// chunk; when it moves past a chunk it fences (GPU scope, or system scope without gpu_fence) and
+// adds them to the chunk's global count, and the warp that completes a chunk fences again and
+// raises the chunk's flag on every rank. Chunks come out of the queue in order, so no lead bound
+// is needed. Once pushed, the pushing blocks sum this rank's last
 // chunk beside the reducing blocks. Any order gives the same bits.
 // Workspace (int32 words): the header [0, kQueueCounts), zero when the workspace is allocated and
 // left ready for the next launch by every launch (so nothing zeroes it between launches: each
