@@ -188,9 +188,10 @@ def peer_copy_gbps(nbytes, iters, device):
     return float(out[0])
 
 
-def traced_combine(disp, fn, runs, pushers, device):
+def traced_combine(disp, fn, runs, device):
     """median_trace of ``runs`` runs of fn (a chunked combine) with disp's combine timeline on, each
     started like a queued timing (a GPU spin, then a GPU-side barrier)."""
+    pushers = disp.combine_pushers()
     grid = pushers + disp.combine_reducers()
     block_words, max_chunks = disp.combine_trace_layout()
     trace = torch.zeros(disp.ext.combine_trace_size(grid), dtype=torch.int64, device=device)
@@ -340,7 +341,7 @@ def main():
                     "bitwise_equal": same, "reduce_blocks_used": disp.combine_reducers()}
                 if a.trace and chunks:
                     results["combine_variants"][key]["trace"] = traced_combine(
-                        disp, lambda: disp.combine(y, gates, h), a.trace, pushers, dev)
+                        disp, lambda: disp.combine(y, gates, h), a.trace, dev)
             (disp.combine_chunks, disp.combine_reduce_blocks, disp.combine_push_lead,
              disp.combine_push_blocks, disp.combine_push_queue, disp.combine_queue_gpu_fence) = default
             disp.combine_min_chunk_tokens = min_chunk

@@ -161,7 +161,8 @@ def _body(rank, G, dtype_name):
             arrival_vals = (out_a.detach(), x.grad.clone(), g.grad.clone())
             labels = ("a second run", "push-then-reduce combine", "7-chunk combine", "pulling combine",
                       "gate gradients at the sources", "one row per slot (no dedup)",
-                      "chunked combine pushing chunk by chunk", "chunked combine pushing from one queue (timed)",
+                      "chunked combine pushing chunk by chunk",
+                      "chunked combine pushing from one queue (timeline recorded)",
                       "7-chunk combine pushing from one queue (5 pushing and 300 reducing blocks, system-scoped "
                       "warp fences)")
             assert len(labels) == len(outs) - 1

@@ -409,8 +409,8 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // chunk; when it moves past a chunk it fences (GPU scope, or system scope without gpu_fence) and
 // adds them to the chunk's global count, and the warp that completes a chunk fences again and
 // raises the chunk's flag on every rank. Chunks come out of the queue in order, so no lead bound
-// is needed. Once pushed, the pushing blocks sum this rank's last
-// chunk beside the reducing blocks. Any order gives the same bits.
+// is needed. Once pushed, the pushing blocks sum this rank's last chunk beside the reducing
+// blocks. Any order gives the same bits.
 // Workspace (int32 words): the header [0, kQueueCounts), zero when the workspace is allocated and
 // left ready for the next launch by every launch (so nothing zeroes it between launches: each
 // barrier's counter goes back to 0 and its generation word moves on; the last block to reach the
