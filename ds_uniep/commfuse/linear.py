@@ -75,6 +75,26 @@ def all_reduce_grad(t: torch.Tensor, group) -> torch.Tensor:
 
 class _ParallelLinear(nn.Module):
 
+    def _setup(self, in_features: int, out_features: int, split: str, bias: bool, group, config, dtype,
+               device) -> None:
+        """The parameters of this rank's shard: ``split`` ("out" or "in") names the dimension the group
+        divides; the bias is sharded with the output features, replicated otherwise. ``nn.Linear``'s
+        initialisation for the weight (bound ``1/sqrt(H_in)``), zeros for the bias."""
+        self.tp_size, self.tp_rank = _group_size_rank(group)
+        features = out_features if split == "out" else in_features
+        if features % self.tp_size:
+            raise ValueError(f"{type(self).__name__}: {split}_features={features} is not divisible by the group "
+                             f"size {self.tp_size}")
+        self.group, self.in_features, self.out_features = group, in_features, out_features
+        self.schedule, self.num_chunks, self.transport = _commfuse_args(config)
+        rows = out_features // self.tp_size if split == "out" else out_features
+        cols = in_features if split == "out" else in_features // self.tp_size
+        self.weight = nn.Parameter(torch.empty(rows, cols, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(rows, dtype=dtype, device=device)) if bias else None
+        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
+        with torch.no_grad():
+            self.weight.uniform_(-bound, bound)
+
     def _check_input(self, x: torch.Tensor, name: str, features: int, what: str) -> None:
         cls = type(self).__name__
         if x.dim() < 2 or x.shape[-1] != features:
@@ -110,18 +130,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None, config=None,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
-        self.tp_size, self.tp_rank = _group_size_rank(group)
-        if out_features % self.tp_size:
-            raise ValueError(f"ColumnParallelLinear: out_features={out_features} is not divisible by the group "
-                             f"size {self.tp_size}")
-        self.group, self.in_features, self.out_features = group, in_features, out_features
-        self.schedule, self.num_chunks, self.transport = _commfuse_args(config)
-        n = out_features // self.tp_size
-        self.weight = nn.Parameter(torch.empty(n, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype, device=device)) if bias else None
-        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
+        self._setup(in_features, out_features, "out", bias, group, config, dtype, device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, config=None) -> "ColumnParallelLinear":
@@ -166,18 +175,7 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None, config=None,
                  dtype: Optional[torch.dtype] = None, device=None):
         super().__init__()
-        self.tp_size, self.tp_rank = _group_size_rank(group)
-        if in_features % self.tp_size:
-            raise ValueError(f"RowParallelLinear: in_features={in_features} is not divisible by the group "
-                             f"size {self.tp_size}")
-        self.group, self.in_features, self.out_features = group, in_features, out_features
-        self.schedule, self.num_chunks, self.transport = _commfuse_args(config)
-        k = in_features // self.tp_size
-        self.weight = nn.Parameter(torch.empty(out_features, k, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
-        bound = 1.0 / math.sqrt(in_features) if in_features else 0.0
-        with torch.no_grad():
-            self.weight.uniform_(-bound, bound)
+        self._setup(in_features, out_features, "in", bias, group, config, dtype, device)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, config=None) -> "RowParallelLinear":
