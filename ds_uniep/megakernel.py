@@ -268,14 +268,15 @@ class NVLinkDispatcher:
             whose flag it raised (a share over 12288 rows, 48 KiB of shared memory, is pushed
             chunk by chunk instead). 0: the block gathers and pushes one chunk's rows at a time.
             The output bits are the same either way.
-        combine_push_queue: (default ``overlap.combine_queue``, off) the chunked combine's pushing
+        combine_push_queue: (default ``overlap.combine_queue``, on) the chunked combine's pushing
             blocks first sort all rows by chunk into one order (a barrier among them; the order's
             entries carry the call's epoch, so a warp takes a position once its entry is there),
             then every pushing warp takes its next segments from one cursor over it, so blocks that
             store faster push more rows and none is left pushing alone at the end
             (``combine_push_lead`` is then unused); once pushed, the pushing blocks sum the last
             chunk beside the reducing ones. Its pushing blocks must all be resident at once
-            (at most two per SM; more are refused). The output bits are the same either way.
+            (at most two per SM; more are refused). False: each pushing block walks a fixed share
+            of the rows, sorted by chunk. The output bits are the same either way.
         combine_queue_gpu_fence: (default on) with the queue, a pushing warp that moves past a chunk
             fences at GPU scope before it counts the chunk's rows, and only the warp that completes
             the chunk fences at system scope before raising its flags on every rank (correct by the

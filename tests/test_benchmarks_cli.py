@@ -102,7 +102,7 @@ def test_bench_dispatch_summarizes_a_combine_timeline():
 def test_autotune_fixed_plans_are_every_plan_of_the_space_by_label():
     """``bench_moe_layer.py --autotune`` times the config default and every plan of the megakernel's space,
     each under its own label (none hides another), the default as the layer runs it (copy kernels on
-    every SM, 16 combine chunks, no queue)."""
+    every SM, 16 combine chunks pushed from one queue)."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_moe_layer import fixed_plans
 
@@ -114,7 +114,7 @@ def test_autotune_fixed_plans_are_every_plan_of_the_space_by_label():
     assert all(name == p.label() for name, p in rest)
     assert default_name.startswith("config default") and plans[default.label()] == default
     assert (default.schedule, default.num_comm_sms, default.combine_chunks, default.combine_queue) == (
-        "sequential", 132, 16, False)
+        "sequential", 132, 16, True)
     assert any(p.combine_queue for _, p in rest) and len({p.combine_chunks for _, p in rest}) == 3
 
 

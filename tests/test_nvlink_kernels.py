@@ -80,27 +80,30 @@ def _body(rank, G, dtype_name):
     case = 0
     for k in (1, 2, 6, 8):
         disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
-        # The same layer with combine as push-then-reduce kernels, chunked over 7 chunks with
-        # five pushing blocks and one reducing block, pushing chunk by chunk (not sorted),
-        # pulling from source regions, pushing from one queue shared by the pushing warps (with the
-        # default blocks, one per SM, its timeline recorded; and with five pushing and 300 reducing, more
-        # than fit one per SM, and system-scoped fences per warp), with the gate
+        # The same layer (whose default combine pushes from one queue shared by the pushing warps,
+        # with the default blocks, one per SM; its timeline recorded) with combine as push-then-reduce
+        # kernels, chunked over 7 chunks with five pushing blocks and one reducing block in fixed
+        # shares, pushing chunk by chunk (not sorted), each pushing block a fixed share of the rows,
+        # pulling from source regions, pushing from the queue with five pushing and 300 reducing
+        # blocks (more than fit one per SM) and system-scoped fences per warp, with the gate
         # gradients formed at the sources (y sent back) instead of on the experts, and sending a token once per slot
         # rather than once per destination rank: when and where rows move and are summed
         # changes, never the bits.
         pull = NVLinkDispatcher(f"test.k{k}.pull", E, G, M, k, dtype, cfg, pull_combine=True)
         variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
                     NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
-                                     combine_reduce_blocks=1, combine_push_blocks=5), pull,
+                                     combine_reduce_blocks=1, combine_push_blocks=5, combine_push_queue=False), pull,
                     NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
                                      gate_grad_on_experts=False),
                     NVLinkDispatcher(f"test.k{k}.no_dedup", E, G, M, k, dtype, cfg, dedup=False),
-                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0),
-                    NVLinkDispatcher(f"test.k{k}.queue", E, G, M, k, dtype, cfg, combine_push_queue=True),
+                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0,
+                                     combine_push_queue=False),
+                    NVLinkDispatcher(f"test.k{k}.shares", E, G, M, k, dtype, cfg, combine_push_queue=False),
                     NVLinkDispatcher(f"test.k{k}.queue7", E, G, M, k, dtype, cfg, combine_chunks=7,
                                      combine_reduce_blocks=300, combine_push_blocks=5, combine_push_queue=True,
                                      combine_queue_gpu_fence=False)]
-        queue = variants[-2]
+        queue = disp  # the default combine pushes from one queue; its timeline is recorded in both runs
+        assert queue.combine_push_queue and not variants[-2].combine_push_queue
         assert queue.combine_pushers() + queue.combine_reducers() == queue.num_blocks
         # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
         # and sums within bf16 tolerance.
@@ -162,7 +165,7 @@ def _body(rank, G, dtype_name):
             labels = ("a second run", "push-then-reduce combine", "7-chunk combine", "pulling combine",
                       "gate gradients at the sources", "one row per slot (no dedup)",
                       "chunked combine pushing chunk by chunk",
-                      "chunked combine pushing from one queue (timeline recorded)",
+                      "chunked combine, each pushing block a fixed share of the rows",
                       "7-chunk combine pushing from one queue (5 pushing and 300 reducing blocks, system-scoped "
                       "warp fences)")
             assert len(labels) == len(outs) - 1
@@ -259,8 +262,9 @@ def _body(rank, G, dtype_name):
     gates_b = torch.rand(t_big, 8, generator=torch.Generator().manual_seed(rank)).to(dev)
     x_b = _inputs(rank, 2000, t_big, dtype).to(dev)
     combined = []
-    for d in (NVLinkDispatcher("test.one_pusher", E, G, M, 8, dtype, cfg, combine_push_blocks=1),
-              NVLinkDispatcher("test.one_pusher_ref", E, G, M, 8, dtype, cfg)):
+    for d in (NVLinkDispatcher("test.one_pusher", E, G, M, 8, dtype, cfg, combine_push_blocks=1,
+                               combine_push_queue=False),
+              NVLinkDispatcher("test.one_pusher_ref", E, G, M, 8, dtype, cfg, combine_push_queue=False)):
         recv_b, _, handle_b = d.dispatch(x_b, idx_b)
         assert recv_b.shape[0] == 12288, recv_b.shape
         combined.append(d.combine(recv_b, gates_b, handle_b))

@@ -129,7 +129,7 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     four = [r for p, r in mk.table() if p.schedule == "pipelined" and p.num_chunks == 4]
     assert four and all("more chunks than local experts: num_chunks=4 > E/ep=2" in r for r in four), four
     assert all(p.dispatch_dtype == "activation" and p.replace(num_comm_sms=16, schedule="sequential", num_chunks=1,
-                                                              combine_chunks=16, combine_queue=False)
+                                                              combine_chunks=16, combine_queue=True)
                == mk.baseline() for p in plans)
     # the FP8 plans are rejected (roles outside the fused schedule are the partitioned ones) ...
     assert mk.baseline() in plans and len(mk.table()) == 2 * (9 * 6 + 2 * 9)
@@ -248,7 +248,8 @@ def test_combine_knobs_reach_plans_only_where_the_combine_kernels_move_the_rows(
     chunks is no queue."""
     cfg = UniEPConfig.from_dict({"overlap": {"combine_chunks": 4, "combine_queue": True}})
     assert (cfg.overlap.combine_chunks, cfg.overlap.combine_queue) == (4, True)
-    assert (UniEPConfig().overlap.combine_chunks, UniEPConfig().overlap.combine_queue) == (16, False)
+    assert (UniEPConfig().overlap.combine_chunks, UniEPConfig().overlap.combine_queue) == (16, True)
+    assert Plan.from_config(UniEPConfig()).label().endswith(" c16q")  # the default: sequential, queued
     plan = Plan.from_config(cfg.model_copy(update={"overlap": cfg.overlap.model_copy(
         update={"schedule": "sequential"})}))
     assert (plan.combine_chunks, plan.combine_queue) == (4, True) and plan.label().endswith(" c4q")

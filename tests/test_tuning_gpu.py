@@ -133,12 +133,14 @@ def _self_tuning_body(rank, world_size, cache_dir):
     plain = _layer(rank, world_size, {**common, "overlap": {"schedule": "sequential", "num_comm_sms": 16,
                                                             "timeout_s": 30.0}}, device)
     base = _run(plain, x, gy)
-    # the combine's chunks and queue from the block reach the dispatcher the layer builds
-    queued = _layer(rank, world_size, {**common, "overlap": {"schedule": "sequential", "combine_chunks": 4,
-                                                             "combine_queue": True, "timeout_s": 30.0}}, device)
-    _assert_same(base, _run(queued, x, gy), f"rank {rank}: combine_chunks 4 with the queue from the block")
-    d = queued._dispatchers[device]
-    assert (d.combine_chunks, d.combine_push_queue, d.combine_stats["queued"]) == (4, True, 2), d.combine_stats
+    # the combine's chunks and queue from the block reach the dispatcher the layer builds (the queue is
+    # the default: the plain layer's combines were queued)
+    assert plain._dispatchers[device].combine_stats["queued"] == 2, plain._dispatchers[device].combine_stats
+    shares = _layer(rank, world_size, {**common, "overlap": {"schedule": "sequential", "combine_chunks": 4,
+                                                             "combine_queue": False, "timeout_s": 30.0}}, device)
+    _assert_same(base, _run(shares, x, gy), f"rank {rank}: combine_chunks 4 in fixed shares from the block")
+    d = shares._dispatchers[device]
+    assert (d.combine_chunks, d.combine_push_queue, d.combine_stats["queued"]) == (4, False, 0), d.combine_stats
     tuned_cfg = {**common, "overlap": {"timeout_s": 30.0},
                  "autotune": {"enabled": True, "cache_dir": cache_dir, "budget_s": 60.0, "warmup": 1, "repeats": 3}}
     key = (T, torch.bfloat16, device)

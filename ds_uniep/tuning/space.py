@@ -84,7 +84,7 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "fused_dispatch": (True, False),
     "epilogue_combine": (True, False),
     "combine_chunks": (16,),
-    "combine_queue": (False,),
+    "combine_queue": (True,),
 }
 """The values the design space (``backend=None``) walks, per knob. The combine's chunk count and
 queue (how the megakernel's combine kernels pipeline and share out the rows, not a design choice of
@@ -168,7 +168,7 @@ class Plan:
     fused_dispatch: bool = True
     epilogue_combine: bool = True
     combine_chunks: int = 16
-    combine_queue: bool = False
+    combine_queue: bool = True
 
     def __post_init__(self) -> None:
         for name in ("fused_dispatch", "epilogue_combine", "combine_queue"):
@@ -442,7 +442,11 @@ class Space:
         copies on the copy engines, which no plan of the space names; its plan keeps the 20."""
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
-        plan = self.project(Plan.from_config(cfg))
+        configured = Plan.from_config(cfg)
+        plan = self.project(configured)
+        if plan.schedule != configured.schedule and plan.runs_combine_kernels():
+            # the schedule the layer runs instead reads the block's combine knobs
+            plan = plan.replace(combine_chunks=cfg.overlap.combine_chunks, combine_queue=cfg.overlap.combine_queue)
         if self.backend is not None and "num_comm_sms" in ACTING_KNOBS[self.backend] and \
                 "num_comm_sms" not in cfg.overlap.model_fields_set and plan.schedule == "sequential":
             plan = plan.replace(num_comm_sms=min(self.gpu.num_sms, MAX_COMM_SMS))
@@ -457,6 +461,8 @@ class Space:
                 plan.schedule not in self.built_schedules():
             fixed["schedule"] = "sequential"
             fixed["roles"] = "partitioned"  # what the sequential schedule runs
+            if not plan.runs_combine_kernels():  # its combine knobs were normalised away: the defaults
+                fixed["combine_chunks"], fixed["combine_queue"] = Plan.combine_chunks, Plan.combine_queue
         return plan.replace(**fixed) if fixed else plan
 
     def built_schedules(self) -> Tuple[str, ...]:

@@ -412,15 +412,15 @@ __device__ __forceinline__ void scan_chunks(const int* counts, int* begin, int n
 // is needed. Once pushed, the pushing blocks sum this rank's last chunk beside the reducing
 // blocks. Any order gives the same bits.
 // Workspace (int32 words): the header [0, kQueueCounts), zero when the workspace is allocated and
-// left ready for the next launch by every launch (so nothing zeroes it between launches: each
+// left ready for the next launch by every launch (so nothing zeroes it between launches: the
 // barrier's counter goes back to 0 and its generation word moves on; the last block to reach the
-// first barrier zeroes the cursor and the chunk counts before it releases the others, and nothing
+// barrier zeroes the cursor and the chunk counts before it releases the others, and nothing
 // reads them before then); the per-block counts from kQueueCounts; the order after them, one
 // 64-bit entry (epoch << 32 | row) per row, so an entry of an earlier launch never passes for one
 // of this launch (epochs move on every call) and nothing zeroes the order either.
 // The barrier's counter and generation, the cursor and the chunk counts sit on separate
 // 128-byte lines.
-constexpr int kQueueBar1 = 0;
+constexpr int kQueueBar = 0;
 constexpr int kQueueGen = 32;  // the barrier's generation word, after its counter
 constexpr int kQueueCursor = 128;
 constexpr int kQueueDone = 160;  // [kMaxCombineChunks] segments stored per chunk
@@ -451,15 +451,15 @@ __device__ __forceinline__ int queue_row(const unsigned long long* entry, uint32
 // generation before it arrives, and the last block arrives after all the others, so every block
 // waits for the same move.
 template <typename OnLast>
-__device__ __forceinline__ bool queue_barrier(int* q, int bar, int P, const SymView& s, OnLast on_last) {
+__device__ __forceinline__ bool queue_barrier(int* q, int P, const SymView& s, OnLast on_last) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     ok = 1;
-    volatile int* gen = q + bar + kQueueGen;
+    volatile int* gen = q + kQueueGen;
     const int g = *gen;
     __threadfence();
-    if (atomicAdd(q + bar, 1) == P - 1) {
-      atomicExch(q + bar, 0);
+    if (atomicAdd(q + kQueueBar, 1) == P - 1) {
+      atomicExch(q + kQueueBar, 0);
       on_last();
       __threadfence();
       atomicExch(const_cast<int*>(gen), g + 1);
@@ -531,11 +531,11 @@ __device__ void push_by_queue(const T* __restrict__ y, const int* __restrict__ r
   __syncthreads();
   for (int c = threadIdx.x; c < num_chunks; c += blockDim.x) counts[blockIdx.x * kMaxCombineChunks + c] = chunk_fill[c];
   __syncthreads();
-  const auto fresh_counts = [&] {  // the last block at the first barrier, before any claim or count
+  const auto fresh_counts = [&] {  // the last block at the barrier, before any claim or count
     atomicExch(q + kQueueCursor, 0);
     for (int c = 0; c < num_chunks; ++c) atomicExch(q + kQueueDone + c, 0);
   };
-  if (!queue_barrier(q, kQueueBar1, P, s, fresh_counts)) return;
+  if (!queue_barrier(q, P, s, fresh_counts)) return;
   // Each chunk's rows in all blocks and in the blocks before this one: every (block, chunk) count
   // read by a thread of its own (one round trip, not P), summed in shared memory.
   if (threadIdx.x < num_chunks) chunk_total[threadIdx.x] = chunk_fill[threadIdx.x] = 0;
