@@ -81,9 +81,9 @@ class OverlapConfig(_Block):
                                 "fixed share of the rows); its reducing blocks default to the SMs the pushing ones "
                                 "leave, and the pushing blocks sum the last chunk once pushed. Measured faster than "
                                 "fixed shares at every size of the combine's goal (hidden 7168, top-8, 2048-8192 "
-                                "tokens, ep 2 and 4); inside the layer 0.94-1.02x their time. The tuner walks "
-                                "both with combine_chunks. Read with combine_chunks > 0 where combine_chunks "
-                                "is read. The same bits either way.")
+                                "tokens, ep 2 and 4); inside the layer level with them (0.94-1.04x their time). "
+                                "The tuner walks both with combine_chunks. Read with combine_chunks > 0 where "
+                                "combine_chunks is read. The same bits either way.")
     fused_dispatch: bool = Field(True, description="The fused schedule's dispatch beside the first expert GEMM, "
                                  "whose tiles wait for their rows (from num_comm_sms SMs, or with roles "
                                  "'interleaved' partly from inside the GEMM's CTAs); false: the sequential "

@@ -469,6 +469,13 @@ def test_the_default_plan_is_the_one_the_layer_runs_untuned(tmp_path):
     assert mk.layer_default({"overlap": {"num_comm_sms": 24}}).num_comm_sms == 24  # set: as configured
     fused = Space(SHAPE, GPU, 2, 8192, False, backend="megakernel", expert_gemm="uniep")
     assert fused.layer_default({"expert_gemm": "uniep", "overlap": {"schedule": "fused"}}).num_comm_sms == 20
+    # the fused schedule asked for on torch's GEMM runs as the sequential one, with the block's combine knobs
+    # (the fused plan had normalised them away) and with the defaults where the block leaves them unset
+    for overlap, combine in (({"schedule": "fused"}, (16, True)),
+                             ({"schedule": "fused", "combine_chunks": 8, "combine_queue": False}, (8, False))):
+        ran = mk.layer_default({"overlap": overlap})
+        assert (ran.schedule, ran.combine_chunks, ran.combine_queue) == ("sequential", *combine), ran
+        assert ran in mk.enumerate()
     # the design space models the knobs as configured; the reference backend does not act on them
     assert Space(SHAPE, GPU, 2, 8192, False).layer_default(UniEPConfig()) == Plan.from_config(UniEPConfig())
     ref = Space(SHAPE, GPU, 2, 8192, False, backend="reference")
