@@ -438,7 +438,8 @@ class Space:
         knobs (:meth:`Plan.from_config`), projected (:meth:`project`), except that on a backend that
         acts on ``num_comm_sms`` a block leaving it unset runs the sequential schedule's copy kernels
         with one block per SM, i.e. ``num_comm_sms`` = this GPU's SM count (the config's default, 20,
-        is the fused dispatch's). Not covered: the pipelined schedule on ds_uniep's GEMM with it unset
+        is the fused dispatch's), and that a configured schedule the backend runs as the sequential one
+        keeps the block's ``combine_chunks`` and ``combine_queue``, which the sequential one reads. Not covered: the pipelined schedule on ds_uniep's GEMM with it unset
         copies on the copy engines, which no plan of the space names; its plan keeps the 20."""
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
@@ -454,8 +455,9 @@ class Space:
 
     def project(self, plan: Plan) -> Plan:
         """``plan`` with the knobs the backend does not act on set to their fixed values (and a schedule
-        it does not run set to the sequential one, which is what runs): the plan that runs the same
-        code and is a point of this space (unchanged for the design space)."""
+        it does not run set to the sequential one, which is what runs, with the default combine knobs
+        where the plan's schedule had normalised them away): the plan that runs the same code and is a
+        point of this space (unchanged for the design space)."""
         fixed = self.fixed_knobs()
         if self.backend is not None and "schedule" in ACTING_KNOBS[self.backend] and \
                 plan.schedule not in self.built_schedules():
