@@ -18,8 +18,8 @@ Rows: NCCL alone and NCCL as a dispatch needs it (rows permuted into destination
 order first); the megakernel dispatch receiving in place (its direct region; again with this
 rank's own rows deduplicated like the others', i.e. copied after the wait, checked bitwise) and
 through staging plus copy-out; the NVLink stores alone; FP8; combine (the dispatcher's
-default, chunked push+reduce in one kernel with the pushing warps sharing one queue, then the variants of COMBINE_VARIANTS (or of
---combine-variants) and the
+default, chunked push+reduce in one kernel with the pushing warps sharing one queue, then the
+variants of COMBINE_VARIANTS (or of --combine-variants) and the
 pulling combine from source regions with one and two blocks per SM, and the copy-engine
 combine of the pipelined schedule in one chunk (each (expert, source) segment copied into its
 source's combine buffer by cudaMemcpyAsync, one stream per destination, then the slot-order

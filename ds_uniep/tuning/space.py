@@ -439,8 +439,9 @@ class Space:
         acts on ``num_comm_sms`` a block leaving it unset runs the sequential schedule's copy kernels
         with one block per SM, i.e. ``num_comm_sms`` = this GPU's SM count (the config's default, 20,
         is the fused dispatch's), and that a configured schedule the backend runs as the sequential one
-        keeps the block's ``combine_chunks`` and ``combine_queue``, which the sequential one reads. Not covered: the pipelined schedule on ds_uniep's GEMM with it unset
-        copies on the copy engines, which no plan of the space names; its plan keeps the 20."""
+        keeps the block's ``combine_chunks`` and ``combine_queue``, which the sequential one reads. Not
+        covered: the pipelined schedule on ds_uniep's GEMM with it unset copies on the copy engines,
+        which no plan of the space names; its plan keeps the 20."""
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
         configured = Plan.from_config(cfg)
