@@ -133,6 +133,9 @@ def parse_args(argv=None):
                    help="also time a layer built with domain_size and migrated_fraction auto and "
                    "\"replan_after_steps\": 1, after one forward+backward and an optimizer step (so it has planned "
                    "again for the routing it saw): what the runtime chooses by itself")
+    p.add_argument("--replan-compute", choices=("measure", "estimate"), default="measure",
+                   help="with --replan: the compute times the layer plans again with (its \"replan_compute\"; "
+                   "default measure: its experts' forward timed at the replan)")
     p.add_argument("--quick", action="store_true", help="a short sweep (GPU: 2 points; CPU: 4 tiny points)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out", default="bench_out/hybrid", help="directory for bench_hybrid.json and .png")
@@ -493,7 +496,7 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         # 7. The runtime planning by itself: planned at construction for uniform routing, then,
         #    after one forward+backward and one optimizer step (lr 0: the weights stay), again for
         #    the routing it saw. Its checked forward+backward (the one that plans again) against EP.
-        cfg = dict(auto_cfg, migrated_fraction="auto", replan_after_steps=1)
+        cfg = dict(auto_cfg, migrated_fraction="auto", replan_after_steps=1, replan_compute=args.replan_compute)
         layer = finish(make_layer(M, F, args, G, cfg, T), state, device, dtype, pacing)
         start = (layer.hybrid_domain_size, layer.hybrid_migrated_experts)
         fwd_bwd(layer)(pool(1)[0].detach().clone().requires_grad_(True), pool(1)[1])
@@ -506,7 +509,9 @@ def measure_point(M, F, T, layers, specs, ep1, state, args, device, dtype, pacin
         ms = timer(step(layer, 1), pool, [layer])
         rp, h = layer.hybrid_replanned, layer._hybrid
         replanned = {"start": list(start), "planned": list(rp["plan"][:2]), "predicted_speedup": rp["speedup"],
-                     "predicted_gain": rp["gain"], "switched": rp["switched"],
+                     "predicted_gain": rp["gain"], "switched": rp["switched"], "compute": rp["compute"],
+                     "expert_compute_ms": rp["expert_compute_s"] * 1e3,
+                     "pre_expert_compute_ms": rp["pre_expert_compute_s"] * 1e3,
                      "domain_size": layer.hybrid_domain_size, "migrated_experts": layer.hybrid_migrated_experts,
                      "chosen_experts": h.migrated_by_rank if h is not None else None,
                      "ms": ms, "vs_best": ms / measured[best],
@@ -663,7 +668,8 @@ def print_table(results):
         r = p.get("replanned")
         if r is not None:
             print(f"replanned at {p['M']}x{p['F']} T={p['T']}: started S={r['start'][0]} m={r['start'][1]}, planned "
-                  f"S={r['planned'][0]} m={r['planned'][1]} ({100 * r['predicted_gain']:.1f}% predicted gain), "
+                  f"S={r['planned'][0]} m={r['planned'][1]} ({100 * r['predicted_gain']:.1f}% predicted gain; "
+                  f"experts' forward {r['compute']}d at {r['expert_compute_ms']:.3f} ms), "
                   f"{'switched' if r['switched'] else 'kept'}: runs S={r['domain_size']} m={r['migrated_experts']} "
                   f"{r['chosen_experts'] or ''}, {r['ms']:.2f} ms = "
                   f"{r['vs_best']:.3f}x the best option ({p['best']}), {r['speedup_vs_ep']:.2f}x EP, outputs match "

@@ -258,13 +258,21 @@ class HybridConfig(_Block):
     replan_after_steps: int = Field(
         0, ge=0, description="With domain_size auto: at the first forward after this many optimizer steps, plan "
         "again for the routing seen until then (every rank's tokens per expert, all-gathered once over the world "
-        "and summed over its EP groups, so every rank chooses alike), the planner's other inputs unchanged, and "
-        "switch the domain size and migrated experts to that plan (partial migrations assume migrated_experts' "
+        "and summed over its EP groups, so every rank chooses alike), with the compute times replan_compute "
+        "gives and the planner's other inputs unchanged, and switch the domain size and migrated experts to that plan (partial migrations assume migrated_experts' "
         "choice); 0: plan once, at start-up, for uniform routing.")
     replan_min_gain: float = Field(
         0.05, ge=0, lt=1, description="replan_after_steps switches only where the new plan's predicted time, "
         "for the routing seen, is at least this fraction below the current plan's for the same routing (a switch "
-        "builds new groups, and the plan's compute times are estimates); else the current plan stays.")
+        "builds new groups, and the plan's compute times are estimated or measured once); else the current plan "
+        "stays.")
+    replan_compute: Literal["measure", "estimate"] = Field(
+        "measure", description="The compute times replan_after_steps plans with. measure: this rank's experts' "
+        "forward timed once, at the replan, over max_tokens_per_rank * k rows split evenly among them (random "
+        "rows, no autograd; the median of 3 after one untimed run), the mean over the world's ranks (so every "
+        "rank plans alike), and the compute before the router scaled from its estimate by the same measured "
+        "over estimated ratio; estimate: FLOPs at a fixed rate, as the start-up plan (which has run no forward) "
+        "does.")
 
     @model_validator(mode="after")
     def _replan_needs_auto(self):

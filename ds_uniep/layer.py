@@ -220,7 +220,7 @@ class UniEPMoE(MoE):
         than the current plan for that routing. The counts are all-gathered over the world and summed
         per EP rank over its EP groups, so every rank plans alike (and creates the same groups)."""
         from .hybrid.model import predict_routed
-        from .hybrid.runtime import optimizer_steps, plan_domains
+        from .hybrid.runtime import measure_expert_compute, optimizer_steps, plan_domains, with_compute
         from .reference import gather_counts
         r = self._replan
         if optimizer_steps() < r["at"]:
@@ -228,22 +228,32 @@ class UniEPMoE(MoE):
         self._replan = None
         E, G, L = self.num_experts, self.ep_size, self.num_local_experts
         hyb = self.uniep_config.hybrid
-        device = next(self.deepspeed_moe.experts.parameters()).device
-        mine = torch.zeros(E + 1, dtype=torch.float64, device=device)
+        param = next(self.deepspeed_moe.experts.parameters())
+        device = param.device
+        measure = hyb.replan_compute == "measure"
+        # Per rank: tokens per expert, its EP rank, its experts' measured forward seconds (or 0).
+        mine = torch.zeros(E + 2, dtype=torch.float64, device=device)
         if r["counts"] is not None:
             mine[:E] = r["counts"].to(device, torch.float64)
         mine[E] = torch.distributed.get_rank(self.ep_group)
+        if measure:
+            mine[E + 1] = measure_expert_compute(self.deepspeed_moe.experts.deepspeed_experts,
+                                                 self.uniep_config.max_tokens_per_rank * self.k, self.hidden_size,
+                                                 param.dtype, device, self._expert_gemm(device))
         load = torch.zeros(G, E, dtype=torch.float64)
-        for t in gather_counts(mine, None, torch.distributed.get_world_size()).cpu():  # every rank of the world
+        world = gather_counts(mine, None, torch.distributed.get_world_size()).cpu()  # every rank of the world
+        for t in world:
             load[int(t[E])] += t[:E]
         before = (self.hybrid_domain_size, self.hybrid_migrated_experts)
         if not load.sum() > 0:
             logger.warning(f"{self.layer_name}: HybridEP replan_after_steps: no token was routed before step "
                            f"{r['at']}; the start-up plan stays (domain size {before[0]})")
             return
-        wl, cl, _, ratio, elsize = r["inputs"]
+        # The same sum in the same order on every rank: every rank plans with the same numbers.
+        inputs = with_compute(r["inputs"], float(world[:, E + 1].sum()) / len(world)) if measure else r["inputs"]
+        wl, cl, _, ratio, elsize = inputs
         load = load.tolist()
-        S, m, p = plan_domains(r["inputs"], L, load=load, migrated_experts=hyb.migrated_experts)
+        S, m, p = plan_domains(inputs, L, load=load, migrated_experts=hyb.migrated_experts)
         new_s = (p.hybrid if S > 1 else p.ep).total_s
         # The current plan, for the same routing (its migrated experts as they route now).
         current = None if self._hybrid is None else self._hybrid.migrated_by_rank
@@ -251,9 +261,12 @@ class UniEPMoE(MoE):
         gain = 1 - new_s / now_s
         switch = (S, m) != before and gain >= hyb.replan_min_gain
         #: what the last replan found: the plan for the routing seen ``(S, m, migrated or None)``, its
-        #: predicted speedup over plain EP, its predicted gain over the current plan, and whether the
-        #: layer switched to it (a plan of the same S and m only updates which experts migrate)
-        self.hybrid_replanned = {"plan": (S, m, p.migrated), "speedup": p.speedup, "gain": gain, "switched": switch}
+        #: predicted speedup over plain EP, its predicted gain over the current plan, whether the
+        #: layer switched to it (a plan of the same S and m only updates which experts migrate), and
+        #: the compute seconds it planned with (``replan_compute``: measured or estimated)
+        self.hybrid_replanned = {"plan": (S, m, p.migrated), "speedup": p.speedup, "gain": gain, "switched": switch,
+                                 "compute": hyb.replan_compute, "expert_compute_s": wl.expert_compute_s,
+                                 "pre_expert_compute_s": wl.pre_expert_compute_s}
         if (S, m) == before and self._hybrid is not None and p.migrated is not None:
             self._hybrid.dispatcher.set_migrated(p.migrated)
         elif switch:
@@ -262,7 +275,8 @@ class UniEPMoE(MoE):
             planned = (f"domain size {S}, {m} of {L} experts per rank migrated"
                        + (f" (local indices per EP rank {p.migrated})" if p.migrated is not None else "")
                        + f", predicted speedup {p.speedup:.2f}x over plain EP and {100 * gain:.1f}% less time than "
-                       f"the current plan (domain size {before[0]}, {before[1]} migrated)")
+                       f"the current plan (domain size {before[0]}, {before[1]} migrated), with the experts' forward "
+                       f"{'measured' if measure else 'estimated'} at {wl.expert_compute_s * 1e3:.3f} ms")
             what = "switched" if switch else "kept the current plan" if (S, m) != before else "the same plan"
             logger.info(f"{self.layer_name}: HybridEP planned again for the routing of the first "
                         f"{hyb.replan_after_steps} steps: {planned}; {what}"

@@ -279,6 +279,9 @@ def _bench_hottest(rank, world_size):
     assert (r["domain_size"], r["migrated_experts"]) == (tuple(r["planned"]) if r["switched"] else tuple(r["start"]))
     assert r["switched"] == (r["planned"] != r["start"] and r["predicted_gain"] >= 0.05), r
     assert r["outputs_match"] and r["rel_err_out"] <= 1e-5, r
+    # It planned with its experts' forward measured (the default), the compute before the router scaled
+    # from its estimate by the same ratio.
+    assert r["compute"] == "measure" and r["expert_compute_ms"] > 0 and r["pre_expert_compute_ms"] > 0, r
     if rank == 0:
         bench_hybrid.print_table(results)
 

@@ -1,5 +1,6 @@
 """HybridEP inside UniEPMoE on 4 gloo ranks as 2 domains (the compressed migration, reused replicas and
 partial migration also over NCCL on GPUs): exact against plain EP, replica gradients reduced once."""
+import dataclasses
 import itertools
 import re
 
@@ -238,11 +239,15 @@ def _replan(rank, world_size, device="cpu"):
     L, M, T, F, T_MAX = 4, 16, 32, 64, 1024
     E = L * world_size
     x, gy, w = _hot_routing(rank, world_size, L, M, T, 200)
+    # Slow links (planner inputs only): the replan's measured compute (under 1 ms here) would have to
+    # reach tens of milliseconds before the predicted gain of the partial migration fell under 5%.
     hyb = {"enabled": True, "domain_size": "auto", "site_size": 1, "intra_site_bandwidth": 4e11,
-           "inter_site_bandwidth": 1.25e7, "replan_after_steps": 1}
+           "inter_site_bandwidth": 1.25e6, "replan_after_steps": 1}
     layers = {}
-    # "kept": the same, but it switches only for a 99% predicted gain, so it keeps its start-up plan.
-    for name, h in (("plain", None), ("replan", hyb), ("kept", dict(hyb, replan_min_gain=0.99))):
+    # "kept": the same, but it switches only for a 99% predicted gain, so it keeps its start-up plan, and
+    # it plans with the start-up plan's estimated compute.
+    for name, h in (("plain", None), ("replan", hyb),
+                    ("kept", dict(hyb, replan_min_gain=0.99, replan_compute="estimate"))):
         cfg = {"backend": "reference", "max_tokens_per_rank": T_MAX}
         if h is not None:
             cfg["hybrid"] = h
@@ -264,19 +269,35 @@ def _replan(rank, world_size, device="cpu"):
     rows = [None] * world_size
     torch.distributed.all_gather_object(rows, counts.tolist())
     cfg = UniEPConfig.from_dict({"hybrid": hyb}).hybrid
-    wl, cl, fractions, ratio, elsize = planner_inputs(cfg, world_size, MLP(M, F), M, 2, T_MAX, L, world_size)
-    want = plan(wl, cl, "auto", ratio, fractions, elsize, load=rows, migrated_experts="hottest")
-    m = round(want.migrated_fraction * L)
+    estimated = planner_inputs(cfg, world_size, MLP(M, F), M, 2, T_MAX, L, world_size)
+    wl, cl, fractions, ratio, elsize = estimated
     uniform = plan(wl, cl, "auto", ratio, fractions, elsize)
     assert start == (uniform.domain_size, round(uniform.migrated_fraction * L)) == (world_size, L), start
-    assert want.domain_size > 1 and 0 < m < L, want  # the test's point: the skew changes the plan
+    # The replan's compute: the experts' forward measured (the same number on every rank), the compute
+    # before the router scaled from its estimate by the same ratio; the estimate where asked.
     got = replan.hybrid_replanned
+    assert got["compute"] == "measure" and got["expert_compute_s"] > 0, got
+    seen = [None] * world_size
+    torch.distributed.all_gather_object(seen, (got["expert_compute_s"], got["pre_expert_compute_s"]))
+    assert len(set(seen)) == 1, seen
+    assert got["pre_expert_compute_s"] == pytest.approx(
+        wl.pre_expert_compute_s * got["expert_compute_s"] / wl.expert_compute_s, rel=1e-12), got
+    est = layers["kept"].hybrid_replanned
+    assert (est["compute"], est["expert_compute_s"], est["pre_expert_compute_s"]) == (
+        "estimate", wl.expert_compute_s, wl.pre_expert_compute_s), est
+    est_want = plan(wl, cl, "auto", ratio, fractions, elsize, load=rows, migrated_experts="hottest")
+    assert est["plan"] == (est_want.domain_size, round(est_want.migrated_fraction * L), est_want.migrated), est
+    wl = dataclasses.replace(wl, expert_compute_s=got["expert_compute_s"],
+                             pre_expert_compute_s=got["pre_expert_compute_s"])
+    want = plan(wl, cl, "auto", ratio, fractions, elsize, load=rows, migrated_experts="hottest")
+    m = round(want.migrated_fraction * L)
+    assert want.domain_size > 1 and 0 < m < L, want  # the test's point: the skew changes the plan
     assert got["plan"] == (want.domain_size, m, want.migrated) and got["speedup"] == want.speedup, (rank, got)
     # Predicted gain over the start-up plan (all experts in one domain) for the same routing.
     now = predict_routed(wl, cl, rows, world_size, None, ratio, elsize).total_s
     assert got["switched"] and got["gain"] == pytest.approx(1 - want.hybrid.total_s / now) and got["gain"] > 0.05, got
     kept = layers["kept"]
-    assert kept.hybrid_replanned["plan"] == got["plan"] and not kept.hybrid_replanned["switched"], kept.hybrid_replanned
+    assert not kept.hybrid_replanned["switched"], kept.hybrid_replanned
     assert (kept.hybrid_domain_size, kept.hybrid_migrated_experts) == start
     assert (replan.hybrid_domain_size, replan.hybrid_migrated_experts) == (want.domain_size, m), rank
     h = replan._hybrid
@@ -302,6 +323,46 @@ def test_replan_after_steps_needs_an_automatic_domain_size():
         UniEPConfig.from_dict({"hybrid": {"enabled": True, "domain_size": 2, "replan_after_steps": 2}})
     with pytest.raises(ValueError, match="replan_after_steps"):
         UniEPConfig.from_dict({"hybrid": {"enabled": True, "replan_after_steps": -1}})
+
+
+def test_measured_expert_compute_times_the_experts_over_the_rows_given():
+    """measure_expert_compute times the experts' forward (median after one untimed run) over the rows
+    split evenly among them; with_compute puts it in the planner's inputs and scales the compute before
+    the router by the same ratio."""
+    import time as _time
+
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.hybrid.runtime import measure_expert_compute, planner_inputs, with_compute
+    from moe_models import MLP
+
+    class Slow(torch.nn.Module):
+        """An expert that takes 20 ms per call plus 1 ms per row, and records the rows it saw."""
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.seen = []
+
+        def forward(self, x):
+            self.seen.append(x.shape[0])
+            _time.sleep(0.02 + 0.001 * x.shape[0])
+            return x * self.w
+
+    experts = [Slow(), Slow(), Slow()]
+    t = measure_expert_compute(experts, 10, 8, torch.float32, "cpu")
+    assert [e.seen for e in experts] == [[4] * 4, [3] * 4, [3] * 4]  # one untimed run and 3 timed ones
+    assert 0.07 <= t < 0.5, t  # three calls of 20 ms and 10 rows of 1 ms each
+    with pytest.raises(ValueError, match="needs rows >= 1"):
+        measure_expert_compute(experts, 0, 8, torch.float32, "cpu")
+    cfg = UniEPConfig.from_dict({"hybrid": {"enabled": True, "intra_site_bandwidth": 1e11,
+                                            "inter_site_bandwidth": 1e9, "site_size": 1}}).hybrid
+    inputs = planner_inputs(cfg, 2, MLP(8, 16), 8, 2, 64, 2, 2)
+    wl, wl2 = inputs[0], with_compute(inputs, 2e-3)[0]
+    assert wl2.expert_compute_s == 2e-3
+    assert wl2.pre_expert_compute_s == pytest.approx(wl.pre_expert_compute_s * 2e-3 / wl.expert_compute_s)
+    assert with_compute(inputs, 2e-3)[1:] == inputs[1:]
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        with_compute(inputs, 0.0)
 
 
 def _grouped_replicas(rank, world_size):

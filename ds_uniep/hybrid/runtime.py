@@ -1042,6 +1042,52 @@ def planner_inputs(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int
     return wl, cl, fractions, ratio, elsize
 
 
+def measure_expert_compute(experts: Sequence[nn.Module], rows: int, hidden_size: int, dtype: torch.dtype,
+                           device, gemm: str = "torch", repeats: int = 3) -> float:
+    """Seconds of ``experts``' forward (the layer's local experts, as the plain EP path runs them:
+    grouped GEMMs on ``gemm`` where they are recognised, else one by one) over ``rows`` random rows of
+    ``hidden_size`` in ``dtype`` on ``device``, split evenly among them (the first ones take the
+    remainder): the median of ``repeats`` timings after one untimed run, without autograd. What
+    ``"replan_compute": "measure"`` plans with."""
+    from ..experts import run_experts
+    if rows < 1 or repeats < 1 or not experts:
+        raise ValueError(f"measure_expert_compute: needs rows >= 1, repeats >= 1 and experts, got rows {rows}, "
+                         f"repeats {repeats}, {len(experts)} experts")
+    device = torch.device(device)
+    L = len(experts)
+    counts = torch.tensor([rows // L + (1 if j < rows % L else 0) for j in range(L)], dtype=torch.int64)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, hidden_size, generator=g).to(device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):  # the first run (caches, kernel choices) is not counted
+            sync()
+            t0 = time.perf_counter()
+            run_experts(list(experts), x, counts, gemm=gemm)
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def with_compute(inputs, expert_compute_s: float):
+    """:func:`planner_inputs`' tuple with the experts' forward compute ``expert_compute_s`` (measured)
+    in place of its estimate, and the compute before the router scaled from its estimate by the same
+    ratio (the layer cannot time the attention that runs before it)."""
+    import dataclasses
+    wl, *rest = inputs
+    if not expert_compute_s > 0:
+        raise ValueError(f"expert compute must be a positive number of seconds, got {expert_compute_s}")
+    scale = expert_compute_s / wl.expert_compute_s
+    wl = dataclasses.replace(wl, expert_compute_s=expert_compute_s,
+                             pre_expert_compute_s=wl.pre_expert_compute_s * scale)
+    return (wl, *rest)
+
+
 MIGRATION_CHOICES = ("first", "hottest")
 
 
