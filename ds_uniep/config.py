@@ -259,8 +259,9 @@ class HybridConfig(_Block):
         0, ge=0, description="With domain_size auto: at the first forward after this many optimizer steps, plan "
         "again for the routing seen until then (every rank's tokens per expert, all-gathered once over the world "
         "and summed over its EP groups, so every rank chooses alike), with the compute times replan_compute "
-        "gives and the planner's other inputs unchanged, and switch the domain size and migrated experts to that plan (partial migrations assume migrated_experts' "
-        "choice); 0: plan once, at start-up, for uniform routing.")
+        "gives and the planner's other inputs unchanged, and switch the domain size and migrated experts to "
+        "that plan (partial migrations assume migrated_experts' choice); 0: plan once, at start-up, for uniform "
+        "routing.")
     replan_min_gain: float = Field(
         0.05, ge=0, lt=1, description="replan_after_steps switches only where the new plan's predicted time, "
         "for the routing seen, is at least this fraction below the current plan's for the same routing (a switch "
