@@ -218,7 +218,9 @@ class UniEPMoE(MoE):
         """``"replan_after_steps"``: once that many optimizer steps have run, plan again for the routing
         counted so far and switch to the plan where it predicts at least ``replan_min_gain`` less time
         than the current plan for that routing. The counts are all-gathered over the world and summed
-        per EP rank over its EP groups, so every rank plans alike (and creates the same groups)."""
+        per EP rank over its EP groups, and (``"replan_compute": "measure"``) every rank's timing of its
+        experts' forward is gathered with them and averaged, so every rank plans alike (and creates the
+        same groups)."""
         from .hybrid.model import predict_routed
         from .hybrid.runtime import measure_expert_compute, optimizer_steps, plan_domains, with_compute
         from .reference import gather_counts
