@@ -669,7 +669,8 @@ def print_table(results):
         if r is not None:
             print(f"replanned at {p['M']}x{p['F']} T={p['T']}: started S={r['start'][0]} m={r['start'][1]}, planned "
                   f"S={r['planned'][0]} m={r['planned'][1]} ({100 * r['predicted_gain']:.1f}% predicted gain; "
-                  f"experts' forward {r['compute']}d at {r['expert_compute_ms']:.3f} ms), "
+                  f"experts' forward {'measured' if r['compute'] == 'measure' else 'estimated'} at "
+                  f"{r['expert_compute_ms']:.3f} ms), "
                   f"{'switched' if r['switched'] else 'kept'}: runs S={r['domain_size']} m={r['migrated_experts']} "
                   f"{r['chosen_experts'] or ''}, {r['ms']:.2f} ms = "
                   f"{r['vs_best']:.3f}x the best option ({p['best']}), {r['speedup_vs_ep']:.2f}x EP, outputs match "

@@ -62,6 +62,8 @@ emulated on one host, so HybridEP and plain EP can be measured against the cost
 model of :mod:`.model`.
 """
 
+import contextlib
+import dataclasses
 import math
 import statistics
 import time
@@ -1047,9 +1049,11 @@ def measure_expert_compute(experts: Sequence[nn.Module], rows: int, hidden_size:
     """Seconds of ``experts``' forward (the layer's local experts, as the plain EP path runs them:
     grouped GEMMs on ``gemm`` where they are recognised, else one by one) over ``rows`` random rows of
     ``hidden_size`` in ``dtype`` on ``device``, split evenly among them (the first ones take the
-    remainder): the median of ``repeats`` timings after one untimed run, without autograd. What
+    remainder): the median of ``repeats`` timings after one untimed run, without autograd, by the
+    autotuner's clock (CUDA events on a GPU, else ``time.perf_counter``). What
     ``"replan_compute": "measure"`` plans with."""
     from ..experts import run_experts
+    from ..tuning.tuner import _Timer
     if rows < 1 or repeats < 1 or not experts:
         raise ValueError(f"measure_expert_compute: needs rows >= 1, repeats >= 1 and experts, got rows {rows}, "
                          f"repeats {repeats}, {len(experts)} experts")
@@ -1058,27 +1062,21 @@ def measure_expert_compute(experts: Sequence[nn.Module], rows: int, hidden_size:
     counts = torch.tensor([rows // L + (1 if j < rows % L else 0) for j in range(L)], dtype=torch.int64)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, hidden_size, generator=g).to(device=device, dtype=dtype)
+    clock = _Timer("cuda" if device.type == "cuda" else "cpu")
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-    times = []
-    with torch.no_grad():
-        for i in range(repeats + 1):  # the first run (caches, kernel choices) is not counted
-            sync()
-            t0 = time.perf_counter()
-            run_experts(list(experts), x, counts, gemm=gemm)
-            sync()
-            if i:
-                times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    def forward():
+        run_experts(list(experts), x, counts, gemm=gemm)
+    # (the clock's events and sync are the current device's)
+    with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
+        clock.run(forward, 1)  # the first run (caches, kernel choices) is not counted
+        ms = clock.run(forward, repeats)
+    return statistics.median(ms) * 1e-3
 
 
 def with_compute(inputs, expert_compute_s: float):
     """:func:`planner_inputs`' tuple with the experts' forward compute ``expert_compute_s`` (measured)
     in place of its estimate, and the compute before the router scaled from its estimate by the same
     ratio (the layer cannot time the attention that runs before it)."""
-    import dataclasses
     wl, *rest = inputs
     if not expert_compute_s > 0:
         raise ValueError(f"expert compute must be a positive number of seconds, got {expert_compute_s}")
