@@ -6,7 +6,9 @@ missing. ``auto`` picks megakernel where it can, else reference, and logs the
 choice and the reason once per layer.
 """
 
-from typing import Tuple
+import os
+import sys
+from typing import Callable, Tuple
 
 import torch
 from .env import logger
@@ -49,3 +51,22 @@ def resolve(backend: str, device: torch.device, layer_name: str) -> str:
     chosen = "megakernel" if ok else "reference"
     logger.info(f"{layer_name}: backend auto -> {chosen} ({'megakernel available' if ok else reason})")
     return chosen
+
+
+def run_script(main: Callable[[], None]) -> None:
+    """Run a training script's ``main()`` (the examples' ``__main__``).
+
+    A :class:`UniEPBackendError` (a backend that cannot run here) is printed as one line on stderr
+    and exits with code 2 instead of a traceback; any other error propagates. After ``main()``
+    returns (having destroyed its process group) the process leaves with code 0 without running
+    C++ static destructors: a communication thread can abort a finished process ("terminate called
+    without an active exception") at interpreter exit, which would turn a good run into exit code -6.
+    """
+    try:
+        main()
+    except UniEPBackendError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

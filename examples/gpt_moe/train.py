@@ -281,17 +281,5 @@ def _write_losses(args, rank, losses):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except Exception as err:  # a backend that cannot run here says so in one line, not a traceback
-        from ds_uniep import UniEPBackendError
-        if isinstance(err, UniEPBackendError):
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(2)
-        raise
-    # main() finished and destroyed its process group. Leave without C++ static destructors:
-    # a communication thread can abort a finished process ("terminate called without an
-    # active exception") at interpreter exit, which would turn a good run into exit code -6.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from ds_uniep.backend import run_script
+    run_script(main)
