@@ -270,10 +270,10 @@ class HybridConfig(_Block):
     replan_compute: Literal["measure", "estimate"] = Field(
         "measure", description="The compute times replan_after_steps plans with. measure: this rank's experts' "
         "forward timed once, at the replan, over max_tokens_per_rank * k rows split evenly among them (random "
-        "rows, no autograd; the median of 3 after one untimed run), the mean over the world's ranks (so every "
-        "rank plans alike), and the compute before the router scaled from its estimate by the same measured "
-        "over estimated ratio; estimate: FLOPs at a fixed rate, as the start-up plan (which has run no forward) "
-        "does.")
+        "rows, no autograd; after one untimed run, the median of 3 timed runs, or of as many as fill 50 ms where 3 "
+        "take less), the mean over the world's ranks (so every rank plans alike), and the compute before the "
+        "router scaled from its estimate by the same measured over estimated ratio; estimate: FLOPs at a fixed "
+        "rate, as the start-up plan (which has run no forward) does.")
 
     @model_validator(mode="after")
     def _replan_needs_auto(self):

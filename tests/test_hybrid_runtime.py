@@ -326,8 +326,8 @@ def test_replan_after_steps_needs_an_automatic_domain_size():
 
 
 def test_measured_expert_compute_times_the_experts_over_the_rows_given():
-    """measure_expert_compute times the experts' forward (median after one untimed run) over the rows
-    split evenly among them; with_compute puts it in the planner's inputs and scales the compute before
+    """measure_expert_compute times the experts' forward (median after one untimed run, 3 runs or as many
+    as fill min_seconds) over the rows split evenly among them; with_compute puts it in the planner's inputs and scales the compute before
     the router by the same ratio."""
     import time as _time
 
@@ -354,6 +354,33 @@ def test_measured_expert_compute_times_the_experts_over_the_rows_given():
     assert 0.07 <= t < 0.5, t  # three calls of 20 ms and 10 rows of 1 ms each
     with pytest.raises(ValueError, match="needs rows >= 1"):
         measure_expert_compute(experts, 0, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="repeats <= max_repeats"):
+        measure_expert_compute(experts, 10, 8, torch.float32, "cpu", repeats=4, max_repeats=3)
+
+    class Fast(torch.nn.Module):
+        """An expert that takes 2 ms per call and counts its calls."""
+
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            _time.sleep(0.002)
+            return x * self.w
+
+    # A short forward is timed until the runs fill min_seconds (3 runs of ~2 ms leave ~44 ms: ~22 more),
+    # at most max_repeats in all; min_seconds 0 times it repeats times.
+    fast = [Fast()]
+    t = measure_expert_compute(fast, 4, 8, torch.float32, "cpu", min_seconds=0.05)
+    assert 10 <= fast[0].calls - 1 <= 26 and 0.002 <= t < 0.02, (fast[0].calls, t)
+    fast = [Fast()]
+    measure_expert_compute(fast, 4, 8, torch.float32, "cpu", min_seconds=0.05, max_repeats=5)
+    assert fast[0].calls == 1 + 5
+    fast = [Fast()]
+    measure_expert_compute(fast, 4, 8, torch.float32, "cpu", min_seconds=0)
+    assert fast[0].calls == 1 + 3
     cfg = UniEPConfig.from_dict({"hybrid": {"enabled": True, "intra_site_bandwidth": 1e11,
                                             "inter_site_bandwidth": 1e9, "site_size": 1}}).hybrid
     inputs = planner_inputs(cfg, 2, MLP(8, 16), 8, 2, 64, 2, 2)

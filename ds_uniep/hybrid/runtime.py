@@ -1045,18 +1045,22 @@ def planner_inputs(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size: int
 
 
 def measure_expert_compute(experts: Sequence[nn.Module], rows: int, hidden_size: int, dtype: torch.dtype,
-                           device, gemm: str = "torch", repeats: int = 3) -> float:
+                           device, gemm: str = "torch", repeats: int = 3, min_seconds: float = 0.05,
+                           max_repeats: int = 200) -> float:
     """Seconds of ``experts``' forward (the layer's local experts, as the plain EP path runs them:
     grouped GEMMs on ``gemm`` where they are recognised, else one by one) over ``rows`` random rows of
     ``hidden_size`` in ``dtype`` on ``device``, split evenly among them (the first ones take the
-    remainder): the median of ``repeats`` timings after one untimed run, without autograd, by the
-    autotuner's clock (CUDA events on a GPU, else ``time.perf_counter``). What
-    ``"replan_compute": "measure"`` plans with."""
+    remainder): the median of the timed runs after one untimed run, without autograd, by the
+    autotuner's clock (CUDA events on a GPU, else ``time.perf_counter``). ``repeats`` runs are timed,
+    then, while they add up to less than ``min_seconds``, as many more as fill it at their median
+    (``max_repeats`` in all at most): a sub-millisecond forward is timed about 50 ms long, a slow
+    one ``repeats`` times. What ``"replan_compute": "measure"`` plans with."""
     from ..experts import run_experts
     from ..tuning.tuner import _Timer
-    if rows < 1 or repeats < 1 or not experts:
-        raise ValueError(f"measure_expert_compute: needs rows >= 1, repeats >= 1 and experts, got rows {rows}, "
-                         f"repeats {repeats}, {len(experts)} experts")
+    if rows < 1 or repeats < 1 or max_repeats < repeats or min_seconds < 0 or not experts:
+        raise ValueError(f"measure_expert_compute: needs rows >= 1, 1 <= repeats <= max_repeats, min_seconds >= 0 "
+                         f"and experts, got rows {rows}, repeats {repeats}, max_repeats {max_repeats}, min_seconds "
+                         f"{min_seconds}, {len(experts)} experts")
     device = torch.device(device)
     L = len(experts)
     counts = torch.tensor([rows // L + (1 if j < rows % L else 0) for j in range(L)], dtype=torch.int64)
@@ -1070,6 +1074,10 @@ def measure_expert_compute(experts: Sequence[nn.Module], rows: int, hidden_size:
     with torch.no_grad(), (torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()):
         clock.run(forward, 1)  # the first run (caches, kernel choices) is not counted
         ms = clock.run(forward, repeats)
+        short = min_seconds * 1e3 - sum(ms)
+        if short > 0:
+            more = math.ceil(short / max(statistics.median(ms), 1e-6))
+            ms += clock.run(forward, min(more, max_repeats - repeats))
     return statistics.median(ms) * 1e-3
 
 
