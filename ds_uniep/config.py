@@ -324,7 +324,8 @@ class UniEPConfig(_Block):
         description="Grouped GEMM of recognised bf16 MLP experts (SwiGLU, GeLU): torch: torch._grouped_mm; uniep: "
         "ds_uniep's own (CUTLASS wgmma kernels, Hopper; tile configuration chosen per shape on first use, values "
         "identical for every choice). torch stays the default while uniep is not faster inside the layer at every "
-        "shape measured. HybridEP and expert tensor parallelism run on torch.")
+        "shape measured. With autotune on the megakernel backend both are timed where uniep can run (the same "
+        "bits); this one is the baseline's. HybridEP and expert tensor parallelism run on torch.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
                                    description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
                                    "backend runs the sequential, pipelined or fused schedule and reads schedule, "

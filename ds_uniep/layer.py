@@ -690,7 +690,7 @@ class UniEPMoE(MoE):
         """The plan for this shape: from the cache, else measured on every rank of the EP group.
         False when there is nothing to tune (the plan stays the configured one)."""
         from .tuning import GPUInfo, Shape
-        from .tuning.runner import live_runner
+        from .tuning.runner import live_runner, runnable_gemms
         from .tuning.tuner import tune_from_config
         device = hidden_states.device
         dtype = _DTYPE_NAMES.get(hidden_states.dtype)
@@ -709,6 +709,11 @@ class UniEPMoE(MoE):
         if not local:
             _check_same_shape(shape, group, self.layer_name)
         gpu = GPUInfo.detect(device) if device.type == "cuda" else GPUInfo.cpu()
+        # The experts' GEMM is a knob where they run as grouped GEMMs on a device with ds_uniep's.
+        grouped = stack_experts(self.deepspeed_moe.experts.deepspeed_experts, hidden_states.dtype, device,
+                                cache=self._stack_cache) is not None
+        gemms = runnable_gemms(self.configured_config.expert_gemm, device, dtype if grouped else "", None if local
+                               else group) if backend == "megakernel" else None
         rank0 = local or torch.distributed.get_rank(group) == 0
         backward = not torch.is_inference_mode_enabled()
         cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
@@ -726,7 +731,7 @@ class UniEPMoE(MoE):
                 start = self.configured_config.model_copy(update={"autotune": self.uniep_config.autotune})
                 result = tune_from_config(start, shape, live_runner(self, hidden_states, backward=backward),
                                           gpu=gpu, group=group, backend=backend, local=local,
-                                          progress=rank0 and sys.stderr.isatty())
+                                          progress=rank0 and sys.stderr.isatty(), gemms=gemms)
         finally:
             self._autotuning = False
         key = (T, hidden_states.dtype, device)

@@ -158,20 +158,23 @@ def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, ra
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per launched rank
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    layer, x = build_layer(space.shape, cfg, mode, device)
     if mode == "reference":
         say("reference backend: only dispatch_dtype changes its path (schedule, chunks, SMs, tiles, stages and "
             "signals are megakernel settings), so one plan per dispatch dtype is timed; the default plan and "
             "the sequential baseline run the same reference path (one timing when their dispatch dtypes match)")
         space = reference_paths(space)
     else:
-        space = space.for_backend(mode)
+        from .tuning.runner import runnable_gemms
+        # The layer's SwiGLU experts run as grouped GEMMs: both GEMMs are walked where ds_uniep's runs.
+        group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
+        space = space.for_backend(mode, runnable_gemms(cfg.expert_gemm, device, space.shape.dtype, group))
         fixed = ", ".join(f"{k}={v}" for k, v in space.fixed_knobs().items() if k not in KEPT_KNOBS)
         kept = ", ".join(f"{k}={getattr(cfg.overlap, k)}" if k in cfg.overlap.model_fields_set else f"{k} unset"
                          for k in KEPT_KNOBS)
         say(f"{mode} backend: timing {', '.join(space.acting_knobs())}; kept as configured: {kept}"
             + (f"; fixed: {fixed}" if fixed else ""))
     default = space.layer_default(cfg)
-    layer, x = build_layer(space.shape, cfg, mode, device)
     result = tune(space, layer_runner(layer, x), budget_s=at.budget_s if args.budget_s is None else args.budget_s,
                   warmup=at.warmup if args.warmup is None else args.warmup,
                   repeats=at.repeats if args.repeats is None else args.repeats,

@@ -131,9 +131,10 @@ def test_tuning_space_keeps_rank_partials_in_the_combine_kernels():
     h200 = GPUInfo.preset("h200")
     space = Space(shape, h200, backend="megakernel", expert_gemm="uniep", combine="rank_partials")
     slots = Space(shape, h200, backend="megakernel", expert_gemm="uniep")
-    assert space.check(Plan(schedule="sequential")) is None
+    # (the plans run ds_uniep's GEMM, the one these spaces walk)
+    assert space.check(Plan(schedule="sequential", expert_gemm="uniep")) is None
     assert space.check(Plan(schedule="fused", epilogue_combine=False)) is None
-    for plan in (Plan(schedule="pipelined", num_chunks=2), Plan(schedule="fused")):
+    for plan in (Plan(schedule="pipelined", num_chunks=2, expert_gemm="uniep"), Plan(schedule="fused")):
         assert "rank_partials" in space.check(plan)
         assert slots.check(plan) is None
     plans = space.enumerate()

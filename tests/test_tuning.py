@@ -32,27 +32,68 @@ def small_space(**kw):
 
 # ---------------------------------------------------------------------- space
 def test_pipelined_on_the_uniep_gemm_leaves_the_gemm_the_other_sms():
-    """With ds_uniep's GEMM the pipelined schedule's copies hold num_comm_sms SMs beside the GEMMs:
-    the SM budget applies, and the cost model gives the GEMM the rest and prices the copies as SM
-    stores; with torch's GEMM it does neither (the copy engines move the rows)."""
+    """With ds_uniep's GEMM (the plan's expert_gemm) the pipelined schedule's copies hold num_comm_sms SMs
+    beside the GEMMs: the SM budget applies, and the cost model gives the GEMM the rest and prices the
+    copies as SM stores; with torch's GEMM it does neither (the copy engines move the rows)."""
     from ds_uniep.tuning import estimate_ms
-    plan = Plan(schedule="pipelined", num_chunks=2, num_comm_sms=96)
-    uniep = Space(SHAPE, GPU, 2, 8192, False, expert_gemm="uniep")
-    torch_gemm = Space(SHAPE, GPU, 2, 8192, False)
-    assert "SM budget exceeded: the GEMM is left 36 of 132" in (uniep.check(plan) or "")
-    assert torch_gemm.check(plan) is None
+    space = Space(SHAPE, GPU, 2, 8192, False)
+    on_uniep, on_torch = (Plan(schedule="pipelined", num_chunks=2, num_comm_sms=96, expert_gemm=g)
+                          for g in ("uniep", "torch"))
+    assert "SM budget exceeded: the GEMM is left 36 of 132" in (space.check(on_uniep) or "")
+    assert space.check(on_torch) is None
     # 32 and 64 SMs both saturate the peer stores: only the GEMM's share of the SMs differs.
-    fewer, more = (Plan(schedule="pipelined", num_chunks=2, num_comm_sms=n) for n in (32, 64))
-    assert estimate_ms(more, uniep) > estimate_ms(fewer, uniep)
-    assert estimate_ms(more, torch_gemm) == estimate_ms(fewer, torch_gemm)
+    for gemm in ("uniep", "torch"):
+        fewer, more = (Plan(schedule="pipelined", num_chunks=2, num_comm_sms=n, expert_gemm=gemm) for n in (32, 64))
+        if gemm == "uniep":
+            assert estimate_ms(more, space) > estimate_ms(fewer, space)
+        else:
+            assert estimate_ms(more, space) == estimate_ms(fewer, space)
     # Many small (expert, source) segments and little GEMM work: the copy engines pay per segment,
     # the SM stores only by the bytes.
-    many = Shape(T=64, M=1024, F=64, E=64, k=2, ep=4)
-    sm_copies = estimate_ms(fewer, Space(many, GPU, 4, 8192, False, expert_gemm="uniep"))
-    ce_copies = estimate_ms(fewer, Space(many, GPU, 4, 8192, False))
+    many = Space(Shape(T=64, M=1024, F=64, E=64, k=2, ep=4), GPU, 4, 8192, False)
+    sm_copies, ce_copies = (estimate_ms(Plan(schedule="pipelined", num_chunks=2, num_comm_sms=32, expert_gemm=g),
+                                        many) for g in ("uniep", "torch"))
     assert sm_copies < 0.5 * ce_copies, (sm_copies, ce_copies)
-    assert Space.from_config({"expert_gemm": "uniep"}, SHAPE, GPU).expert_gemm == "uniep"
+    uniep = Space.from_config({"expert_gemm": "uniep"}, SHAPE, GPU)
+    assert uniep.expert_gemm == "uniep" and uniep.gemms == ("uniep", )
     assert uniep.for_backend("megakernel").expert_gemm == "uniep"
+
+
+def test_the_megakernel_space_walks_the_gemms_the_layer_runs():
+    """expert_gemm is a knob of the megakernel's space: walked over Space.gemms (the GEMMs the layer can
+    run; default the configured one), the fused schedule only on ds_uniep's, the baseline on the
+    configured one, and Plan.apply sets the config's expert_gemm."""
+    from ds_uniep.config import UniEPConfig
+    one = Space(SHAPE, GPU, 2, 8192, False, backend="megakernel")
+    both = Space(SHAPE, GPU, 2, 8192, False, backend="megakernel", gemms=("torch", "uniep"))
+    assert {p.expert_gemm for p in one.enumerate()} == {"torch"}
+    assert "fused" not in {p.schedule for p in one.enumerate()}
+    plans = both.enumerate()
+    assert {p.expert_gemm for p in plans} == {"torch", "uniep"}
+    assert all(p.expert_gemm == "uniep" for p in plans if p.schedule == "fused")
+    # Every plan of the one-GEMM space is in the other, and on ds_uniep's GEMM too, but for the pipelined
+    # plans whose copies would leave it under half the SMs.
+    on_uniep = {p.replace(expert_gemm="uniep") for p in one.enumerate()}
+    assert set(one.enumerate()) <= set(plans)
+    assert {p for p in on_uniep if both.check(p) is None} <= set(plans)
+    assert {p.schedule for p in on_uniep if both.check(p)} == {"pipelined"}
+    assert both.baseline().expert_gemm == "torch" and both.baseline() in plans
+    assert "is not a GEMM this layer runs here (torch)" in one.check(Plan(schedule="sequential", expert_gemm="uniep"))
+    # The fused schedule carries ds_uniep's GEMM, whatever it is given.
+    assert Plan(schedule="fused", expert_gemm="torch").expert_gemm == "uniep"
+    with pytest.raises(ValueError, match="expert_gemm: must be one of torch, uniep"):
+        Plan(expert_gemm="cublas")
+    with pytest.raises(ValueError, match="not among gemms"):
+        Space(SHAPE, GPU, 2, 8192, False, backend="megakernel", expert_gemm="uniep", gemms=("torch", ))
+    # Rows in fp32 do not run as grouped GEMMs: only the configured GEMM is walked.
+    fp32 = Space(Shape(T=512, M=1024, F=512, E=8, k=2, dtype="fp32", ep=2), GPU, backend="megakernel",
+                 gemms=("torch", "uniep"))
+    assert fp32.gemms == ("torch", ) and {p.expert_gemm for p in fp32.enumerate()} == {"torch"}
+    cfg = UniEPConfig.coerce({"overlap": {"schedule": "sequential"}})
+    on_uniep = Plan(schedule="sequential", expert_gemm="uniep").apply(cfg)
+    assert on_uniep.expert_gemm == "uniep" and Plan.from_config(on_uniep).expert_gemm == "uniep"
+    assert Plan(schedule="sequential").apply(on_uniep).expert_gemm == "torch"
+    assert Plan(schedule="sequential", expert_gemm="uniep").label().endswith(" uniep")
 
 
 def test_each_rejection_reason_is_hit_by_a_plan():
@@ -111,7 +152,7 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     mk = design.for_backend("megakernel")
     assert mk.acting_knobs() == ACTING_KNOBS["megakernel"] == ("schedule", "num_chunks", "num_comm_sms", "roles",
                                                                "dispatch_dtype", "fused_dispatch", "epilogue_combine",
-                                                               "combine_chunks", "combine_queue")
+                                                               "combine_chunks", "combine_queue", "expert_gemm")
     assert mk.fixed_knobs() == dict(tile_m=64, tile_n=64, stages=2, signal_granularity="tile")
     plans = mk.enumerate()
     seq = [p for p in plans if p.schedule == "sequential"]

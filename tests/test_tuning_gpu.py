@@ -2,10 +2,11 @@
 
 Every plan the tuner timed (and block counts outside the walked values) gives
 the sequential baseline plan's output and input/parameter gradients bit for
-bit, on torch's grouped GEMM and on ds_uniep's (whose space holds the fused
-schedule); a layer that tunes itself gives an untuned layer's numbers, and a second
-layer of the same shape reads the plan from the cache, and a layer whose block sets the
-combine's chunks and queue gives the same bits. FP8 dispatch changes
+bit, on torch's grouped GEMM, on ds_uniep's (whose space holds the fused
+schedule) and in a space that walks both (the baseline on torch's); a layer that
+tunes itself gives an untuned layer's numbers, and a second layer of the same
+shape reads the plan from the cache, and a layer whose block sets the combine's
+chunks and queue gives the same bits. FP8 dispatch changes
 the numbers by design, so it is not in the space (allow_numerics_change is off).
 """
 import pytest
@@ -58,14 +59,21 @@ def _assert_same(base, got, what):
 
 
 def _every_timed_plan_body(rank, world_size, gemm):
+    from ds_uniep import gemm as uniep_gemm
     from ds_uniep.tuning import GPUInfo, Shape, Space, tune
-    from ds_uniep.tuning.runner import layer_runner
+    from ds_uniep.tuning.runner import layer_runner, runnable_gemms
     device = torch.device("cuda", rank)
-    layer = _layer(rank, world_size, {"backend": "megakernel", "max_tokens_per_rank": T, "expert_gemm": gemm,
+    # "both": configured on torch's GEMM, the space walks the GEMMs the layer can run (torch's and
+    # ds_uniep's), as a self-tuning layer's does; the baseline runs torch's
+    configured = "torch" if gemm == "both" else gemm
+    layer = _layer(rank, world_size, {"backend": "megakernel", "max_tokens_per_rank": T, "expert_gemm": configured,
                                       "overlap": {"timeout_s": 30.0}}, device)
     x, gy = _inputs(rank, device)
     shape = Shape(T=T, M=M, F=F, E=EXPERTS_PER_RANK * world_size, k=K, dtype="bf16", ep=world_size)
-    space = Space(shape, GPUInfo.detect(device), world_size, T, False, backend="megakernel", expert_gemm=gemm)
+    gemms = runnable_gemms(configured, device, "bf16", layer.ep_group) if gemm == "both" else None
+    assert gemms in (None, ("torch", "uniep")), gemms
+    space = Space(shape, GPUInfo.detect(device), world_size, T, False, backend="megakernel", expert_gemm=configured,
+                  gemms=gemms)
     # The plan the tuner takes for the untuned layer is the one it runs: the block leaves num_comm_sms
     # unset, so the sequential schedule's copy kernels take one block per SM.
     untuned = space.layer_default(layer.uniep_config)
@@ -78,12 +86,13 @@ def _every_timed_plan_body(rank, world_size, gemm):
     assert not result.by_status("skipped"), "the budget cut the space short: not every plan was timed"
     assert len({p.num_comm_sms for p in timed}) >= 3, [p.label() for p in timed]
     assert all(p.dispatch_dtype == "activation" for p in timed)
-    assert any(p.schedule == "fused" for p in timed) == (gemm == "uniep"), [p.label() for p in timed]
+    assert any(p.schedule == "fused" for p in timed) == (gemm != "torch"), [p.label() for p in timed]
+    assert {p.expert_gemm for p in timed} == ({"torch", "uniep"} if gemm == "both" else {gemm})
     assert any(p.schedule == "pipelined" for p in timed), [p.label() for p in timed]
     # the combine's chunk counts and queue, where the combine kernels move the rows
     assert {(p.combine_chunks, p.combine_queue) for p in timed if p.schedule == "sequential"} == {
         (c, q) for c in (4, 8, 16) for q in (False, True)}, [p.label() for p in timed]
-    if gemm == "uniep":  # the fused schedule's two overlaps, each alone and both
+    if gemm != "torch":  # the fused schedule's two overlaps, each alone and both
         assert {(p.fused_dispatch, p.epilogue_combine) for p in timed if p.schedule == "fused"} == {
             (True, True), (True, False), (False, True)}, [p.label() for p in timed]
         assert {p.roles for p in timed if p.schedule == "fused"} == {"partitioned", "interleaved"}
@@ -94,13 +103,16 @@ def _every_timed_plan_body(rank, world_size, gemm):
     d = layer._dispatchers[device]
     assert d.num_blocks == baseline.num_comm_sms
     odd = [baseline.replace(num_comm_sms=n) for n in (1, 7)]  # block counts outside the walked values
-    if gemm == "uniep":
+    if gemm != "torch":
         odd.append(baseline.replace(schedule="fused", num_comm_sms=6))
     for plan in timed + odd + [result.winner]:
         layer.set_plan(plan)
         fused_before, landed_before = d.fused_stats["fused"], d.combine_stats["landed"]
         piped_before, queued_before = d.combine_stats["pipelined"], d.combine_stats["queued"]
+        uniep_before = sum(uniep_gemm.TILE_RUNS.values())
         got = _run(layer, x, gy)
+        ran_uniep = sum(uniep_gemm.TILE_RUNS.values()) > uniep_before
+        assert ran_uniep == (plan.expert_gemm == "uniep"), f"{plan.label()}: ds_uniep's GEMM ran: {ran_uniep}"
         piped = d.combine_stats["pipelined"] - piped_before
         assert piped == int(plan.schedule == "pipelined"), f"{plan.label()}: {piped} pipelined combines"
         assert (d.combine_chunks, d.combine_push_queue) == (plan.combine_chunks, plan.combine_queue), plan.label()
@@ -120,9 +132,10 @@ def _every_timed_plan_body(rank, world_size, gemm):
 
 
 @needs_gpus(2)
-@pytest.mark.parametrize("gemm", ["torch", "uniep"])
+@pytest.mark.parametrize("gemm", ["torch", "uniep", "both"])
 def test_every_timed_plan_gives_the_sequential_baselines_numbers(gemm):
-    """Every timed plan, the fused schedule's among them on ds_uniep's GEMM, gives the baseline's bits."""
+    """Every timed plan, the fused schedule's among them on ds_uniep's GEMM, gives the baseline's bits;
+    "both": a space walking both GEMMs (the experts' GEMM is a knob), against the baseline on torch's."""
     run_distributed(_every_timed_plan_body, 2, gemm, backend="nccl")
 
 
@@ -151,7 +164,14 @@ def _self_tuning_body(rank, world_size, cache_dir):
         assert result.from_cache == (attempt == "reads the cache"), attempt
         if not result.from_cache:
             assert len(result.by_status("measured")) >= 2, result.table()
-        assert layer._dispatchers[device].num_blocks == result.winner.num_comm_sms
+            # its space walks the experts' GEMM: torch's (configured) and ds_uniep's, which runs here
+            assert {r.plan.expert_gemm for r in result.records} == {"torch", "uniep"}, result.table()
+        w, d = result.winner, layer._dispatchers[device]
+        assert layer.uniep_config.expert_gemm == w.expert_gemm, (w.label(), layer.uniep_config.expert_gemm)
+        if w.schedule != "fused":
+            assert d.num_blocks == w.num_comm_sms, w.label()
+        elif w.fused_dispatch:
+            assert d.fused_comm_blocks == w.num_comm_sms, w.label()
         _assert_same(base, got, f"rank {rank}: a layer that {attempt}")
 
 

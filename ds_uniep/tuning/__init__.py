@@ -1,6 +1,6 @@
 """One tuning space for every expert-parallel knob, and the tuner that searches it.
 
-- :class:`Plan`: one point (the ``overlap`` block plus ``dispatch_dtype``).
+- :class:`Plan`: one point (the ``overlap`` block plus ``dispatch_dtype`` and ``expert_gemm``).
 - :class:`Shape`, :class:`GPUInfo`: what validity and speed depend on.
 - :class:`Space`: enumerates valid plans; :meth:`Space.check` says why a plan cannot run.
   ``Space(..., backend=...)`` walks only the knobs that backend acts on (:data:`ACTING_KNOBS`).

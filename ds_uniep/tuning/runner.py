@@ -81,6 +81,23 @@ def reference_paths(space: Space) -> Space:
     return space.for_backend("reference")
 
 
+def runnable_gemms(configured: str, device, dtype: str, group=None) -> Tuple[str, ...]:
+    """The grouped GEMMs a megakernel layer can run its experts on here, for ``Space(gemms=...)``:
+    torch's and ds_uniep's for bf16 rows on a device where ds_uniep's GEMM can run
+    (:func:`ds_uniep.gemm.available`), else the ``configured`` one only. With ``group``, ds_uniep's
+    counts only where it can run on every rank of it (all spaces must be the same)."""
+    device = torch.device(device)
+    ok = dtype == "bf16" and device.type == "cuda"
+    if ok:
+        from ..gemm import available
+        ok = available(device)[0]
+    if group is not None:
+        flag = torch.tensor([int(ok)], dtype=torch.int32, device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=group)
+        ok = bool(flag.item())
+    return ("torch", "uniep") if ok else (configured, )
+
+
 def megakernel_status() -> Tuple[bool, str]:
     """(usable, reason) for timing plans on the megakernel backend here."""
     if not torch.cuda.is_available():

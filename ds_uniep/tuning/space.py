@@ -30,7 +30,9 @@ Two kinds of space:
   on ``num_comm_sms`` whole SMs, or interleaved in a spare warp of each of the
   GEMM's CTAs), ``combine_chunks`` and ``combine_queue`` (how its combine kernels pipeline and
   share out the rows, where they move them: the sequential schedule, the fused one without
-  its epilogues) and ``dispatch_dtype``; ``stages`` is read by nothing yet;
+  its epilogues), ``dispatch_dtype`` and ``expert_gemm`` (the experts' grouped GEMM, over
+  :attr:`Space.gemms`: torch's and ds_uniep's where the layer can run both, the same bits);
+  ``stages`` is read by nothing yet;
   ``signal_granularity`` (what one wait of the fused dispatch's first GEMM covers)
   and ``tile_m`` and ``tile_n`` (set in the block, they pick ds_uniep's GEMM tile,
   ``expert_gemm: "uniep"``) the tuner keeps as configured rather than walks
@@ -55,6 +57,10 @@ ROLES = ("partitioned", "interleaved")
 TILES = (64, 128, 256)
 GRANULARITIES = ("tile", "expert", "rank")
 DISPATCH_DTYPES = ("activation", "fp8_e4m3")
+EXPERT_GEMMS = ("torch", "uniep")
+"""The grouped GEMMs the experts run on (``uniep.expert_gemm``): ``torch._grouped_mm`` or ds_uniep's own
+(Hopper, bf16). Both give the same bits (ds_uniep's GEMM accumulates each row in torch's k order, see
+:mod:`ds_uniep.gemm`), so choosing between them is a speed choice, not a numerics change."""
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Activation dtypes a layer runs in, with their bytes per element."""
 
@@ -85,8 +91,10 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "epilogue_combine": (True, False),
     "combine_chunks": (16,),
     "combine_queue": (True,),
+    "expert_gemm": EXPERT_GEMMS,
 }
-"""The values the design space (``backend=None``) walks, per knob. The combine's chunk count and
+"""The values the design space (``backend=None``) walks, per knob (``expert_gemm``: those of
+:attr:`Space.gemms`, by default the configured one). The combine's chunk count and
 queue (how the megakernel's combine kernels pipeline and share out the rows, not a design choice of
 DESIGN.md section 7) stay at the dispatcher's defaults there; the megakernel's space walks them
 (:data:`BACKEND_COMBINE_CHUNKS`), and ``values`` may widen them."""
@@ -98,7 +106,7 @@ COMM_SMS_VALUES = (8, 16, 24, 32, 48, 64, 80, 96, 132)
 
 ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
     "megakernel": ("schedule", "num_chunks", "num_comm_sms", "roles", "dispatch_dtype", "fused_dispatch",
-                   "epilogue_combine", "combine_chunks", "combine_queue"),
+                   "epilogue_combine", "combine_chunks", "combine_queue", "expert_gemm"),
     "reference": ("dispatch_dtype",),
 }
 """The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
@@ -107,7 +115,8 @@ pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engin
 schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
 with ``num_comm_sms`` blocks (its fused dispatch in partitioned roles; interleaved, its arrivals are
 taken inside the first GEMM's CTAs), pipelines its combine over ``combine_chunks`` chunks (its
-pushing blocks sharing one queue with ``combine_queue``) and moves rows in ``dispatch_dtype``; the
+pushing blocks sharing one queue with ``combine_queue``), moves rows in ``dispatch_dtype`` and runs
+the experts on ``expert_gemm`` (walked over the GEMMs the layer can run: :attr:`Space.gemms`); the
 stage knob is read by nothing yet, the signal knob by the fused dispatch and the tile knobs by
 ds_uniep's GEMM, as configured (not walked: :data:`KEPT_KNOBS`)."""
 
@@ -136,7 +145,8 @@ def comm_sms_values(num_sms: int) -> Tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Plan:
-    """One point of the space: how a layer overlaps, tiles and compresses.
+    """One point of the space: how a layer overlaps, tiles and compresses, and which grouped GEMM runs
+    its experts.
 
     Knobs that mean nothing under the chosen schedule are normalised so that
     two plans that run the same way compare and hash equal: ``num_chunks`` is 1
@@ -151,8 +161,9 @@ class Plan:
     keep no SMs, ``num_comm_sms`` is 20 too); ``combine_chunks`` is 16 and
     ``combine_queue`` False where the combine kernels do not move the rows (the
     pipelined schedule, the fused one with ``epilogue_combine``), and
-    ``combine_queue`` is False with ``combine_chunks`` 0 (no chunked kernel).
-    ``overlap.timeout_s`` is not a knob: it is kept from
+    ``combine_queue`` is False with ``combine_chunks`` 0 (no chunked kernel);
+    ``expert_gemm`` is ``"uniep"`` under the fused schedule (its first GEMM waits for rows inside
+    ds_uniep's GEMM). ``overlap.timeout_s`` is not a knob: it is kept from
     the user's config by :meth:`to_overlap_config`.
     """
 
@@ -169,6 +180,7 @@ class Plan:
     epilogue_combine: bool = True
     combine_chunks: int = 16
     combine_queue: bool = True
+    expert_gemm: str = "torch"
 
     def __post_init__(self) -> None:
         for name in ("fused_dispatch", "epilogue_combine", "combine_queue"):
@@ -180,6 +192,7 @@ class Plan:
         _one_of("tile_n", self.tile_n, TILES)
         _one_of("signal_granularity", self.signal_granularity, GRANULARITIES)
         _one_of("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
+        _one_of("expert_gemm", self.expert_gemm, EXPERT_GEMMS)
         for name, lo, hi in (("num_chunks", 1, 64), ("num_comm_sms", 1, MAX_COMM_SMS), ("stages", 2, 8),
                              ("combine_chunks", 0, 64)):
             v = getattr(self, name)
@@ -190,6 +203,8 @@ class Plan:
         if self.schedule != "fused":
             object.__setattr__(self, "fused_dispatch", True)
             object.__setattr__(self, "epilogue_combine", True)
+        else:
+            object.__setattr__(self, "expert_gemm", "uniep")
         if self.schedule != "fused" or not self.fused_dispatch:
             object.__setattr__(self, "signal_granularity", "tile")
             object.__setattr__(self, "roles", "partitioned")
@@ -236,6 +251,8 @@ class Plan:
             s += f" c{self.combine_chunks}" + ("q" if self.combine_queue else "")
         if self.dispatch_dtype != "activation":
             s += " fp8"
+        if self.expert_gemm != "torch" and self.schedule != "fused":
+            s += " uniep"
         return s
 
     # ------------------------------------------------------------------ config
@@ -249,13 +266,13 @@ class Plan:
                    tile_m=o.tile_m, tile_n=o.tile_n, stages=o.stages, signal_granularity=o.signal_granularity,
                    dispatch_dtype=cfg.compression.dispatch_dtype, fused_dispatch=o.fused_dispatch,
                    epilogue_combine=o.epilogue_combine, combine_chunks=o.combine_chunks,
-                   combine_queue=o.combine_queue)
+                   combine_queue=o.combine_queue, expert_gemm=cfg.expert_gemm)
 
     def to_overlap_config(self, timeout_s: Optional[float] = None, unset: Sequence[str] = ()):
         """The ``overlap`` block of this plan (``timeout_s`` from the caller, else the config default;
         the knobs in ``unset`` left at their defaults and unset)."""
         from ..config import OverlapConfig
-        d = {k: v for k, v in self.to_dict().items() if k != "dispatch_dtype" and k not in unset}
+        d = {k: v for k, v in self.to_dict().items() if k not in ("dispatch_dtype", "expert_gemm") and k not in unset}
         if timeout_s is not None:
             d["timeout_s"] = timeout_s
         return OverlapConfig(**d)
@@ -269,7 +286,8 @@ class Plan:
         tiles = {k: getattr(config.overlap, k) for k in KEPT_KNOBS if k not in unset}
         overlap = self.replace(**tiles).to_overlap_config(config.overlap.timeout_s, unset)
         compression = config.compression.model_copy(update={"dispatch_dtype": self.dispatch_dtype})
-        return config.model_copy(update={"overlap": overlap, "compression": compression})
+        return config.model_copy(update={"overlap": overlap, "compression": compression,
+                                         "expert_gemm": self.expert_gemm})
 
     def replace(self, **changes) -> "Plan":
         return dataclasses.replace(self, **changes)
@@ -379,7 +397,7 @@ class Space:
     def __init__(self, shape: Shape, gpu: GPUInfo, ep: Optional[int] = None, max_tokens_per_rank: int = 8192,
                  allow_numerics_change: bool = False, values: Optional[Mapping[str, Sequence[Any]]] = None,
                  backend: Optional[str] = None, dispatch_dtype: str = "activation", expert_gemm: str = "torch",
-                 combine: str = "slots"):
+                 combine: str = "slots", gemms: Optional[Sequence[str]] = None):
         if ep is not None and ep != shape.ep:
             raise ValueError(f"Space: ep={ep} disagrees with the shape's ep={shape.ep}")
         unknown = set(values or {}) - set(DEFAULT_VALUES)
@@ -393,16 +411,25 @@ class Space:
         #: compression.combine: under "rank_partials" the megakernel runs only plans whose combine kernels
         #: move the rows (Plan.runs_combine_kernels)
         self.combine = combine
-        #: the layer's grouped GEMM: with "uniep" the pipelined schedule's GEMMs leave num_comm_sms SMs
-        #: to its copies (ds_uniep.pipelined.partition)
+        _one_of("expert_gemm", expert_gemm, EXPERT_GEMMS)
+        #: the configured grouped GEMM: a backend's baseline plan runs it
         self.expert_gemm = expert_gemm
+        #: the grouped GEMMs the megakernel's space walks (``expert_gemm``): those the layer can run
+        #: (default: the configured one only). ds_uniep's runs bf16 rows only; at other dtypes the
+        #: experts do not run as grouped GEMMs, and only the configured one is walked.
+        gemms = (expert_gemm, ) if gemms is None else tuple(gemms)
+        for g in gemms:
+            _one_of("expert_gemm", g, EXPERT_GEMMS)
+        if expert_gemm not in gemms:
+            raise ValueError(f"Space: the configured expert_gemm {expert_gemm!r} is not among gemms {gemms}")
+        self.gemms = gemms if shape.dtype == "bf16" else (expert_gemm, )
         self.shape = shape
         self.gpu = gpu
         self.ep = shape.ep
         self.max_tokens_per_rank = int(max_tokens_per_rank)
         self.allow_numerics_change = bool(allow_numerics_change)
         self.backend = backend
-        walked = DEFAULT_VALUES if backend is None else self._backend_values()
+        walked = dict(DEFAULT_VALUES, expert_gemm=self.gemms) if backend is None else self._backend_values()
         self.values = {k: tuple((values or {}).get(k, v)) for k, v in walked.items()}
 
     @classmethod
@@ -412,13 +439,17 @@ class Space:
         kw.setdefault("dispatch_dtype", cfg.compression.dispatch_dtype)
         kw.setdefault("expert_gemm", cfg.expert_gemm)
         kw.setdefault("combine", cfg.compression.combine)
+        if kw.get("gemms") is not None and kw["expert_gemm"] not in kw["gemms"]:
+            raise ValueError(f'Space.from_config: "expert_gemm": {kw["expert_gemm"]!r} is configured but the layer '
+                             f"can run only {tuple(kw['gemms'])}")
         return cls(shape, gpu, shape.ep, cfg.max_tokens_per_rank, cfg.autotune.allow_numerics_change, **kw)
 
-    def for_backend(self, backend: Optional[str]) -> "Space":
-        """The same shape, GPU and settings, walking what ``backend`` acts on (None: the design space)."""
+    def for_backend(self, backend: Optional[str], gemms: Optional[Sequence[str]] = None) -> "Space":
+        """The same shape, GPU and settings, walking what ``backend`` acts on (None: the design space),
+        and the grouped GEMMs ``gemms`` (default: this space's)."""
         return Space(self.shape, self.gpu, self.ep, self.max_tokens_per_rank, self.allow_numerics_change,
                      backend=backend, dispatch_dtype=self.dispatch_dtype, expert_gemm=self.expert_gemm,
-                     combine=self.combine)
+                     combine=self.combine, gemms=self.gemms if gemms is None else gemms)
 
     # ------------------------------------------------------------------ knobs
     def acting_knobs(self) -> Tuple[str, ...]:
@@ -445,7 +476,11 @@ class Space:
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
         configured = Plan.from_config(cfg)
-        plan = self.project(configured)
+        plan = configured
+        if configured.schedule == "fused" and cfg.expert_gemm != "uniep":
+            # the fused schedule runs on ds_uniep's GEMM only: on torch's the layer runs the sequential one
+            plan = configured.replace(schedule="sequential", expert_gemm=cfg.expert_gemm)
+        plan = self.project(plan)
         if plan.schedule != configured.schedule and plan.runs_combine_kernels():
             # the schedule the layer runs instead reads the block's combine knobs
             plan = plan.replace(combine_chunks=cfg.overlap.combine_chunks, combine_queue=cfg.overlap.combine_queue)
@@ -460,6 +495,8 @@ class Space:
         where the plan's schedule had normalised them away): the plan that runs the same code and is a
         point of this space (unchanged for the design space)."""
         fixed = self.fixed_knobs()
+        if self.backend is not None and plan.expert_gemm not in self.gemms:
+            fixed["expert_gemm"] = self.expert_gemm  # the GEMM the layer runs
         if self.backend is not None and "schedule" in ACTING_KNOBS[self.backend] and \
                 plan.schedule not in self.built_schedules():
             fixed["schedule"] = "sequential"
@@ -471,7 +508,7 @@ class Space:
     def built_schedules(self) -> Tuple[str, ...]:
         """The schedules the backend runs for this layer: the fused one needs ds_uniep's grouped GEMM
         (its first GEMM waits for rows inside it) and bf16 rows; the sequential one runs instead."""
-        if self.expert_gemm == "uniep" and self.shape.dtype == "bf16":
+        if "uniep" in self.gemms and self.shape.dtype == "bf16":
             return BUILT_SCHEDULES
         return tuple(s for s in BUILT_SCHEDULES if s != "fused")
 
@@ -479,7 +516,7 @@ class Space:
         walked = {"schedule": self.built_schedules(), "num_chunks": BACKEND_CHUNKS,
                   "num_comm_sms": comm_sms_values(self.gpu.num_sms), "dispatch_dtype": DISPATCH_DTYPES,
                   "fused_dispatch": (True, False), "epilogue_combine": (True, False), "roles": ROLES,
-                  "combine_chunks": BACKEND_COMBINE_CHUNKS, "combine_queue": (False, True)}
+                  "combine_chunks": BACKEND_COMBINE_CHUNKS, "combine_queue": (False, True), "expert_gemm": self.gemms}
         if self.combine == "rank_partials":  # its combine pushes, then sums: neither knob is read
             base = self.baseline()
             walked["combine_chunks"], walked["combine_queue"] = (base.combine_chunks,), (base.combine_queue,)
@@ -543,7 +580,12 @@ class Space:
                                f"(dispatch_dtype={plan.dispatch_dtype})")
             if "fused" not in self.built_schedules():
                 reasons.append('the fused schedule needs ds_uniep\'s grouped GEMM ("expert_gemm": "uniep") and '
-                               f"bf16 rows (expert_gemm={self.expert_gemm}, dtype={self.shape.dtype})")
+                               f"bf16 rows (the layer runs {'/'.join(self.gemms)}, dtype={self.shape.dtype})")
+        if self.backend is not None and plan.expert_gemm not in self.gemms:
+            reasons.append(f"expert_gemm {plan.expert_gemm} is not a GEMM this layer runs here "
+                           f"({'/'.join(self.gemms)})")
+        elif plan.expert_gemm == "uniep" and self.shape.dtype != "bf16" and plan.schedule != "fused":
+            reasons.append(f"ds_uniep's grouped GEMM runs bf16 experts only (dtype={self.shape.dtype})")
         if self.combine == "rank_partials" and self.backend == "megakernel" and not plan.runs_combine_kernels():
             reasons.append("compression.combine 'rank_partials' runs in the combine kernels: the sequential schedule "
                            f"or the fused one without epilogue_combine (schedule={plan.schedule}, "
@@ -562,7 +604,7 @@ class Space:
         copies beside it). On torch's GEMM the pipelined schedule moves rows with the copy engines;
         its dispatch kernels run alone."""
         if plan.schedule == "pipelined":
-            return self.expert_gemm == "uniep"
+            return plan.expert_gemm == "uniep"
         return plan.schedule == "fused" and plan.fused_dispatch and plan.roles == "partitioned"
 
     def is_valid(self, plan: Plan) -> bool:
@@ -579,7 +621,7 @@ class Space:
         (:attr:`dispatch_dtype`): the baseline's numbers are the ones every plan keeps."""
         sms = min(16, max(1, self.gpu.num_sms - 1))
         return Plan(schedule="sequential", num_comm_sms=sms, tile_m=64, tile_n=64, stages=2,
-                    dispatch_dtype=self.dispatch_dtype)
+                    dispatch_dtype=self.dispatch_dtype, expert_gemm=self.expert_gemm)
 
     def candidates(self) -> Iterator[Plan]:
         """Every distinct plan the knob values make, valid or not, in a fixed order."""
