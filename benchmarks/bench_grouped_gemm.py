@@ -18,8 +18,12 @@ data:
 Checks, all in the same run: each result against an fp32 reference (relative Frobenius error;
 ds_uniep's may be at most 2x torch's own); ds_uniep's results bitwise equal across tile
 configurations, SM counts and two runs; whether they also equal torch's bit for bit (reported,
-not required); the script exits non-zero after its table when a required check failed. Then the whole SwiGLU expert, forward and forward+backward, through
-``run_grouped`` with either GEMM. Times are CUDA-event medians; TFLOP/s = 2 R N K / time.
+not required); the script exits non-zero after its table when a required check failed. Then the
+whole SwiGLU expert, forward and forward+backward, through ``run_grouped`` with either GEMM, as
+``UniEPMoE`` runs it (weights packed into one storage, gradients set to None before each step, the
+input's gradient computed), and whether the two GEMMs give it the same output and gradients bit for
+bit (reported); ``--expert-only`` runs only that part. Times are CUDA-event medians; TFLOP/s =
+2 R N K / time.
 Prints a table last and writes ``--out/bench_grouped_gemm.json``.
 """
 
@@ -80,7 +84,7 @@ def interleaved(fns, args, rounds=None):
 
 
 def run_shape(name, args, device, gemm, results):
-    from ds_uniep.experts import SwiGLUExpert, run_grouped
+    from ds_uniep.experts import SwiGLUExpert, pack_experts, run_grouped
     M, F, E, k, T = SHAPES[name]
     groups = E // args.ep
     rows = T * k
@@ -88,7 +92,7 @@ def run_shape(name, args, device, gemm, results):
     offs = offsets(rows, groups, gen, device)
     shape_rows = {"shape": name, "groups": groups, "rows": rows, "ops": []}
     variants = gemm.candidates()
-    for proj, n, kk in (("up", 2 * F, M), ("down", M, F)):
+    for proj, n, kk in () if args.expert_only else (("up", 2 * F, M), ("down", M, F)):
         for op in ("fwd", "dgrad", "wgrad"):
             a, b = operands(op, rows, n, kk, groups, gen, device)
             ref = gemm.reference(op, a, b, offs)
@@ -127,8 +131,12 @@ def run_shape(name, args, device, gemm, results):
             entry["auto_speedup_vs_torch"] = confirm["torch"] / confirm["auto"]
             entry["err_ok"] = all(c["rel_err"] <= 2 * entry["torch_rel_err"] + 1e-6 for c in entry["configs"].values())
             shape_rows["ops"].append(entry)
-    # The whole SwiGLU expert on the same rows: torch._grouped_mm against ds_uniep's GEMM (its defaults).
+    # The whole SwiGLU expert on the same rows: torch._grouped_mm against ds_uniep's GEMM (its defaults),
+    # as UniEPMoE runs it: the experts' weights packed into one storage (no stacking copy), gradients
+    # set to None before each fwd+bwd (as after zero_grad), the input's gradient computed.
     experts = [SwiGLUExpert(M, F).to(device, torch.bfloat16) for _ in range(groups)]
+    assert pack_experts(experts)
+    params = [q for e in experts for q in e.parameters()]
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
     x = torch.randn(rows, M, generator=gen).to(device, torch.bfloat16).requires_grad_()
     dy = torch.randn(rows, M, generator=gen).to(device, torch.bfloat16)
@@ -138,6 +146,8 @@ def run_shape(name, args, device, gemm, results):
             return run_grouped(experts, x, counts, gemm=which)
 
     def fwdbwd(which):
+        for q in params + [x]:
+            q.grad = None
         run_grouped(experts, x, counts, gemm=which).backward(dy)
     times = interleaved({"torch fwd": lambda: fwd("torch"), "uniep fwd": lambda: fwd("uniep"),
                          "torch fwdbwd": lambda: fwdbwd("torch"), "uniep fwdbwd": lambda: fwdbwd("uniep")}, args)
@@ -150,6 +160,11 @@ def run_shape(name, args, device, gemm, results):
     y_t = run_grouped(experts, x.detach(), counts, gemm="torch")
     y_u = run_grouped(experts, x.detach(), counts, gemm="uniep")
     layer["output_rel_diff"] = rel_err(y_u, y_t.float())
+    grads = {}
+    for which in ("torch", "uniep"):
+        fwdbwd(which)
+        grads[which] = [q.grad.clone() for q in [x] + params]
+    layer["fwdbwd_bitwise"] = all(torch.equal(a, b) for a, b in zip(grads["torch"], grads["uniep"]))
     shape_rows["expert"] = layer
     results.append(shape_rows)
 
@@ -166,6 +181,8 @@ def main():
                    "host wait inside a round, as the automatic choice times) instead of call by call")
     p.add_argument("--confirm-rounds", type=int, default=6, help="rounds of torch against the 'auto' choice")
     p.add_argument("--fewer-sms", type=int, default=100, help="SM count of the bitwise check with fewer SMs")
+    p.add_argument("--expert-only", action="store_true",
+                   help="only the whole SwiGLU expert on either GEMM (no per-GEMM comparison)")
     p.add_argument("--out", default="bench_out/gemm")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -201,7 +218,7 @@ def main():
               f"{ex['uniep']['fwdbwd_ms']:.3f} ms ({ex['torch']['fwdbwd_ms'] / ex['uniep']['fwdbwd_ms']:.2f}x); "
               f"TFLOP/s fwd {ex['torch']['fwd_tflops']:.0f} -> {ex['uniep']['fwd_tflops']:.0f}, fwd+bwd "
               f"{ex['torch']['fwdbwd_tflops']:.0f} -> {ex['uniep']['fwdbwd_tflops']:.0f}; output rel diff "
-              f"{ex['output_rel_diff']:.1e}")
+              f"{ex['output_rel_diff']:.1e}, gradients bitwise equal {ex['fwdbwd_bitwise']}")
     print("* bitwise: every config (and 'auto') equal to the first, each equal to its repeat, and equal with fewer "
           "SMs; speedup: best of the first alternation vs torch; auto x: torch / 'auto' in a second alternation")
     failed = [f"{r['shape']} {e['proj']} {e['op']}" for r in results for e in r["ops"]
