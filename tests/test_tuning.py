@@ -59,7 +59,7 @@ def test_pipelined_on_the_uniep_gemm_leaves_the_gemm_the_other_sms():
     assert uniep.for_backend("megakernel").expert_gemm == "uniep"
 
 
-def test_the_megakernel_space_walks_the_gemms_the_layer_runs():
+def test_the_megakernel_space_walks_the_gemms_the_layer_runs(tmp_path):
     """expert_gemm is a knob of the megakernel's space: walked over Space.gemms (the GEMMs the layer can
     run; default the configured one), the fused schedule only on ds_uniep's, the baseline on the
     configured one, and Plan.apply sets the config's expert_gemm."""
@@ -94,6 +94,11 @@ def test_the_megakernel_space_walks_the_gemms_the_layer_runs():
     assert on_uniep.expert_gemm == "uniep" and Plan.from_config(on_uniep).expert_gemm == "uniep"
     assert Plan(schedule="sequential").apply(on_uniep).expert_gemm == "torch"
     assert Plan(schedule="sequential", expert_gemm="uniep").label().endswith(" uniep")
+    from ds_uniep.tuning import estimate_ms
+    from ds_uniep.tuning.plot import plot_space
+    png = plot_space(str(tmp_path / "both.png"), both, {p: estimate_ms(p, both) for p in plans}, measured=False,
+                     title="both GEMMs")
+    assert (tmp_path / "both.png").stat().st_size > 0 and png.endswith("both.png")
 
 
 def test_each_rejection_reason_is_hit_by_a_plan():

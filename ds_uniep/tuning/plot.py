@@ -6,6 +6,7 @@ from typing import Dict, List, Optional, Tuple
 from .space import SCHEDULES, Plan, Space
 
 _COLORS = {"sequential": "tab:gray", "pipelined": "tab:blue", "fused": "tab:orange"}
+_GEMM_NAMES = {"torch": "torch's GEMM", "uniep": "ds_uniep's GEMM"}
 
 
 def reason_counts(table: List[Tuple[Plan, Optional[str]]]) -> Counter:
@@ -21,7 +22,8 @@ def reason_counts(table: List[Tuple[Plan, Optional[str]]]) -> Counter:
 def plot_space(path: str, space: Space, times: Dict[Plan, float], *, measured: bool, title: str,
                pruned: Optional[Dict[Plan, float]] = None, marks: Optional[Dict[str, float]] = None,
                winner: Optional[Plan] = None) -> str:
-    """Write a PNG: left, time per valid plan (enumeration order) by schedule; right, rejection reasons.
+    """Write a PNG: left, time per valid plan (enumeration order) by schedule (and, where the plans run
+    both grouped GEMMs, by GEMM); right, rejection reasons.
 
     ``measured`` says whether ``times`` are medians measured on the device or
     the cost model's estimates; the axis label says which, so an estimate is
@@ -33,10 +35,15 @@ def plot_space(path: str, space: Space, times: Dict[Plan, float], *, measured: b
     table = space.table()
     index = {p: i for i, p in enumerate(space.enumerate())}
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 2]})
+    gemms = sorted({p.expert_gemm for p in times})
     for sched in SCHEDULES:
-        pts = sorted((index.get(p, len(index)), t) for p, t in times.items() if p.schedule == sched)
-        if pts:
-            ax.scatter([i for i, _ in pts], [t for _, t in pts], s=10, color=_COLORS[sched], label=sched)
+        for gemm in gemms:  # where the space walks both grouped GEMMs, ds_uniep's plans are triangles
+            pts = sorted((index.get(p, len(index)), t) for p, t in times.items()
+                         if p.schedule == sched and p.expert_gemm == gemm)
+            if pts:
+                ax.scatter([i for i, _ in pts], [t for _, t in pts], s=10, color=_COLORS[sched],
+                           marker="^" if gemm == "uniep" and len(gemms) > 1 else "o",
+                           label=sched + (", " + _GEMM_NAMES[gemm] if len(gemms) > 1 else ""))
     if pruned:
         pts = [(index.get(p, len(index)), t) for p, t in pruned.items()]
         ax.scatter([i for i, _ in pts], [t for _, t in pts], s=14, marker="x", color="tab:red",
