@@ -574,8 +574,9 @@ def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
             row["modes"][mode].update(tuned_streamed_ms=time_layer_streamed(layer, inputs, mode, args, dist),
                                       fixed_streamed_ms={})
     layer.uniep_config = layer.uniep_config.model_copy(update={"autotune": AutotuneConfig()})
-    # the layer's own space (its grouped GEMM decides whether the fused schedule is in it)
-    space = Space.from_config(layer.uniep_config, Shape(T=T, M=shape.hidden, F=shape.ffn, E=E, k=shape.top_k,
+    # the layer's own space as configured (its grouped GEMM decides whether the fused schedule is in it;
+    # the tuned plan may have switched the GEMM the layer now runs)
+    space = Space.from_config(layer.configured_config, Shape(T=T, M=shape.hidden, F=shape.ffn, E=E, k=shape.top_k,
                                                         dtype="bf16", ep=ep), GPUInfo.detect(), backend="megakernel")
     plans = fixed_plans(space)
     row["fixed_plans"] = {n: p.to_dict() for n, p in plans.items()}
