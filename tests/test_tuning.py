@@ -89,6 +89,11 @@ def test_the_megakernel_space_walks_the_gemms_the_layer_runs(tmp_path):
     fp32 = Space(Shape(T=512, M=1024, F=512, E=8, k=2, dtype="fp32", ep=2), GPU, backend="megakernel",
                  gemms=("torch", "uniep"))
     assert fp32.gemms == ("torch", ) and {p.expert_gemm for p in fp32.enumerate()} == {"torch"}
+    # ... and a layer configured on ds_uniep's GEMM keeps every plan there (its experts run one by one in
+    # fp32, whatever the GEMM knob says): the baseline stays valid
+    fp32_u = Space(fp32.shape, GPU, backend="megakernel", expert_gemm="uniep", gemms=("torch", "uniep"))
+    assert fp32_u.gemms == ("uniep", ) and fp32_u.baseline() in fp32_u.enumerate()
+    assert {p.schedule for p in fp32_u.enumerate()} == {"sequential", "pipelined"}
     cfg = UniEPConfig.coerce({"overlap": {"schedule": "sequential"}})
     on_uniep = Plan(schedule="sequential", expert_gemm="uniep").apply(cfg)
     assert on_uniep.expert_gemm == "uniep" and Plan.from_config(on_uniep).expert_gemm == "uniep"

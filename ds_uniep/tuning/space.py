@@ -584,8 +584,6 @@ class Space:
         if self.backend is not None and plan.expert_gemm not in self.gemms:
             reasons.append(f"expert_gemm {plan.expert_gemm} is not a GEMM this layer runs here "
                            f"({'/'.join(self.gemms)})")
-        elif plan.expert_gemm == "uniep" and self.shape.dtype != "bf16" and plan.schedule != "fused":
-            reasons.append(f"ds_uniep's grouped GEMM runs bf16 experts only (dtype={self.shape.dtype})")
         if self.combine == "rank_partials" and self.backend == "megakernel" and not plan.runs_combine_kernels():
             reasons.append("compression.combine 'rank_partials' runs in the combine kernels: the sequential schedule "
                            f"or the fused one without epilogue_combine (schedule={plan.schedule}, "
