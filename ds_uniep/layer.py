@@ -710,10 +710,12 @@ class UniEPMoE(MoE):
             _check_same_shape(shape, group, self.layer_name)
         gpu = GPUInfo.detect(device) if device.type == "cuda" else GPUInfo.cpu()
         # The experts' GEMM is a knob where they run as grouped GEMMs on a device with ds_uniep's.
-        grouped = stack_experts(self.deepspeed_moe.experts.deepspeed_experts, hidden_states.dtype, device,
-                                cache=self._stack_cache) is not None
-        gemms = runnable_gemms(self.configured_config.expert_gemm, device, dtype if grouped else "", None if local
-                               else group) if backend == "megakernel" else None
+        gemms = None
+        if backend == "megakernel":
+            grouped = stack_experts(self.deepspeed_moe.experts.deepspeed_experts, hidden_states.dtype, device,
+                                    cache=self._stack_cache) is not None
+            gemms = runnable_gemms(self.configured_config.expert_gemm, device, dtype if grouped else "",
+                                   None if local else group)
         rank0 = local or torch.distributed.get_rank(group) == 0
         backward = not torch.is_inference_mode_enabled()
         cuda_devices = [device.index if device.index is not None else torch.cuda.current_device()] \
