@@ -172,8 +172,9 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     # each with the combine in 4, 8 and 16 chunks, pushed in fixed shares or from one queue.
     assert sorted((p.num_comm_sms, p.combine_chunks, p.combine_queue) for p in seq) == [
         (n, c, q) for n in (8, 16, 24, 32, 48, 64, 80, 96, 132) for c in (4, 8, 16) for q in (False, True)]
-    # The pipelined schedule copies its chunks back by itself: the combine knobs are unread there.
-    assert all((p.combine_chunks, p.combine_queue) == (16, False) for p in pipe)
+    # The pipelined schedule copies its chunks back by itself: the combine knobs are unread there, and
+    # left at the config's defaults.
+    assert all((p.combine_chunks, p.combine_queue) == (16, True) for p in pipe)
     # Pipelined: 2 chunks (4 would be more than the 2 local experts: rejected), every SM count but the
     # whole GPU (its copy kernels share the GPU).
     assert sorted((p.num_chunks, p.num_comm_sms) for p in pipe) == [(2, n) for n in (8, 16, 24, 32, 48, 64, 80, 96)]
@@ -217,10 +218,10 @@ def test_backend_space_walks_only_the_knobs_the_backend_acts_on():
     fused = [p for p in own.enumerate() if p.schedule == "fused"]
     combines = [(c, q) for c in (4, 8, 16) for q in (False, True)]
     assert sorted((p.fused_dispatch, p.epilogue_combine, p.roles, p.num_comm_sms, p.combine_chunks, p.combine_queue)
-                  for p in fused) == [(False, True, "partitioned", 20, 16, False)] + [
+                  for p in fused) == [(False, True, "partitioned", 20, 16, True)] + [
         (True, e, r, n, *cq) for e in (False, True) for r, ns in (("interleaved", (20, )),
                                                                   ("partitioned", (8, 16, 24, 32, 48, 64)))
-        for n in ns for cq in (combines if not e else [(16, False)])]
+        for n in ns for cq in (combines if not e else [(16, True)])]
     assert Plan(schedule="fused", roles="interleaved", num_comm_sms=8) == Plan(schedule="fused", roles="interleaved")
     assert not own.comm_shares_sms(Plan(schedule="fused", roles="interleaved"))
     assert all(p.dispatch_dtype == "activation" for p in fused)
@@ -310,7 +311,9 @@ def test_combine_knobs_reach_plans_only_where_the_combine_kernels_move_the_rows(
     kept = dict(combine_chunks=4, combine_queue=True)
     assert Plan(schedule="fused", epilogue_combine=False, **kept).combine_queue  # the combine kernels run
     for gone in (Plan(schedule="fused", **kept), Plan(schedule="pipelined", num_chunks=2, **kept)):
-        assert (gone.combine_chunks, gone.combine_queue) == (16, False) and " c" not in gone.label(), gone
+        assert (gone.combine_chunks, gone.combine_queue) == (16, True) and " c" not in gone.label(), gone
+        # applied to a block, they leave the combine knobs where a block that never set them has them
+        assert gone.apply(UniEPConfig()).overlap.combine_chunks == 16 and gone.apply(UniEPConfig()).overlap.combine_queue
     assert Plan(schedule="sequential", combine_chunks=0, combine_queue=True) == Plan(schedule="sequential",
                                                                                       combine_chunks=0)
     for bad, match in (({"combine_chunks": 65}, "uniep.overlap.combine_chunks"),

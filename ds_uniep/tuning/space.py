@@ -158,10 +158,12 @@ class Plan:
     ``"interleaved"``, so becomes ``"partitioned"`` under the other schedules);
     and without the fused dispatch, which alone keeps ``num_comm_sms`` SMs, the
     fused schedule's ``num_comm_sms`` is 20 (with it in interleaved roles, which
-    keep no SMs, ``num_comm_sms`` is 20 too); ``combine_chunks`` is 16 and
-    ``combine_queue`` False where the combine kernels do not move the rows (the
-    pipelined schedule, the fused one with ``epilogue_combine``), and
-    ``combine_queue`` is False with ``combine_chunks`` 0 (no chunked kernel);
+    keep no SMs, ``num_comm_sms`` is 20 too); ``combine_chunks`` and
+    ``combine_queue`` are the config's defaults (16, True) where the combine
+    kernels do not move the rows (the pipelined schedule, the fused one with
+    ``epilogue_combine``), so that a plan applied to a config leaves them as a
+    user who never set them has them, and ``combine_queue`` is False with
+    ``combine_chunks`` 0 (no chunked kernel);
     ``expert_gemm`` is ``"uniep"`` under the fused schedule (its first GEMM waits for rows inside
     ds_uniep's GEMM). ``overlap.timeout_s`` is not a knob: it is kept from
     the user's config by :meth:`to_overlap_config`.
@@ -214,7 +216,8 @@ class Plan:
             object.__setattr__(self, "num_comm_sms", 20)
         if not self.runs_combine_kernels():
             object.__setattr__(self, "combine_chunks", 16)
-        if not self.runs_combine_kernels() or self.combine_chunks == 0:
+            object.__setattr__(self, "combine_queue", True)
+        elif self.combine_chunks == 0:
             object.__setattr__(self, "combine_queue", False)
 
     def runs_combine_kernels(self) -> bool:
@@ -492,8 +495,8 @@ class Space:
     def project(self, plan: Plan) -> Plan:
         """``plan`` with the knobs the backend does not act on set to their fixed values (and a schedule
         it does not run set to the sequential one, which is what runs, with the default combine knobs
-        where the plan's schedule had normalised them away): the plan that runs the same code and is a
-        point of this space (unchanged for the design space)."""
+        where the plan's schedule had normalised them away, as :class:`Plan` leaves them): the plan that
+        runs the same code and is a point of this space (unchanged for the design space)."""
         fixed = self.fixed_knobs()
         if self.backend is not None and plan.expert_gemm not in self.gemms:
             fixed["expert_gemm"] = self.expert_gemm  # the GEMM the layer runs
@@ -501,8 +504,6 @@ class Space:
                 plan.schedule not in self.built_schedules():
             fixed["schedule"] = "sequential"
             fixed["roles"] = "partitioned"  # what the sequential schedule runs
-            if not plan.runs_combine_kernels():  # its combine knobs were normalised away: the defaults
-                fixed["combine_chunks"], fixed["combine_queue"] = Plan.combine_chunks, Plan.combine_queue
         return plan.replace(**fixed) if fixed else plan
 
     def built_schedules(self) -> Tuple[str, ...]:
