@@ -833,6 +833,10 @@ def print_profiles(results):
                 lines.append("  over the ranks (min-max): " + ", ".join(
                     [f"busy {min(q['busy_ms'] for q in ranks):.2f}-{max(q['busy_ms'] for q in ranks):.2f}"]
                     + [f"{c} {min(v):.2f}-{max(v):.2f}" for c, v in spread.items()]))
+            for g in p.get("top_gaps", [])[:4]:
+                if g["ms"] >= 0.01:
+                    lines.append(f"  idle {g['ms']:.2f} ({g['count']:g} per step, longest {g['longest_us']:.0f} us) "
+                                 f"after {g['after']} | before {g['before']}")
     if lines:
         print("\nwhere the GPU time goes, ms per step (profiled, rank 0; kernels by kind, summed over streams)")
         print("\n".join(lines))

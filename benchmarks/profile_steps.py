@@ -19,7 +19,13 @@ its Chrome trace. All times are per step (totals over the steps divided by
   match of the kernel's name; the rest under "other"), so with concurrency they
   add up to more than ``busy_ms``;
 - ``top_kernels``: the kernels with the most time, by name (shortened), with
-  their calls per step.
+  their calls per step;
+- ``top_gaps``: where the idle time falls: the idle intervals summed by the
+  pair of kernels around them (``after``: the one whose end began the interval,
+  ``before``: the one that ended it; names shortened), most idle first, with
+  their count per step and the longest one in microseconds. A gap after a
+  kernel that the host waits for (a host sync) and before the next launch is
+  the host's time between the two.
 
 One rank's view (the caller's); the layer's step time is set by the slowest
 rank, which :mod:`bench_moe_layer` times separately. The profiler slows the
@@ -74,13 +80,18 @@ def summarize_events(events: Iterable[Tuple[str, float, float]], steps: int, top
     evs = sorted((float(s), float(s) + max(0.0, float(d)), n) for n, s, d in events)
     if not evs:
         raise ValueError("summarize_events: the trace holds no device event (did the steps run on the GPU?)")
-    busy, cur_s, cur_e = 0.0, evs[0][0], evs[0][1]
-    for s, e, _ in evs[1:]:
+    busy, cur_s, cur_e, last = 0.0, evs[0][0], evs[0][1], evs[0][2]
+    gaps: Dict[Tuple[str, str], List[float]] = {}
+    for s, e, n in evs[1:]:
         if s > cur_e:
             busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
+            g = gaps.setdefault((short_name(last, 60), short_name(n, 60)), [0.0, 0, 0.0])
+            g[0] += s - cur_e
+            g[1] += 1
+            g[2] = max(g[2], s - cur_e)
+            cur_s, cur_e, last = s, e, n
+        elif e > cur_e:
+            cur_e, last = e, n
     busy += cur_e - cur_s
     window = max(e for _, e, _ in evs) - evs[0][0]
     total = sum(e - s for s, e, _ in evs)
@@ -100,6 +111,8 @@ def summarize_events(events: Iterable[Tuple[str, float, float]], steps: int, top
         "categories": {c: v / per for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
         "top_kernels": [{"name": n, "ms": v[0] / per, "calls": v[1] / steps, "category": v[2]}
                         for n, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]],
+        "top_gaps": [{"after": a, "before": b, "ms": v[0] / per, "count": v[1] / steps, "longest_us": v[2]}
+                     for (a, b), v in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]],
     }
 
 

@@ -58,6 +58,23 @@ def test_busy_idle_and_concurrent_time_per_step():
     assert top["ms"] == pytest.approx(0.13)
 
 
+def test_idle_time_is_told_by_the_kernels_around_it():
+    # 2 steps (us): a layout kernel 0-10, idle 10-60 (the host reads the counts), a dispatch 60-100 with
+    # a GEMM 70-200 beside it (the GEMM ends last), idle 200-220, then the layout 220-230 again, idle
+    # 230-250, and the dispatch 250-260.
+    events = [("layout_kernel", 0, 10), ("dispatch_kernel", 60, 40), ("cutlass::device_kernel<Gemm>", 70, 130),
+              ("layout_kernel", 220, 10), ("dispatch_kernel", 250, 10)]
+    s = summarize_events(events, steps=2)
+    assert s["idle_ms"] == pytest.approx((50 + 20 + 20) / 2e3)
+    gaps = {(g["after"], g["before"]): g for g in s["top_gaps"]}
+    assert set(gaps) == {("layout_kernel", "dispatch_kernel"), ("cutlass::device_kernel<Gemm>", "layout_kernel")}
+    first = s["top_gaps"][0]  # most idle first, per step
+    assert (first["after"], first["before"]) == ("layout_kernel", "dispatch_kernel")
+    assert first["ms"] == pytest.approx(70 / 2e3) and first["count"] == 1.0 and first["longest_us"] == 50.0
+    assert gaps["cutlass::device_kernel<Gemm>", "layout_kernel"]["ms"] == pytest.approx(20 / 2e3)
+    assert sum(g["ms"] for g in s["top_gaps"]) == pytest.approx(s["idle_ms"])
+
+
 def test_nested_and_touching_intervals_count_once():
     s = summarize_events([("a", 0, 100), ("b", 10, 20), ("c", 100, 50)], steps=1)
     assert s["busy_ms"] == pytest.approx(0.15) and s["idle_ms"] == pytest.approx(0.0)
@@ -107,3 +124,8 @@ def test_bench_prints_each_profiled_layer_with_the_spread_over_ranks(capsys):
     assert "grouped GEMMs (CUTLASS) 0.30, combine 0.10" in out
     assert "over the ranks (min-max): busy 0.40-0.50, grouped GEMMs (CUTLASS) 0.30-0.30, combine 0.10-0.20" in out
     assert "dsv3-like fwd megakernel" not in out  # not profiled
+    assert "idle" not in out.split("over the ranks")[1]  # no gap: no idle line
+    gapped = summarize_events([("layout_kernel", 0, 10), ("dispatch_kernel", 60, 40)], steps=1)
+    print_profiles({"rows": [{"shape": "dsv2lite-like", "mode": "fwd", "megakernel_profile": gapped}]})
+    out = capsys.readouterr().out
+    assert "idle 0.05 (1 per step, longest 50 us) after layout_kernel | before dispatch_kernel" in out
