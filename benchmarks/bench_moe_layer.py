@@ -422,7 +422,8 @@ def profile_layer(layer, inputs, mode, args, dist):
         mine = profile_steps(lambda i: fwd(*setup(i)), steps=args.profile_steps, warmup=args.warmup,
                              sync=dist.barrier)
     every = [None] * tdist.get_world_size()
-    tdist.all_gather_object(every, {k: mine[k] for k in ("window_ms", "busy_ms", "idle_ms", "categories")})
+    tdist.all_gather_object(every, {k: mine[k] for k in ("window_ms", "busy_ms", "idle_ms", "categories",
+                                                         "top_gaps")})
     return dict(mine, ranks=every)
 
 
@@ -833,10 +834,12 @@ def print_profiles(results):
                 lines.append("  over the ranks (min-max): " + ", ".join(
                     [f"busy {min(q['busy_ms'] for q in ranks):.2f}-{max(q['busy_ms'] for q in ranks):.2f}"]
                     + [f"{c} {min(v):.2f}-{max(v):.2f}" for c, v in spread.items()]))
-            for g in p.get("top_gaps", [])[:4]:
-                if g["ms"] >= 0.01:
-                    lines.append(f"  idle {g['ms']:.2f} ({g['count']:g} per step, longest {g['longest_us']:.0f} us) "
-                                 f"after {g['after']} | before {g['before']}")
+            idlest = max(range(len(ranks)), key=lambda i: ranks[i]["idle_ms"]) if len(ranks) > 1 else 0
+            for who, q in [("", p)] + ([(f"rank {idlest}, the most idle: ", ranks[idlest])] if idlest else []):
+                for g in q.get("top_gaps", [])[:4]:
+                    if g["ms"] >= 0.01:
+                        lines.append(f"  {who}idle {g['ms']:.2f} ({g['count']:g} per step, longest "
+                                     f"{g['longest_us']:.0f} us) after {g['after']} | before {g['before']}")
     if lines:
         print("\nwhere the GPU time goes, ms per step (profiled, rank 0; kernels by kind, summed over streams)")
         print("\n".join(lines))

@@ -129,3 +129,10 @@ def test_bench_prints_each_profiled_layer_with_the_spread_over_ranks(capsys):
     print_profiles({"rows": [{"shape": "dsv2lite-like", "mode": "fwd", "megakernel_profile": gapped}]})
     out = capsys.readouterr().out
     assert "idle 0.05 (1 per step, longest 50 us) after layout_kernel | before dispatch_kernel" in out
+    assert "most idle" not in out  # one rank
+    # the rank that idles most has its gaps told too
+    idler = summarize_events([("layout_kernel", 0, 10), ("dispatch_kernel", 90, 10)], steps=1)
+    print_profiles({"rows": [{"shape": "dsv2lite-like", "mode": "fwd",
+                              "megakernel_profile": dict(gapped, ranks=[gapped, idler])}]})
+    out = capsys.readouterr().out
+    assert "  rank 1, the most idle: idle 0.08 (1 per step, longest 80 us) after layout_kernel" in out
