@@ -495,11 +495,22 @@ class UniEPMoE(MoE):
             if fused and self.uniep_config.overlap.fused_dispatch:
                 self._request_fused(dispatcher, stacked)
         dispatcher.dispatch_begin(x, expert_idx)
-        l_aux, gates, exp_counts = finish()
-        moe.l_aux, moe.exp_counts = l_aux, exp_counts
-        if schedule != "fused":
-            stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
-        recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
+        if fused and self.uniep_config.overlap.fused_dispatch and not dispatcher.rank_partials:
+            # The fused dispatch moves most rows inside the first expert GEMM, so little device work
+            # is queued ahead of it: that GEMM is queued (once the row count is read) before the
+            # rest of the gate, whose kernels then run after it. Issued first, the gate's host work
+            # left the device idle before the GEMM. The dispatch needs no gates here (they are
+            # staged at dispatch only for rank partials), and the same operations on the same
+            # tensors give the same bits in either order.
+            recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, None)
+            l_aux, gates, exp_counts = finish()
+            moe.l_aux, moe.exp_counts = l_aux, exp_counts
+        else:
+            l_aux, gates, exp_counts = finish()
+            moe.l_aux, moe.exp_counts = l_aux, exp_counts
+            if schedule != "fused":
+                stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
+            recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
         output = self._experts_and_combine(dispatcher, x, recv, local_counts, stacked, fused, gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
 
