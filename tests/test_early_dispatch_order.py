@@ -1,0 +1,88 @@
+"""The order in which ``UniEPMoE._forward_dispatch_early`` issues its steps (CPU, one gloo rank).
+
+Under the fused schedule with the fused dispatch the first expert GEMM is queued inside
+``dispatch()``, so ``dispatch()`` must come before the rest of the gate (gates, auxiliary loss):
+issued after it, that host work left the GPU idle ahead of the GEMM. Everywhere else (sequential,
+fused without the fused dispatch, rank partials, whose dispatch stages the gates) the rest of the
+gate comes first and ``dispatch()`` gets the gates. The dispatcher here is a stand-in that records
+its calls (the real one needs NVLink peers); the gate is DeepSpeed's own, split by
+``ds_uniep.gating.route_split``. The GPU tests check that either order gives the same bits.
+"""
+import torch
+
+from dist_utils import run_distributed
+
+
+class _Recorder:
+    """Stands in for ``NVLinkDispatcher``: records the layer's calls in ``calls``."""
+
+    ordering = "layout"
+
+    def __init__(self, calls, rank_partials):
+        self.calls, self.rank_partials = calls, rank_partials
+
+    def dispatch_begin(self, x, expert_idx):
+        self.calls.append("dispatch_begin")
+        return True
+
+    def dispatch(self, x, expert_idx, gates=None):
+        self.calls.append("dispatch(gates)" if gates is not None else "dispatch()")
+        return x, torch.zeros(1, dtype=torch.int64), "handle"
+
+
+def _orders(rank, world_size):
+    from ds_uniep import UniEPMoE, gating
+    from ds_uniep import layer as layer_mod
+    from moe_models import MLP
+
+    real_split = gating.route_split
+    cases = {  # (schedule, fused_dispatch, rank partials) -> the calls expected
+        ("fused", True, False): ["request_fused", "dispatch_begin", "dispatch()", "finish", "experts"],
+        ("fused", True, True): ["request_fused", "dispatch_begin", "finish", "dispatch(gates)", "experts"],
+        ("fused", False, False): ["dispatch_begin", "finish", "dispatch(gates)", "experts"],
+        ("sequential", True, False): ["dispatch_begin", "finish", "dispatch(gates)", "experts"],
+    }
+    for (schedule, fused_dispatch, partials), want in cases.items():
+        torch.manual_seed(0)
+        layer = UniEPMoE(16, MLP(16, 32), num_experts=4, ep_size=1, k=2, drop_tokens=False,
+                         config={"overlap": {"schedule": schedule, "fused_dispatch": fused_dispatch}})
+        calls = []
+        seen = {}
+
+        def split(gate, x, used_token=None):
+            idx, finish = real_split(gate, x, used_token)
+
+            def recorded():
+                calls.append("finish")
+                seen["finish"] = finish()
+                return seen["finish"]
+            return idx, recorded
+
+        def experts(dispatcher, x, recv, local_counts, stacked, fused, gates, handle):
+            calls.append("experts")
+            seen["gates"] = gates
+            return x * 2
+
+        layer._dispatcher = lambda x: _Recorder(calls, partials)
+        layer._fuses = lambda dispatcher, grouped: schedule == "fused"
+        layer._request_fused = lambda dispatcher, stacked: calls.append("request_fused")
+        layer._experts_and_combine = experts
+        orig = layer_mod.gating.route_split
+        layer_mod.gating.route_split = split
+        try:
+            x = torch.randn(2, 5, 16)
+            out, l_aux, counts = layer(x)
+        finally:
+            layer_mod.gating.route_split = orig
+        where = f"{schedule}, fused_dispatch={fused_dispatch}, rank partials={partials}"
+        assert calls == want, f"{where}: {calls}"
+        # whatever the order, the combine gets the gate's own gates and the layer its auxiliary loss and counts
+        l_aux_want, gates_want, counts_want = seen["finish"]
+        assert seen["gates"] is gates_want, where
+        assert l_aux is l_aux_want and counts is counts_want, where
+        assert layer.deepspeed_moe.l_aux is l_aux_want, where
+        assert torch.equal(out, (x * 2)), where
+
+
+def test_the_fused_dispatch_comes_before_the_rest_of_the_gate_and_only_there():
+    run_distributed(_orders, 1)
