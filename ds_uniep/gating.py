@@ -90,6 +90,12 @@ def _top2(gate, logits: Tensor):
     return torch.stack([indices1_s, indices2_s], dim=1), rest
 
 
+def splits(gate) -> bool:
+    """Whether :func:`route_split` splits ``gate`` (DeepSpeed's dropless top-2 and top-k gates, their
+    ``wall_clock_breakdown`` timer off), without running it."""
+    return not getattr(gate, "wall_clock_breakdown", False) and _dropless_kind(gate) is not None
+
+
 def route_split(gate, x: Tensor, used_token: Optional[Tensor] = None
                 ) -> Optional[Tuple[Tensor, Callable[[], Tuple[Tensor, Tensor, Tensor]]]]:
     """The dropless top-2 and top-k paths of :func:`route` in two steps, so that a dispatch can

@@ -472,7 +472,8 @@ class UniEPMoE(MoE):
         ``gating.route_split``) and, in the sequential schedule, stacks the experts' weights, work
         that otherwise comes before the dispatch while the device waits
         (``NVLinkDispatcher.dispatch_begin``; the fused dispatch needs the stacked first projection
-        at its start, and its first expert GEMM is queued before the rest of the gate). The same
+        at its start, so the fused schedule stacks before the routes, and its first expert GEMM is
+        queued before the rest of the gate). The same
         operations on the same tensors, so the same bits. None where this
         does not apply (the pipelined schedule, the reference backend, tensor parallelism, arrival
         ordering, a gate other than DeepSpeed's dropless top-2/top-k): the general path runs."""
@@ -483,18 +484,23 @@ class UniEPMoE(MoE):
         if isinstance(dispatcher, ReferenceDispatcher) or dispatcher.ordering != "layout":
             return None
         moe = self.deepspeed_moe
-        x = x.contiguous()  # the very tensor the dispatch's kernels read, checked again by dispatch()
-        split = gating.route_split(moe.gate, x, used_token)
-        if split is None:
+        if not gating.splits(moe.gate):
             return None
-        expert_idx, finish = split
+        x = x.contiguous()  # the very tensor the dispatch's kernels read, checked again by dispatch()
         experts = moe.experts.deepspeed_experts
         stacked = fused = None
         if schedule == "fused":
+            # Before the routes: this host work then overlaps the work queued before this layer, not
+            # the gap between the routes and the dispatch (the fused dispatch needs the stacked first
+            # projection when it is queued).
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             fused = self._fuses(dispatcher, stacked is not None)
-            if fused and self.uniep_config.overlap.fused_dispatch:
-                self._request_fused(dispatcher, stacked)
+        split = gating.route_split(moe.gate, x, used_token)
+        if split is None:  # (gating.splits said it would split)
+            return None
+        expert_idx, finish = split
+        if fused and self.uniep_config.overlap.fused_dispatch:
+            self._request_fused(dispatcher, stacked)
         dispatcher.dispatch_begin(x, expert_idx)
         if fused and self.uniep_config.overlap.fused_dispatch and not dispatcher.rank_partials:
             # The fused dispatch moves most rows inside the first expert GEMM, so little device work

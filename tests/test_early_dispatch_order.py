@@ -1,6 +1,8 @@
 """The order in which ``UniEPMoE._forward_dispatch_early`` issues its steps (CPU, one gloo rank).
 
-Under the fused schedule with the fused dispatch the first expert GEMM is queued inside
+Under the fused schedule the experts are stacked before the routes (the fused dispatch needs the
+stacked first projection when it is queued; stacked between the routes and the dispatch, that host
+work left the GPU idle there), and with the fused dispatch the first expert GEMM is queued inside
 ``dispatch()``, so ``dispatch()`` must come before the rest of the gate (gates, auxiliary loss):
 issued after it, that host work left the GPU idle ahead of the GEMM. Everywhere else (sequential,
 fused without the fused dispatch, rank partials, whose dispatch stages the gates) the rest of the
@@ -37,11 +39,15 @@ def _orders(rank, world_size):
 
     real_split = gating.route_split
     cases = {  # (schedule, fused_dispatch, rank partials) -> the calls expected
-        ("fused", True, False): ["request_fused", "dispatch_begin", "dispatch()", "finish", "experts"],
-        ("fused", True, True): ["request_fused", "dispatch_begin", "finish", "dispatch(gates)", "experts"],
-        ("fused", False, False): ["dispatch_begin", "finish", "dispatch(gates)", "experts"],
-        ("sequential", True, False): ["dispatch_begin", "finish", "dispatch(gates)", "experts"],
+        ("fused", True, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "dispatch()",
+                                 "finish", "experts"],
+        ("fused", True, True): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "finish",
+                                "dispatch(gates)", "experts"],
+        ("fused", False, False): ["stack", "fuses", "routes", "dispatch_begin", "finish", "dispatch(gates)",
+                                  "experts"],
+        ("sequential", True, False): ["routes", "dispatch_begin", "finish", "stack", "dispatch(gates)", "experts"],
     }
+    real_stack = layer_mod.stack_experts
     for (schedule, fused_dispatch, partials), want in cases.items():
         torch.manual_seed(0)
         layer = UniEPMoE(16, MLP(16, 32), num_experts=4, ep_size=1, k=2, drop_tokens=False,
@@ -50,6 +56,7 @@ def _orders(rank, world_size):
         seen = {}
 
         def split(gate, x, used_token=None):
+            calls.append("routes")
             idx, finish = real_split(gate, x, used_token)
 
             def recorded():
@@ -64,16 +71,16 @@ def _orders(rank, world_size):
             return x * 2
 
         layer._dispatcher = lambda x: _Recorder(calls, partials)
-        layer._fuses = lambda dispatcher, grouped: schedule == "fused"
+        layer._fuses = lambda dispatcher, grouped: calls.append("fuses") or schedule == "fused"
         layer._request_fused = lambda dispatcher, stacked: calls.append("request_fused")
         layer._experts_and_combine = experts
-        orig = layer_mod.gating.route_split
         layer_mod.gating.route_split = split
+        layer_mod.stack_experts = lambda *a, **kw: calls.append("stack") or real_stack(*a, **kw)
         try:
             x = torch.randn(2, 5, 16)
             out, l_aux, counts = layer(x)
         finally:
-            layer_mod.gating.route_split = orig
+            layer_mod.gating.route_split, layer_mod.stack_experts = real_split, real_stack
         where = f"{schedule}, fused_dispatch={fused_dispatch}, rank partials={partials}"
         assert calls == want, f"{where}: {calls}"
         # whatever the order, the combine gets the gate's own gates and the layer its auxiliary loss and counts
@@ -85,4 +92,5 @@ def _orders(rank, world_size):
 
 
 def test_the_fused_dispatch_comes_before_the_rest_of_the_gate_and_only_there():
+    """The calls in order, per schedule; the gates, auxiliary loss and counts reach their users either way."""
     run_distributed(_orders, 1)

@@ -70,8 +70,9 @@ def _gate_vs_route(rank, world_size):
                 assert torch.equal(a, b), f"{how}: {name} differs: {where}"
         assert int(results[1][3].sum()) == T * k, where  # dropless: every pair counted
         assert results[1][4].abs().sum() > 0, where
+        assert gating.splits(gate), where
         gate.wall_clock_breakdown = True  # its timer would time a dispatch queued between the steps
-        assert gating.route_split(gate, x0) is None, where
+        assert gating.route_split(gate, x0) is None and not gating.splits(gate), where
         gate.wall_clock_breakdown = False
         if k == 2 and T > 1:  # DeepSpeed's top-2 gate does not read used_token: the split path stays, same bits
             used = (torch.arange(T) % 2).float()
@@ -88,7 +89,7 @@ def _gate_vs_route(rank, world_size):
                   drop_tokens=drop, use_rts=False, top2_2nd_expert_sampling=False)
         moe.set_deepspeed_parallelism()
         gate = moe.deepspeed_moe.gate
-        assert gating._dropless_kind(gate) is None
+        assert gating._dropless_kind(gate) is None and not gating.splits(gate)
         x = _inputs(19, M, 0, False)
         l_aux, capacity, idx, gates, counts = gating.route(gate, x)
         ref = gate(x, None, True)
