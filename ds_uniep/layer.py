@@ -474,8 +474,9 @@ class UniEPMoE(MoE):
         (``NVLinkDispatcher.dispatch_begin``; the fused dispatch needs the stacked first projection
         at its start, so the fused schedule stacks before the routes, and its first expert GEMM is
         queued before the rest of the gate). The same operations on the same tensors, so the same
-        bits. None where this does not apply (the pipelined schedule, the reference backend, tensor parallelism, arrival
-        ordering, a gate other than DeepSpeed's dropless top-2/top-k): the general path runs."""
+        bits. None where this does not apply (the pipelined schedule, the reference backend, tensor
+        parallelism, arrival ordering, a gate other than DeepSpeed's dropless top-2/top-k): the
+        general path runs."""
         schedule = self.uniep_config.overlap.schedule
         if schedule not in ("sequential", "fused") or tp_context()[1] > 1:
             return None
