@@ -105,8 +105,8 @@ def route_split(gate, x: Tensor, used_token: Optional[Tensor] = None
     :func:`route`, which then calls the gate itself) and with the gate's ``wall_clock_breakdown``
     timer on. ``used_token`` is passed on as the gate takes it: DeepSpeed's top-2 and top-k gates
     do not read it."""
-    if getattr(gate, "wall_clock_breakdown", False):
-        return None  # the gate's timer would time the dispatch queued between the two steps
+    if not splits(gate):  # (its timer would time the dispatch queued between the two steps)
+        return None
     return _route_split(gate, x, used_token)
 
 

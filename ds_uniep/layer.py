@@ -495,26 +495,22 @@ class UniEPMoE(MoE):
             # projection when it is queued).
             stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             fused = self._fuses(dispatcher, stacked is not None)
-        split = gating.route_split(moe.gate, x, used_token)
-        if split is None:  # (gating.splits said it would split)
-            return None
-        expert_idx, finish = split
-        if fused and self.uniep_config.overlap.fused_dispatch:
+        expert_idx, finish = gating.route_split(moe.gate, x, used_token)
+        fused_dispatch = bool(fused) and self.uniep_config.overlap.fused_dispatch
+        if fused_dispatch:
             self._request_fused(dispatcher, stacked)
         dispatcher.dispatch_begin(x, expert_idx)
-        if fused and self.uniep_config.overlap.fused_dispatch and not dispatcher.rank_partials:
-            # The fused dispatch moves most rows inside the first expert GEMM, so little device work
-            # is queued ahead of it: that GEMM is queued (once the row count is read) before the
-            # rest of the gate, whose kernels then run after it. Issued first, the gate's host work
-            # left the device idle before the GEMM. The dispatch needs no gates here (they are
-            # staged at dispatch only for rank partials), and the same operations on the same
-            # tensors give the same bits in either order.
+        # The fused dispatch moves most rows inside the first expert GEMM, so little device work is
+        # queued ahead of it: that GEMM is queued (once the row count is read) before the rest of the
+        # gate, whose kernels then run after it. Issued first, the gate's host work left the device
+        # idle before the GEMM. The dispatch needs no gates then (they are staged at dispatch only for
+        # rank partials), and the same operations on the same tensors give the same bits either way.
+        gemm_first = fused_dispatch and not dispatcher.rank_partials
+        if gemm_first:
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, None)
-            l_aux, gates, exp_counts = finish()
-            moe.l_aux, moe.exp_counts = l_aux, exp_counts
-        else:
-            l_aux, gates, exp_counts = finish()
-            moe.l_aux, moe.exp_counts = l_aux, exp_counts
+        l_aux, gates, exp_counts = finish()
+        moe.l_aux, moe.exp_counts = l_aux, exp_counts
+        if not gemm_first:
             if schedule != "fused":
                 stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)

@@ -313,7 +313,8 @@ def test_combine_knobs_reach_plans_only_where_the_combine_kernels_move_the_rows(
     for gone in (Plan(schedule="fused", **kept), Plan(schedule="pipelined", num_chunks=2, **kept)):
         assert (gone.combine_chunks, gone.combine_queue) == (16, True) and " c" not in gone.label(), gone
         # applied to a block, they leave the combine knobs where a block that never set them has them
-        assert gone.apply(UniEPConfig()).overlap.combine_chunks == 16 and gone.apply(UniEPConfig()).overlap.combine_queue
+        applied_gone = gone.apply(UniEPConfig()).overlap
+        assert (applied_gone.combine_chunks, applied_gone.combine_queue) == (16, True), gone
     assert Plan(schedule="sequential", combine_chunks=0, combine_queue=True) == Plan(schedule="sequential",
                                                                                       combine_chunks=0)
     for bad, match in (({"combine_chunks": 65}, "uniep.overlap.combine_chunks"),
