@@ -467,16 +467,18 @@ class UniEPMoE(MoE):
 
     def _forward_dispatch_early(self, hidden_states: Tensor, x: Tensor, used_token: Optional[Tensor]):
         """The megakernel's sequential and fused schedules with the dispatch queued as soon as the
-        gate's routes exist: the counts exchange, the layout and the rows' stores then run on the
-        device while the host issues the rest of the gate (gates, auxiliary loss, counts:
-        ``gating.route_split``) and, in the sequential schedule, stacks the experts' weights, work
-        that otherwise comes before the dispatch while the device waits
-        (``NVLinkDispatcher.dispatch_begin``; the fused dispatch needs the stacked first projection
-        at its start, so the fused schedule stacks before the routes, and its first expert GEMM is
-        queued before the rest of the gate). The same operations on the same tensors, so the same
-        bits. None where this does not apply (the pipelined schedule, the reference backend, tensor
-        parallelism, arrival ordering, a gate other than DeepSpeed's dropless top-2/top-k): the
-        general path runs."""
+        gate's routes exist (``NVLinkDispatcher.dispatch_begin``): the counts exchange, the layout and
+        the rows' stores run on the device while the host stacks the experts' weights and reads the
+        row count. Then the sequential schedule's experts, or the fused schedule's first expert GEMM
+        (with ``overlap.fused_dispatch``), are queued before the rest of the gate (gates, auxiliary
+        loss, counts: ``gating.route_split``), whose kernels run behind them: issued first, that
+        host work left the device idle. With rank partials (the dispatch stages the gates) and in the
+        fused schedule without the fused dispatch, the rest of the gate comes before the dispatch.
+        The fused schedule stacks before the routes (its dispatch needs the stacked first projection
+        when it is queued). The same operations on the same tensors, so the same bits. None where
+        this does not apply (the pipelined schedule, the reference backend, tensor parallelism,
+        arrival ordering, a gate other than DeepSpeed's dropless top-2/top-k): the general path
+        runs."""
         schedule = self.uniep_config.overlap.schedule
         if schedule not in ("sequential", "fused") or tp_context()[1] > 1:
             return None
@@ -503,18 +505,28 @@ class UniEPMoE(MoE):
         # The fused dispatch moves most rows inside the first expert GEMM, so little device work is
         # queued ahead of it: that GEMM is queued (once the row count is read) before the rest of the
         # gate, whose kernels then run after it. Issued first, the gate's host work left the device
-        # idle before the GEMM. The dispatch needs no gates then (they are staged at dispatch only for
-        # rank partials), and the same operations on the same tensors give the same bits either way.
-        gemm_first = fused_dispatch and not dispatcher.rank_partials
+        # idle before the GEMM. The sequential schedule's experts need no gates either (only its
+        # combine does), so there the dispatch and the experts come before the rest of the gate. The
+        # dispatch needs no gates then (they are staged at dispatch only for rank partials), and the
+        # same operations on the same tensors give the same bits in either order.
+        gemm_first = not dispatcher.rank_partials and (fused_dispatch or schedule == "sequential")
+        y = None
         if gemm_first:
+            if schedule == "sequential":
+                stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, None)
+            if schedule == "sequential":
+                y = self._local_experts(dispatcher, recv, local_counts, stacked, False)
         l_aux, gates, exp_counts = finish()
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         if not gemm_first:
             if schedule != "fused":
                 stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-        output = self._experts_and_combine(dispatcher, x, recv, local_counts, stacked, fused, gates, handle)
+        if y is not None:
+            output = dispatcher.combine(y, gates, handle)
+        else:
+            output = self._experts_and_combine(dispatcher, x, recv, local_counts, stacked, fused, gates, handle)
         return self._finish(output, hidden_states, None, 0, None, l_aux, exp_counts)
 
     def _experts_and_combine(self, dispatcher, x: Tensor, recv: Tensor, local_counts: Tensor, stacked, fused: bool,

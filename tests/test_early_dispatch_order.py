@@ -3,12 +3,14 @@
 Under the fused schedule the experts are stacked before the routes (the fused dispatch needs the
 stacked first projection when it is queued; stacked between the routes and the dispatch, that host
 work left the GPU idle there), and with the fused dispatch the first expert GEMM is queued inside
-``dispatch()``, so ``dispatch()`` must come before the rest of the gate (gates, auxiliary loss):
-issued after it, that host work left the GPU idle ahead of the GEMM. Everywhere else (sequential,
-fused without the fused dispatch, rank partials, whose dispatch stages the gates) the rest of the
-gate comes first and ``dispatch()`` gets the gates. The dispatcher here is a stand-in that records
-its calls (the real one needs NVLink peers); the gate is DeepSpeed's own, split by
-``ds_uniep.gating.route_split``. The GPU tests check that either order gives the same bits.
+``dispatch()``, so ``dispatch()`` comes before the rest of the gate (gates, auxiliary loss): issued
+after it, that host work left the GPU idle ahead of the GEMM. The sequential schedule's experts need
+no gates, so there ``dispatch()`` and the experts come before the rest of the gate and only the
+combine after it. With rank partials (whose dispatch stages the gates) and in the fused schedule
+without the fused dispatch, the rest of the gate comes first and ``dispatch()`` gets the gates. The
+dispatcher here is a stand-in that records its calls (the real one needs NVLink peers); the gate is
+DeepSpeed's own, split by ``ds_uniep.gating.route_split``. The GPU tests check that either order
+gives the same bits.
 """
 import torch
 
@@ -20,8 +22,8 @@ class _Recorder:
 
     ordering = "layout"
 
-    def __init__(self, calls, rank_partials):
-        self.calls, self.rank_partials = calls, rank_partials
+    def __init__(self, calls, seen, rank_partials):
+        self.calls, self.seen, self.rank_partials = calls, seen, rank_partials
 
     def dispatch_begin(self, x, expert_idx):
         self.calls.append("dispatch_begin")
@@ -30,6 +32,11 @@ class _Recorder:
     def dispatch(self, x, expert_idx, gates=None):
         self.calls.append("dispatch(gates)" if gates is not None else "dispatch()")
         return x, torch.zeros(1, dtype=torch.int64), "handle"
+
+    def combine(self, y, gates, handle):
+        self.calls.append("combine")
+        self.seen["gates"] = gates
+        return y
 
 
 def _orders(rank, world_size):
@@ -45,7 +52,9 @@ def _orders(rank, world_size):
                                 "dispatch(gates)", "experts"],
         ("fused", False, False): ["stack", "fuses", "routes", "dispatch_begin", "finish", "dispatch(gates)",
                                   "experts"],
-        ("sequential", True, False): ["routes", "dispatch_begin", "finish", "stack", "dispatch(gates)", "experts"],
+        ("sequential", True, False): ["routes", "dispatch_begin", "stack", "dispatch()", "local experts", "finish",
+                                      "combine"],
+        ("sequential", True, True): ["routes", "dispatch_begin", "finish", "stack", "dispatch(gates)", "experts"],
     }
     real_stack = layer_mod.stack_experts
     for (schedule, fused_dispatch, partials), want in cases.items():
@@ -70,7 +79,13 @@ def _orders(rank, world_size):
             seen["gates"] = gates
             return x * 2
 
-        layer._dispatcher = lambda x: _Recorder(calls, partials)
+        def local_experts(dispatcher, recv, local_counts, stacked, fused, last=None, into=None):
+            calls.append("local experts")
+            assert not fused
+            return recv * 2
+
+        layer._dispatcher = lambda x: _Recorder(calls, seen, partials)
+        layer._local_experts = local_experts
         layer._fuses = lambda dispatcher, grouped: calls.append("fuses") or schedule == "fused"
         layer._request_fused = lambda dispatcher, stacked: calls.append("request_fused")
         layer._experts_and_combine = experts
@@ -91,6 +106,6 @@ def _orders(rank, world_size):
         assert torch.equal(out, (x * 2)), where
 
 
-def test_the_fused_dispatch_comes_before_the_rest_of_the_gate_and_only_there():
+def test_the_dispatch_comes_before_the_rest_of_the_gate_unless_it_needs_the_gates():
     """The calls in order, per schedule; the gates, auxiliary loss and counts reach their users either way."""
     run_distributed(_orders, 1)

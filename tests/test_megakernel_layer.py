@@ -193,8 +193,8 @@ def test_rank_partials_combine(world_size):
 
 
 def _compare_route_order(rank, world_size):
-    # The sequential schedule queues its dispatch between the gate's routes and the rest of the
-    # gate (route_early, the default): the same bits as with the dispatch after the whole gate.
+    # The sequential schedule queues its dispatch and experts between the gate's routes and the rest
+    # of the gate (route_early, the default): the same bits as with the dispatch after the whole gate.
     for k in (1, 2, 6, 8):
         cases = [(T, one) for kk, T, one in CASES if kk == k]
         late = _make(rank, world_size, k, "megakernel", overlap={"schedule": "sequential"})
@@ -210,12 +210,12 @@ def _compare_route_order(rank, world_size):
             assert begun == (0 if k == 1 else len(cases)), f"rank {rank} k={k}: {begun} dispatches queued early"
 
 
-@WORLD_SIZES
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (1, 2, 4)])
 def test_early_dispatch_is_bitwise_the_late_one(world_size):
-    """Outputs, input and every parameter gradient with the dispatch queued before the rest of
-    the gate and the experts' stacking, against it queued after them; k 2-8, 1 to 4096 tokens (at
-    k 1 DeepSpeed's top-1 gate is called whole: both paths are one, the test checks that no
-    dispatch was queued early)."""
+    """Outputs, input and every parameter gradient with the dispatch and the experts queued before
+    the rest of the gate, against the dispatch queued after the whole gate; k 2-8, 1 to 4096 tokens
+    (at k 1 DeepSpeed's top-1 gate is called whole: both paths are one, the test checks that no
+    dispatch was queued early); also on one GPU, where the dispatch is this rank's alone."""
     run_distributed(_compare_route_order, world_size, backend="nccl")
 
 
