@@ -335,12 +335,13 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
 
 def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts: Tensor,
                 grouped: bool = True, gemm: str = "torch", stacked: Optional[StackedExperts] = None,
-                configs: Optional[Dict[str, str]] = None) -> Tensor:
+                configs: Optional[Dict[str, str]] = None, offs: Optional[Tensor] = None) -> Tensor:
     """Run local expert ``l`` over its rows of ``recv [R, M]``; returns ``[R, M]`` in the same order.
 
     Recognised bf16 MLP experts run as grouped GEMMs (when ``grouped``) on ``gemm`` (see
     :func:`run_grouped`; ``stacked``: their operands, stacked beforehand by :func:`stack_experts`;
-    ``configs``: ds_uniep's GEMM configurations there).
+    ``configs``: ds_uniep's GEMM configurations there; ``offs``: the ``[L]`` int32 row ends where the
+    caller has them).
     Otherwise every
     expert is called, also with zero rows, so its parameters always join the autograd
     graph (zero gradients rather than None, as with DeepSpeed's padded buffers). A
@@ -350,7 +351,7 @@ def run_experts(experts: Sequence[nn.Module], recv: Tensor, local_expert_counts:
         if stacked is None:
             stacked = stack_experts(experts, recv.dtype, recv.device)
         if stacked is not None:
-            return run_grouped(experts, recv, local_expert_counts, gemm, stacked=stacked, configs=configs)
+            return run_grouped(experts, recv, local_expert_counts, gemm, stacked=stacked, configs=configs, offs=offs)
     outs: List[Tensor] = []
     for expert, rows in zip(experts, recv.split(local_expert_counts.tolist())):
         out = expert(rows)

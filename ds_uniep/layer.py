@@ -512,11 +512,16 @@ class UniEPMoE(MoE):
         gemm_first = not dispatcher.rank_partials and (fused_dispatch or schedule == "sequential")
         y = None
         if gemm_first:
+            offs = None
             if schedule == "sequential":
                 stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
+                if stacked is not None:
+                    # The grouped GEMMs' row ends, queued before dispatch() waits for the row count
+                    # (where the host waits for the peers anyway), not after it.
+                    offs = torch.cumsum(dispatcher.pending_local_counts(), 0).to(torch.int32)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, None)
             if schedule == "sequential":
-                y = self._local_experts(dispatcher, recv, local_counts, stacked, False)
+                y = self._local_experts(dispatcher, recv, local_counts, stacked, False, offs=offs)
         l_aux, gates, exp_counts = finish()
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         if not gemm_first:
@@ -548,10 +553,11 @@ class UniEPMoE(MoE):
         return dispatcher.combine(y, gates, handle)
 
     def _local_experts(self, dispatcher, recv: Tensor, local_counts: Tensor, stacked, fused: bool,
-                       last=None, into=None) -> Tensor:
+                       last=None, into=None, offs: Optional[Tensor] = None) -> Tensor:
         """This rank's experts over the received rows: the fused schedule's grouped GEMMs (the first
         one's tiles waiting for their rows, ``take_fused_waits``; ``last``: runs the last projection,
-        ``into``: the first one's dgrad, see ``run_grouped``), else ``run_experts``."""
+        ``into``: the first one's dgrad, see ``run_grouped``), else ``run_experts`` (``offs``: the
+        grouped GEMMs' int32 row ends, the cumulative ``local_counts``, where the caller has them)."""
         experts = self.deepspeed_moe.experts.deepspeed_experts
         if fused:
             return run_grouped(experts, recv, local_counts, "uniep", stacked=stacked,
@@ -559,7 +565,7 @@ class UniEPMoE(MoE):
                                into=into)
         gemm = self._expert_gemm(recv.device)
         return run_experts(experts, recv, local_counts, grouped=stacked is not None, gemm=gemm, stacked=stacked,
-                           configs=self._gemm_configs() if gemm == "uniep" else None)
+                           configs=self._gemm_configs() if gemm == "uniep" else None, offs=offs)
 
     def _gemm_configs(self) -> Optional[Dict[str, str]]:
         """ds_uniep's GEMM configuration for every operation when the ``uniep.overlap`` block sets

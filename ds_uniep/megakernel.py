@@ -550,6 +550,14 @@ class NVLinkDispatcher:
         self.early_dispatches += 1
         return True
 
+    def pending_local_counts(self) -> Tensor:
+        """The ``[L]`` rows per local expert of the dispatch that :meth:`dispatch_begin` queued (a
+        device tensor the layout kernel fills; the one :meth:`dispatch` returns), so that work on
+        them can be queued before :meth:`dispatch` waits for the row count."""
+        if self._pending is None:
+            raise RuntimeError(f"{self.layer_name}: pending_local_counts() needs a dispatch_begin() before it")
+        return self._pending[2]["local_counts"]
+
     def _dispatch_launch(self, x: Tensor, expert_idx: Tensor, gates: Optional[Tensor], host_counts: bool) -> dict:
         """The dispatch's kernels, up to where the host needs the row count (see _dispatch_collect)."""
         self.check()

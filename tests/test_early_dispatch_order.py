@@ -6,7 +6,8 @@ work left the GPU idle there), and with the fused dispatch the first expert GEMM
 ``dispatch()``, so ``dispatch()`` comes before the rest of the gate (gates, auxiliary loss): issued
 after it, that host work left the GPU idle ahead of the GEMM. The sequential schedule's experts need
 no gates, so there ``dispatch()`` and the experts come before the rest of the gate and only the
-combine after it. With rank partials (whose dispatch stages the gates) and in the fused schedule
+combine after it; experts that run as grouped GEMMs get their row ends computed from the pending
+dispatch's counts before ``dispatch()`` waits for the row count. With rank partials (whose dispatch stages the gates) and in the fused schedule
 without the fused dispatch, the rest of the gate comes first and ``dispatch()`` gets the gates. The
 dispatcher here is a stand-in that records its calls (the real one needs NVLink peers); the gate is
 DeepSpeed's own, split by ``ds_uniep.gating.route_split``. The GPU tests check that either order
@@ -15,6 +16,8 @@ gives the same bits.
 import torch
 
 from dist_utils import run_distributed
+
+COUNTS = torch.tensor([3, 0, 5, 2])  # rows per local expert, as the layout would leave them
 
 
 class _Recorder:
@@ -29,6 +32,10 @@ class _Recorder:
         self.calls.append("dispatch_begin")
         return True
 
+    def pending_local_counts(self):
+        self.calls.append("pending counts")
+        return COUNTS
+
     def dispatch(self, x, expert_idx, gates=None):
         self.calls.append("dispatch(gates)" if gates is not None else "dispatch()")
         return x, torch.zeros(1, dtype=torch.int64), "handle"
@@ -42,25 +49,34 @@ class _Recorder:
 def _orders(rank, world_size):
     from ds_uniep import UniEPMoE, gating
     from ds_uniep import layer as layer_mod
+    from ds_uniep import SwiGLUExpert
     from moe_models import MLP
 
     real_split = gating.route_split
-    cases = {  # (schedule, fused_dispatch, rank partials) -> the calls expected
-        ("fused", True, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "dispatch()",
+    cases = {  # (schedule, fused_dispatch, rank partials, grouped bf16 experts) -> the calls expected
+        ("fused", True, False, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "dispatch()",
                                  "finish", "experts"],
-        ("fused", True, True): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "finish",
+        ("fused", True, True, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "finish",
                                 "dispatch(gates)", "experts"],
-        ("fused", False, False): ["stack", "fuses", "routes", "dispatch_begin", "finish", "dispatch(gates)",
+        ("fused", False, False, False): ["stack", "fuses", "routes", "dispatch_begin", "finish", "dispatch(gates)",
                                   "experts"],
-        ("sequential", True, False): ["routes", "dispatch_begin", "stack", "dispatch()", "local experts", "finish",
-                                      "combine"],
-        ("sequential", True, True): ["routes", "dispatch_begin", "finish", "stack", "dispatch(gates)", "experts"],
+        ("sequential", True, False, False): ["routes", "dispatch_begin", "stack", "dispatch()", "local experts",
+                                             "finish", "combine"],
+        # experts that run as grouped GEMMs: their row ends are queued before dispatch() waits for the row count
+        ("sequential", True, False, True): ["routes", "dispatch_begin", "stack", "pending counts", "dispatch()",
+                                            "local experts", "finish", "combine"],
+        ("sequential", True, True, False): ["routes", "dispatch_begin", "finish", "stack", "dispatch(gates)",
+                                            "experts"],
     }
     real_stack = layer_mod.stack_experts
-    for (schedule, fused_dispatch, partials), want in cases.items():
+    for (schedule, fused_dispatch, partials, grouped), want in cases.items():
         torch.manual_seed(0)
-        layer = UniEPMoE(16, MLP(16, 32), num_experts=4, ep_size=1, k=2, drop_tokens=False,
+        layer = UniEPMoE(16, SwiGLUExpert(16, 32) if grouped else MLP(16, 32), num_experts=4, ep_size=1, k=2,
+                         drop_tokens=False,
                          config={"overlap": {"schedule": schedule, "fused_dispatch": fused_dispatch}})
+        dtype = torch.bfloat16 if grouped else torch.float32
+        layer = layer.to(dtype)
+        layer.deepspeed_moe.gate.wg.float()
         calls = []
         seen = {}
 
@@ -79,9 +95,10 @@ def _orders(rank, world_size):
             seen["gates"] = gates
             return x * 2
 
-        def local_experts(dispatcher, recv, local_counts, stacked, fused, last=None, into=None):
+        def local_experts(dispatcher, recv, local_counts, stacked, fused, last=None, into=None, offs=None):
             calls.append("local experts")
-            assert not fused
+            assert not fused and (stacked is not None) == grouped
+            seen["offs"] = offs
             return recv * 2
 
         layer._dispatcher = lambda x: _Recorder(calls, seen, partials)
@@ -92,11 +109,11 @@ def _orders(rank, world_size):
         layer_mod.gating.route_split = split
         layer_mod.stack_experts = lambda *a, **kw: calls.append("stack") or real_stack(*a, **kw)
         try:
-            x = torch.randn(2, 5, 16)
+            x = torch.randn(2, 5, 16, dtype=dtype)
             out, l_aux, counts = layer(x)
         finally:
             layer_mod.gating.route_split, layer_mod.stack_experts = real_split, real_stack
-        where = f"{schedule}, fused_dispatch={fused_dispatch}, rank partials={partials}"
+        where = f"{schedule}, fused_dispatch={fused_dispatch}, rank partials={partials}, grouped={grouped}"
         assert calls == want, f"{where}: {calls}"
         # whatever the order, the combine gets the gate's own gates and the layer its auxiliary loss and counts
         l_aux_want, gates_want, counts_want = seen["finish"]
@@ -104,6 +121,10 @@ def _orders(rank, world_size):
         assert l_aux is l_aux_want and counts is counts_want, where
         assert layer.deepspeed_moe.l_aux is l_aux_want, where
         assert torch.equal(out, (x * 2)), where
+        if grouped:  # the row ends of the pending dispatch's counts, as run_grouped computes them
+            assert seen["offs"].dtype == torch.int32 and seen["offs"].tolist() == [3, 3, 8, 10], where
+        elif schedule == "sequential" and not partials:
+            assert seen["offs"] is None, where
 
 
 def test_the_dispatch_comes_before_the_rest_of_the_gate_unless_it_needs_the_gates():
