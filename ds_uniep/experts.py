@@ -9,6 +9,7 @@ local experts.
 """
 
 import warnings
+from collections.abc import Mapping
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -76,15 +77,51 @@ def _grouped_linear(x: Tensor, w: Tensor, bias: Optional[Tensor], offs: Tensor, 
     return y
 
 
+class _Stacks(Mapping):
+    """GEMM name -> its stacked operand, each built on first access (for parameters, with the autograd
+    node that hands them their gradients). Built where the GEMM reads it, that node comes right
+    before the GEMM in the graph's order, so the backward runs it (and the parameters' gradient
+    accumulation, one host step per parameter) as soon as that GEMM's weight gradient is queued,
+    while the device computes it, instead of after the rest of the layer's backward."""
+
+    def __init__(self, makers: Dict[str, Callable[[], Optional[Tensor]]]):
+        self._makers: Dict[str, Callable[[], Optional[Tensor]]] = makers
+        self._built: Dict[str, Optional[Tensor]] = {}
+
+    def __getitem__(self, name: str) -> Optional[Tensor]:
+        if name not in self._built:
+            self._built[name] = self._makers[name]()
+        return self._built[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self._makers
+
+    def __iter__(self):
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+    def detached(self, name: str) -> Optional[Tensor]:
+        """The operand's values without an autograd node (one built already is detached), for
+        kernels that only read it."""
+        if name in self._built:
+            t = self._built[name]
+            return None if t is None else t.detach()
+        with torch.no_grad():
+            return self._makers[name]()
+
+
 class StackedExperts:
     """A rank's recognised experts as grouped-GEMM operands: per GEMM the weights stacked
     ``[L, N, K]`` and the biases ``[L, N]`` (or None). SwiGLU's ``w1`` and ``w3`` form one GEMM,
     ``"w13"`` (``[L, 2F, M]``: ``w1[l]`` over ``w3[l]``; :func:`ds_uniep.swiglu.swiglu` then reads its
-    ``[R, 2F]`` output), then ``"w2"``. GeLU runs ``"fc1"``, ``"fc2"``.
-    Built by :func:`stack_experts`, differentiable, so the experts' own parameters get their gradients."""
+    ``[R, 2F]`` output), then ``"w2"``. GeLU runs ``"fc1"``, ``"fc2"``. ``groups``: L.
+    Built by :func:`stack_experts`, differentiable, so the experts' own parameters get their gradients;
+    ``weights`` and ``biases`` build each operand when it is first read (see :class:`_Stacks`)."""
 
-    def __init__(self, kind: type, weights: Dict[str, Tensor], biases: Dict[str, Optional[Tensor]]):
-        self.kind, self.weights, self.biases = kind, weights, biases
+    def __init__(self, kind: type, weights: Mapping, biases: Mapping, groups: int):
+        self.kind, self.weights, self.biases, self.groups = kind, weights, biases, groups
 
 
 # The grouped GEMMs of each recognised expert, in the order the forward runs them, and the
@@ -226,12 +263,15 @@ def _stack_with(plans: Dict, tensor) -> StackedExperts:
     group ``g``'s parameter."""
     kind, n = plans["kind"], plans["n"]
     weights, biases = {}, {}
+
+    def maker(gemm, projs, what):
+        plan = plans.get((gemm, what))
+        if plan is None:
+            return lambda: None
+        return lambda: _stacked([tensor((p, what), g) for g in range(n) for p in projs], plan)
     for gemm, projs in _GEMMS[kind]:
-        weights[gemm] = _stacked([tensor((p, "weight"), g) for g in range(n) for p in projs], plans[gemm, "weight"])
-        plan = plans.get((gemm, "bias"))
-        biases[gemm] = None if plan is None else _stacked([tensor((p, "bias"), g) for g in range(n) for p in projs],
-                                                          plan)
-    return StackedExperts(kind, weights, biases)
+        weights[gemm], biases[gemm] = maker(gemm, projs, "weight"), maker(gemm, projs, "bias")
+    return StackedExperts(kind, _Stacks(weights), _Stacks(biases), n)
 
 
 def pack_experts(experts: Sequence[nn.Module]) -> bool:
@@ -313,7 +353,7 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
         stacked = stack_experts(experts, recv.dtype, recv.device, params)
         if stacked is None:
             raise ValueError("these experts cannot run as grouped GEMMs (see stack_experts)")
-    groups = next(iter(stacked.weights.values())).shape[0]
+    groups = stacked.groups
     if groups != counts.numel():
         raise ValueError(f"{counts.numel()} row counts for {groups} expert groups")
     counts = counts.to(recv.device)

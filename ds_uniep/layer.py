@@ -585,7 +585,8 @@ class UniEPMoE(MoE):
         GeLU ones) over the rows as they arrive; the weight contiguous, as grouped_linear makes it (a
         copy only for the strided stacks of flattened experts)."""
         first = "w13" if "w13" in stacked.weights else "fc1"
-        dispatcher.request_fused(stacked.weights[first].contiguous(), self._gemm_configs())
+        # Read without an autograd node: the GEMM that computes with it makes that node when it runs.
+        dispatcher.request_fused(stacked.weights.detached(first).contiguous(), self._gemm_configs())
 
     def _finish(self, output: Tensor, hidden_states: Tensor, tp_sizes, tp_rank, tp_group, l_aux, exp_counts):
         """The combined tokens back in the input's shape (gathered over TP ranks), plus PR-MoE's residual."""

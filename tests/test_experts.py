@@ -133,3 +133,48 @@ def test_parameters_zero3_partitions_are_not_packed():
     assert not pack_experts(experts)
     assert [p.data_ptr() for e in experts for p in e.parameters()] == before
     assert pack_experts([SwiGLUExpert(16, 24) for _ in range(2)])
+
+
+@pytest.mark.parametrize("kind", [SwiGLUExpert, GeLUExpert])
+def test_parameters_get_their_gradients_right_after_their_gemm(kind):
+    """Stacked before the rows exist (as the layer stacks them), the experts' parameters still get
+    their gradients as soon as their GEMM's backward has run: the stacking's autograd node is made
+    where the GEMM reads the weights, so the backward reaches it before the work that made the rows
+    (here a multiplication after the stacking; in the layer the dispatch's backward and the gate's),
+    not after. Checked by the order in which gradients land, and the values against eager stacks."""
+    from ds_uniep.experts import pack_experts, run_grouped, stack_experts
+    torch.manual_seed(1)
+    M, F = 16, 32
+    experts = [kind(M, F).to(torch.bfloat16) for _ in range(3)]
+    assert pack_experts(experts)
+    counts = torch.tensor([4, 0, 7])
+    x0 = torch.randn(int(counts.sum()), M, dtype=torch.bfloat16, requires_grad=True)
+    landed = []
+    names = {p: f"expert {i} {n}" for i, e in enumerate(experts) for n, p in e.named_parameters()}
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: landed.append(names[p])) for p in names]
+    hooks.append(x0.register_post_accumulate_grad_hook(lambda t: landed.append("rows")))
+    try:
+        stacked = stack_experts(experts, torch.bfloat16, torch.device("cpu"))
+        rows = x0 * 2  # made after the stacking, as the layer's dispatch is
+        y = run_grouped(experts, rows, counts, stacked=stacked)
+        (y.float() * torch.linspace(-1, 1, M)).sum().backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(landed[:-1]) == sorted(names.values()) and landed[-1] == "rows", landed
+    # the last projection's parameters first (its GEMM's backward runs first), then the first one's
+    last = {"w2"} if kind is SwiGLUExpert else {"fc2"}
+    order = [n.split()[-1].split(".")[0] in last for n in landed[:-1]]
+    assert order == sorted(order, reverse=True), landed
+    got = [x0.grad.clone()] + [p.grad.clone() for p in names]
+    # the same values as with every stack built (and its node made) before the rows
+    x0.grad = None
+    for p in names:
+        p.grad = None
+    stacked = stack_experts(experts, torch.bfloat16, torch.device("cpu"))
+    eager = {g: stacked.weights[g] for g in stacked.weights}
+    assert all(stacked.weights[g] is eager[g] for g in eager)
+    y = run_grouped(experts, x0 * 2, counts, stacked=stacked)
+    (y.float() * torch.linspace(-1, 1, M)).sum().backward()
+    for a, b in zip(got, [x0.grad] + [p.grad for p in names]):
+        assert torch.equal(a, b)
