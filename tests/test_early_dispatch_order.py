@@ -7,11 +7,11 @@ work left the GPU idle there), and with the fused dispatch the first expert GEMM
 after it, that host work left the GPU idle ahead of the GEMM. The sequential schedule's experts need
 no gates, so there ``dispatch()`` and the experts come before the rest of the gate and only the
 combine after it; experts that run as grouped GEMMs get their row ends computed from the pending
-dispatch's counts before ``dispatch()`` waits for the row count. With rank partials (whose dispatch stages the gates) and in the fused schedule
-without the fused dispatch, the rest of the gate comes first and ``dispatch()`` gets the gates. The
-dispatcher here is a stand-in that records its calls (the real one needs NVLink peers); the gate is
-DeepSpeed's own, split by ``ds_uniep.gating.route_split``. The GPU tests check that either order
-gives the same bits.
+dispatch's counts before ``dispatch()`` waits for the row count. With rank partials (whose dispatch
+stages the gates) and in the fused schedule without the fused dispatch, the rest of the gate comes
+first and ``dispatch()`` gets the gates. The dispatcher here is a stand-in that records its calls
+(the real one needs NVLink peers); the gate is DeepSpeed's own, split by
+``ds_uniep.gating.route_split``. The GPU tests check that either order gives the same bits.
 """
 import torch
 
@@ -47,19 +47,18 @@ class _Recorder:
 
 
 def _orders(rank, world_size):
-    from ds_uniep import UniEPMoE, gating
+    from ds_uniep import SwiGLUExpert, UniEPMoE, gating
     from ds_uniep import layer as layer_mod
-    from ds_uniep import SwiGLUExpert
     from moe_models import MLP
 
     real_split = gating.route_split
     cases = {  # (schedule, fused_dispatch, rank partials, grouped bf16 experts) -> the calls expected
-        ("fused", True, False, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "dispatch()",
-                                 "finish", "experts"],
+        ("fused", True, False, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin",
+                                        "dispatch()", "finish", "experts"],
         ("fused", True, True, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "finish",
-                                "dispatch(gates)", "experts"],
-        ("fused", False, False, False): ["stack", "fuses", "routes", "dispatch_begin", "finish", "dispatch(gates)",
-                                  "experts"],
+                                       "dispatch(gates)", "experts"],
+        ("fused", False, False, False): ["stack", "fuses", "routes", "dispatch_begin", "finish",
+                                         "dispatch(gates)", "experts"],
         ("sequential", True, False, False): ["routes", "dispatch_begin", "stack", "dispatch()", "local experts",
                                              "finish", "combine"],
         # experts that run as grouped GEMMs: their row ends are queued before dispatch() waits for the row count
