@@ -84,8 +84,9 @@ class _Stacks(Mapping):
     accumulation, one host step per parameter) as soon as that GEMM's weight gradient is queued,
     while the device computes it, instead of after the rest of the layer's backward."""
 
-    def __init__(self, makers: Dict[str, Callable[[], Optional[Tensor]]]):
+    def __init__(self, makers: Dict[str, Callable[[], Optional[Tensor]]], copies: Sequence[str] = ()):
         self._makers: Dict[str, Callable[[], Optional[Tensor]]] = makers
+        self._copies = set(copies)  # operands built as a copy (their parameters do not lie as one view)
         self._built: Dict[str, Optional[Tensor]] = {}
 
     def __getitem__(self, name: str) -> Optional[Tensor]:
@@ -103,10 +104,11 @@ class _Stacks(Mapping):
         return len(self._makers)
 
     def detached(self, name: str) -> Optional[Tensor]:
-        """The operand's values without an autograd node (one built already is detached), for
-        kernels that only read it."""
-        if name in self._built:
-            t = self._built[name]
+        """The operand's values without an autograd node, for kernels that only read it: a view
+        made without the node, which the GEMM makes later; an operand that is a copy is built now,
+        node and all, and detached, so that it is copied once."""
+        if name in self._built or name in self._copies:
+            t = self[name]
             return None if t is None else t.detach()
         with torch.no_grad():
             return self._makers[name]()
@@ -262,16 +264,20 @@ def _stack_with(plans: Dict, tensor) -> StackedExperts:
     """The stacked operands by ``plans`` (see :func:`stack_experts`); ``tensor((proj, what), g)``:
     group ``g``'s parameter."""
     kind, n = plans["kind"], plans["n"]
-    weights, biases = {}, {}
+    makers = {"weight": {}, "bias": {}}
+    copies = {"weight": [], "bias": []}
 
     def maker(gemm, projs, what):
         plan = plans.get((gemm, what))
         if plan is None:
             return lambda: None
+        if plan[1] is None:  # no stride: _stacked copies
+            copies[what].append(gemm)
         return lambda: _stacked([tensor((p, what), g) for g in range(n) for p in projs], plan)
     for gemm, projs in _GEMMS[kind]:
-        weights[gemm], biases[gemm] = maker(gemm, projs, "weight"), maker(gemm, projs, "bias")
-    return StackedExperts(kind, _Stacks(weights), _Stacks(biases), n)
+        for what in makers:
+            makers[what][gemm] = maker(gemm, projs, what)
+    return StackedExperts(kind, *(_Stacks(makers[what], copies[what]) for what in ("weight", "bias")), n)
 
 
 def pack_experts(experts: Sequence[nn.Module]) -> bool:

@@ -585,8 +585,8 @@ class UniEPMoE(MoE):
         GeLU ones) over the rows as they arrive; the weight contiguous, as grouped_linear makes it (a
         copy only for the strided stacks of flattened experts)."""
         first = "w13" if "w13" in stacked.weights else "fc1"
-        # Read without an autograd node: the GEMM that computes with it makes that node when it runs
-        # (where the parameters do not lie as one view, each of the two stacks is then a copy).
+        # Read without an autograd node where it is a view: the GEMM that computes with it makes that
+        # node when it runs.
         dispatcher.request_fused(stacked.weights.detached(first).contiguous(), self._gemm_configs())
 
     def _finish(self, output: Tensor, hidden_states: Tensor, tp_sizes, tp_rank, tp_group, l_aux, exp_counts):

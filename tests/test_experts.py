@@ -178,3 +178,23 @@ def test_parameters_get_their_gradients_right_after_their_gemm(kind):
     (y.float() * torch.linspace(-1, 1, M)).sum().backward()
     for a, b in zip(got, [x0.grad] + [p.grad for p in names]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", [SwiGLUExpert, GeLUExpert])
+def test_a_detached_operand_is_a_view_without_a_node_or_the_one_copy(kind):
+    """``weights.detached``: where the parameters lie as one view, that view without an autograd node
+    (the GEMM makes the node later); where the stack is a copy, that copy is made once, node and all,
+    and the GEMM reads the same one. Values equal to the stacked weight's either way."""
+    from ds_uniep.experts import stack_experts
+    first = "w13" if kind is SwiGLUExpert else "fc1"
+    for layout, experts in expert_layouts(kind, 16, 24, 3).items():
+        st = stack_experts(experts, torch.bfloat16, torch.device("cpu"))
+        d = st.weights.detached(first)
+        assert d.grad_fn is None and not d.requires_grad, layout
+        w = st.weights[first]
+        assert w.grad_fn is not None and torch.equal(d, w), layout
+        copied = layout == "separate"
+        assert d.untyped_storage().data_ptr() == w.untyped_storage().data_ptr(), f"{layout}: two copies"
+        proj = getattr(experts[0], "w1" if kind is SwiGLUExpert else "fc1")
+        shares = d.untyped_storage().data_ptr() == proj.weight.untyped_storage().data_ptr()
+        assert shares != copied, f"{layout}: the detached operand shares the parameters' storage: {shares}"
