@@ -330,6 +330,11 @@ GEMMS = ("torch", "uniep")
 (:mod:`ds_uniep.gemm`, Hopper GPUs)."""
 
 
+def row_ends(counts: Tensor) -> Tensor:
+    """The grouped GEMMs' ``offs``: the int32 end row of each group, from its row ``counts``."""
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
 def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm: str = "torch",
                 params: Optional[Sequence[Dict[str, Tensor]]] = None,
                 stacked: Optional[StackedExperts] = None, offs: Optional[Tensor] = None,
@@ -364,7 +369,7 @@ def run_grouped(experts: Sequence[nn.Module], recv: Tensor, counts: Tensor, gemm
         raise ValueError(f"{counts.numel()} row counts for {groups} expert groups")
     counts = counts.to(recv.device)
     if offs is None:
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        offs = row_ends(counts)
 
     def linear(x, proj, w=None, into=None):
         return _grouped_linear(x, stacked.weights[proj], stacked.biases[proj], offs, counts, gemm, sm_count, w,

@@ -29,7 +29,7 @@ from . import backend as backend_mod
 from . import gating
 from .config import UniEPConfig
 from .env import logger
-from .experts import pack_experts, run_experts, run_grouped, stack_experts
+from .experts import pack_experts, row_ends, run_experts, run_grouped, stack_experts
 from .pipelined import pipeline_partition, run_pipelined
 from .reference import ReferenceDispatcher
 from .tensor_parallel import even_sizes, run_tp_sharded_experts, tp_context, tp_gather, tp_slice
@@ -510,25 +510,23 @@ class UniEPMoE(MoE):
         # dispatch needs no gates then (they are staged at dispatch only for rank partials), and the
         # same operations on the same tensors give the same bits in either order.
         gemm_first = not dispatcher.rank_partials and (fused_dispatch or schedule == "sequential")
-        y = None
+        experts_first = gemm_first and schedule == "sequential"
+        if experts_first:
+            stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
+            # The grouped GEMMs' row ends, queued before dispatch() waits for the row count (where
+            # the host waits for the peers anyway), not after it.
+            offs = row_ends(dispatcher.pending_local_counts()) if stacked is not None else None
         if gemm_first:
-            offs = None
-            if schedule == "sequential":
-                stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
-                if stacked is not None:
-                    # The grouped GEMMs' row ends, queued before dispatch() waits for the row count
-                    # (where the host waits for the peers anyway), not after it.
-                    offs = torch.cumsum(dispatcher.pending_local_counts(), 0).to(torch.int32)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, None)
-            if schedule == "sequential":
-                y = self._local_experts(dispatcher, recv, local_counts, stacked, False, offs=offs)
+        if experts_first:
+            y = self._local_experts(dispatcher, recv, local_counts, stacked, False, offs=offs)
         l_aux, gates, exp_counts = finish()
         moe.l_aux, moe.exp_counts = l_aux, exp_counts
         if not gemm_first:
             if schedule != "fused":
                 stacked = stack_experts(experts, x.dtype, x.device, cache=self._stack_cache)
             recv, local_counts, handle = dispatcher.dispatch(x, expert_idx, gates)
-        if y is not None:
+        if experts_first:
             output = dispatcher.combine(y, gates, handle)
         else:
             output = self._experts_and_combine(dispatcher, x, recv, local_counts, stacked, fused, gates, handle)
