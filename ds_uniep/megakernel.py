@@ -678,10 +678,11 @@ class NVLinkDispatcher:
         recv = self.direct.rows[:rows] if in_place else x.new_empty(rows, self.hidden_size)
         if fused:
             recv_pair = st["pairs_all"][:rows]
-            if "job" in st and rows == 0:
-                # Interleaved roles, but no rows here to compute beside: the rest of the dispatch
-                # (the take rounds, and the sends when the GEMM was to make them) runs alone, on
-                # every SM.
+            if "job" in st and (rows == 0 or x.shape[0] == 0):
+                # Interleaved roles, but no rows here to compute beside, or no tokens of this rank to
+                # send (the GEMM's spare warps would run a job without source rows): the rest of the
+                # dispatch (the take rounds, and the sends when the GEMM was to make them) runs alone,
+                # on every SM, and the GEMM then finds every arrival word raised.
                 jx, jidx, jrow, jblocks, direct, sent = st["job"]
                 self.ext.dispatch_fused(jx, jidx, jrow, self.num_experts, self.bufs.descriptor, direct, e_disp,
                                         self.num_blocks, self.fused_dedup, jblocks, self.direct.rows,
