@@ -208,7 +208,7 @@ def _weight(rnd, K, N, a):
 def _floors(op, a, G, group, device, dtype, rnd):
     """``{name: (fn, setup)}``: the copy-engine transport's floors (see the module doc)."""
     from ds_uniep.commfuse.copy_engine import _workspace
-    from ds_uniep.commfuse.ops import ordered_sum, side_stream
+    from ds_uniep.commfuse.common import ordered_sum, side_stream
     H, F, T = a.hidden, a.ffn // G, a.tokens
     rank = dist.get_rank(group)
     # All-gather moves x's row blocks [T/G, H], reduce-scatter partials of the same shape.
@@ -242,7 +242,7 @@ def _floors(op, a, G, group, device, dtype, rnd):
     floors = {"gemm_blocks": (gemms_over([(b * block_rows, block_rows) for b in range(G)]), inputs),
               "gemm_beside_copies": (beside, inputs)}
     if op == "all_gather_matmul":
-        from ds_uniep.commfuse.ops import _remote_runs
+        from ds_uniep.commfuse.common import _remote_runs
         runs = [(rank * block_rows, block_rows)] + [(r0, n) for r0, n, _ in _remote_runs([block_rows] * G, rank)]
         floors["gemm_local_first"] = (gemms_over(runs), inputs)
     else:

@@ -1,10 +1,11 @@
 """The megakernel layer timed under settings of its NVLink dispatcher, in one run, taking turns.
 
     torchrun --nproc_per_node 4 benchmarks/bench_dispatcher_settings.py --shapes dsv2lite-like dsv3-like \\
-        --setting own_dedup:own_rows_whole=False --setting chunks32:combine_chunks=32,combine_min_chunk_tokens=1
+        --setting no_dedup:dedup=False --setting chunks32:combine_chunks=32,combine_min_chunk_tokens=1
 
-Every setting changes attributes of the layer's ``NVLinkDispatcher`` (the ones in SETTABLE) and
-must leave the layer's forward output bitwise as it is with the defaults: the script exits
+Every setting changes the layer's ``NVLinkDispatcher``: its knobs in KNOBS (through ``set_knobs``)
+and its attributes in HOOKS (read at each call); each must leave the layer's forward output
+bitwise as it is with the defaults: the script exits
 non-zero after its table when one does not. Per shape (the stock layer's experts, as in
 ``bench_moe_layer.py``), forward and forward+backward are timed streamed: ``--steps`` steps back
 to back (zero_grad and the next input inside each step) between two CUDA events, ms per step,
@@ -13,15 +14,18 @@ rounds is reported, with each setting's time over the default's.
 """
 import argparse
 import ast
+import dataclasses
 import json
 import os
 import statistics
 import sys
 
-# What a setting may change (attributes NVLinkDispatcher reads at each call).
-SETTABLE = ("own_rows_whole", "combine_chunks", "combine_min_chunk_tokens", "combine_push_lead",
-            "combine_push_blocks", "combine_reduce_blocks", "combine_push_queue", "combine_queue_gpu_fence",
-            "pull_blocks")
+# What a setting may change: knobs of the dispatcher (ds_uniep.knobs.Knobs, given to set_knobs), and
+# attributes NVLinkDispatcher reads at each call.
+KNOBS = ("combine_chunks", "combine_queue")
+HOOKS = ("combine_min_chunk_tokens", "combine_push_blocks", "combine_reduce_blocks", "combine_queue_gpu_fence",
+         "dedup", "gate_grad_on_experts")
+SETTABLE = KNOBS + HOOKS
 
 
 def parse_setting(text):
@@ -65,9 +69,9 @@ def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_moe_layer.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # ds_uniep from a checkout
     import bench_moe_layer as B
-    import ds_uniep.megakernel as MK
     from ds_uniep.backend import megakernel_status
     from ds_uniep.hybrid.presets import PRESETS
+    from ds_uniep.megakernel.autograd import _REGISTRY
 
     deepspeed.init_distributed(dist_backend="nccl")
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -96,15 +100,18 @@ def main():
             return out
 
         step(0, False)  # builds the layer's dispatcher
-        dispatchers = [d for d in MK._REGISTRY.values() if d.layer_name == layer.layer_name]
+        dispatchers = [d for d in _REGISTRY.values() if d.layer_name == layer.layer_name]
         if not dispatchers:
             raise SystemExit(f"{shape_name}: the layer built no NVLink dispatcher (backend "
                              f"{layer.backend_name(xs[0].device)})")
-        defaults = {attr: getattr(dispatchers[0], attr) for attr in SETTABLE}
+        default_knobs = dispatchers[0].knobs
+        defaults = {attr: getattr(dispatchers[0], attr) for attr in HOOKS}
 
         def apply(name):
+            knobs = {attr: v for attr, v in settings[name].items() if attr in KNOBS}
             for d in dispatchers:
-                for attr in SETTABLE:
+                d.set_knobs(dataclasses.replace(default_knobs, **knobs))
+                for attr in HOOKS:
                     setattr(d, attr, settings[name].get(attr, defaults[attr]))
 
         times, outs = {}, {}

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 4 benchmarks/bench_gemm_in_layer.py --out bench_out/gemm_in_layer
 
-Per shape of docs/benchmarks.md (built as ``bench_moe_layer.py`` builds them), in one run:
+Per shape of docs/performance.md (built as ``bench_moe_layer.py`` builds them), in one run:
 
 1. the layer forward and forward+backward on ``torch._grouped_mm`` (``megakernel-torch-gemm``), on
    ds_uniep's GEMM with its default configurations (``ds_uniep.gemm.DEFAULT_CONFIGS``), with the

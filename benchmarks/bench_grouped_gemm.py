@@ -1,4 +1,4 @@
-"""ds_uniep's grouped GEMM against ``torch._grouped_mm`` at the expert shapes of docs/benchmarks.md.
+"""ds_uniep's grouped GEMM against ``torch._grouped_mm`` at the expert shapes of docs/performance.md.
 
     python benchmarks/bench_grouped_gemm.py --out bench_out/gemm            # one GPU
     python benchmarks/bench_grouped_gemm.py --shapes dsv2lite-like --ep 4
@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from timing import bench  # noqa: E402
 
-SHAPES = {  # name: (M hidden, F expert FFN, E experts, k, T tokens per rank), as in docs/benchmarks.md
+SHAPES = {  # name: (M hidden, F expert FFN, E experts, k, T tokens per rank), as in docs/performance.md
     "mixtral-like": (4096, 14336, 8, 2, 8192),
     "dsv2lite-like": (2048, 1408, 64, 6, 8192),
     "dsv3-like": (7168, 2048, 32, 8, 4096),

@@ -43,9 +43,6 @@ Baselines and bounds are measured in the same run:
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
   queueing the dispatch early gains, the same bits;
-- megakernel-arrival: megakernel-torch-gemm with ``"deterministic": false``: rows claimed and summed in
-  arrival order with atomics, the same kernels otherwise. Its time against megakernel-torch-gemm's is the
-  cost of determinism; both are timed again alternately (``--determinism-rounds``, medians) for that ratio;
 - autoep: DeepSpeed's own AutoEP layer (``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer``: router,
   sort, NCCL ``all_to_all_single`` both ways, ``torch._grouped_mm`` experts) built from the same gate and
   experts (see ``build_autoep``; where it cannot be built or run, the row says why);
@@ -85,7 +82,6 @@ shape (JSON key ``"autotune"``)::
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 import time
@@ -93,11 +89,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_rows import (AUTOEP_NOTE, build_autoep, fixed_plan_order, fixed_plans, print_autotune,  # noqa: E402,F401
+                        summarize_autotune)
 from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
             "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
-            "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-arrival", "megakernel-late-route",
+            "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-late-route",
             "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
@@ -125,24 +123,10 @@ MEGAKERNEL_CONFIGS = {
     # travel back (one row per token and rank; one more rounding, not the slot-order bits)
     "megakernel-rank-partials": {"backend": "megakernel", "expert_gemm": "uniep",
                                  "compression": {"combine": "rank_partials"}},
-    "megakernel-arrival": {"backend": "megakernel", "expert_gemm": "torch", "deterministic": False},
     # megakernel-torch-gemm with its dispatch queued after the whole gate and the experts' stacking
     # (UniEPMoE.route_early = False), as before the dispatch was queued between them
     "megakernel-late-route": {"backend": "megakernel", "expert_gemm": "torch"},
 }
-
-AUTOEP_NOTE = (
-    "AutoEPMoELayer (DeepSpeed's AutoEP) built standalone from a Mixtral-style block (gate + ModuleList of "
-    "w1/w2/w3 experts, spec from AutoEP's 'mixtral' preset: softmax scores, weights applied after the experts) "
-    "with the stock layer's gate weight and this rank's experts; AutoEPConfig defaults otherwise "
-    "(comm_backend 'comm': NCCL all_to_all_single for dispatch and combine, split sizes from one count "
-    "all-to-all and a host sync; use_grouped_mm: torch._grouped_mm, or DeepSpeed's Triton grouped GEMM where "
-    "its accelerator prefers it (below sm90); async_split_plan off; load_balance_coeff None). Routing as "
-    "stock: fp32 gate logits (its router's gate is kept fp32 and fed fp32 input; in a bf16 model AutoEP "
-    "would compute them in bf16), fp32 softmax, top-k, weights renormalised over the k (route_norm on for "
-    "k > 1, off for k = 1, as stock's top-1 gate does not renormalise; AutoEP adds 1e-20 to the sum where "
-    "stock clamps it at eps). Differences: no auxiliary loss (the row's backward has no l_aux term; stock's "
-    "and ds_uniep's add one), expert-output weighting and top-k sum in fp32 then one rounding to bf16.")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -154,9 +138,6 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--determinism-rounds", type=int, default=3,
-                   help="alternating timings of megakernel-torch-gemm and megakernel-arrival for the cost of "
-                   "determinism (medians; default 3)")
     p.add_argument("--pipeline-chunks", type=int, default=4,
                    help="num_chunks of megakernel-pipelined and megakernel-pipelined-sm (default 4)")
     p.add_argument("--pipeline-comm-sms", type=int, default=None,
@@ -226,100 +207,6 @@ def slowest(ms, dist):
     t = torch.tensor([ms], device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
-
-class _MixtralStyleBlock(torch.nn.Module):
-    """What AutoEP's spec below reads: ``gate`` (nn.Linear [E, M]) and ``experts`` (one module per global expert
-    with ``w1``/``w3`` [F, M] and ``w2`` [M, F] nn.Linear, as legacy Hugging Face Mixtral)."""
-
-    def __init__(self, gate, experts):
-        super().__init__()
-        self.gate = gate
-        self.experts = experts
-
-
-def _meta_swiglu(M, F):
-    """A SwiGLU expert's ``w1``/``w3``/``w2`` with no storage (shapes only)."""
-    expert = torch.nn.Module()
-    with torch.device("meta"):
-        expert.w1 = torch.nn.Linear(M, F, bias=False)
-        expert.w3 = torch.nn.Linear(M, F, bias=False)
-        expert.w2 = torch.nn.Linear(F, M, bias=False)
-    return expert
-
-
-class AutoEPRow(torch.nn.Module):
-    """AutoEP's layer behind the benchmark's calling convention: ``[T, M] -> (out [T, M], None, None)``
-    (AutoEP takes ``[B, S, M]`` and has no auxiliary loss)."""
-
-    def __init__(self, layer):
-        super().__init__()
-        self.autoep = layer
-
-    def forward(self, x):
-        return self.autoep(x.unsqueeze(0)).squeeze(0), None, None
-
-
-def build_autoep(proto, ep, device, dtype, use_grouped_mm=True):
-    """DeepSpeed's ``AutoEPMoELayer`` with ``proto``'s gate weight and experts (``proto``: a stock
-    ``deepspeed.moe.layer.MoE`` with SwiGLU experts ``w1``/``w3``/``w2``, this rank's experts local).
-
-    The experts are ``dtype`` on ``device``, the gate stays fp32 and sees fp32 input (as DeepSpeed's TopKGate
-    computes it). Every rank must call this (it binds DeepSpeed's ``ep_size_{ep}`` group, the one the stock
-    layer uses). Raises if this DeepSpeed has no AutoEP or the layer cannot be built here."""
-    from deepspeed.module_inject.auto_ep_config import AutoEPConfig, MoELayerSpec
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
-    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
-
-    moe = proto.deepspeed_moe
-    wg = moe.gate.wg.weight  # [E, M]
-    E, M = wg.shape
-    k = moe.gate.k
-    local = list(moe.experts.deepspeed_experts)
-    L = len(local)
-    if E != L * ep:
-        raise ValueError(f"build_autoep: {E} experts is not {L} local experts x ep {ep}")
-    if not all(isinstance(getattr(x, w, None), torch.nn.Linear) and getattr(x, w).bias is None
-               for x in local for w in ("w1", "w2", "w3")):
-        raise TypeError("build_autoep: the experts must be SwiGLU experts with bias-free nn.Linear w1, w3 [F, M], "
-                        "w2 [M, F]")
-    F = local[0].w1.weight.shape[0]
-    # DeepSpeed's expert groups are runs of ep consecutive ranks; AutoEP owns experts [r*L, (r+1)*L) on ep
-    # rank r, as stock DeepSpeed does.
-    ep_rank = torch.distributed.get_rank() % ep
-    preset = PRESET_MODELS["mixtral"]
-    spec = MoELayerSpec(
-        moe_module_name="bench_moe_layer", model_family="mixtral", router_name=preset.router_pattern,
-        experts_name=preset.experts_pattern, expert_storage="module_list", expert_w1_name="w1", expert_w2_name="w2",
-        expert_w3_name="w3", num_experts=E, top_k=k, hidden_size=M, ffn_hidden_size=F, score_func=preset.score_func,
-        score_apply=preset.score_apply, route_norm=preset.route_norm, gate_bias=False, return_router_logits=False,
-        router_logits_capture_target="none", router_logits_capture_index=None, router_logits_capture_layer_name=None,
-        has_shared_experts=False, shared_experts_name="", expert_activation="swiglu")
-    if spec.score_func != "softmax" or spec.score_apply != "post":
-        raise RuntimeError(f"AutoEP's mixtral preset changed (score_func {spec.score_func!r}, score_apply "
-                           f"{spec.score_apply!r}): its routing would no longer match stock DeepSpeed's")
-    config = AutoEPConfig(enabled=True, autoep_size=ep, preset_model="mixtral", use_grouped_mm=use_grouped_mm,
-                          route_norm=k > 1, load_balance_coeff=None, comm_backend="comm")
-    gate = torch.nn.Linear(M, E, bias=False, device=device, dtype=torch.float32)
-    experts = torch.nn.ModuleList()
-    with torch.no_grad():
-        gate.weight.copy_(wg)
-        for e in range(E):
-            r, j = divmod(e, L)
-            if r == ep_rank:
-                experts.append(copy.deepcopy(local[j]).to(device=device, dtype=dtype))
-            else:  # another rank's expert: AutoEP reads only this rank's, so it takes no memory
-                experts.append(_meta_swiglu(M, F))
-    layer = AutoEPMoELayer(spec, _MixtralStyleBlock(gate, experts), ep_size=ep, ep_rank=ep_rank, config=config)
-    layer.set_deepspeed_parallelism()
-    got = torch.distributed.get_rank(group=layer.ep_group)
-    if got != ep_rank:
-        raise RuntimeError(f"AutoEP's ep group puts this rank at {got}, not {ep_rank}: its experts would differ")
-    if layer.router.gate.weight.dtype != torch.float32:
-        raise RuntimeError(f"AutoEP's router gate came out {layer.router.gate.weight.dtype}, not fp32")
-    if dtype != torch.float32:
-        layer.router.gate.register_forward_pre_hook(lambda _, args: (args[0].float(), ))
-    return AutoEPRow(layer)
 
 
 def build_layers(shape, E, ep, backends, status, why_not=None):
@@ -519,30 +406,6 @@ def experts_alone(layer, x, mode, args, dist):
     return slowest(r["median_ms"], dist)
 
 
-def fixed_plans(space):
-    """Every single fixed plan a user can set without tuning: the config default and every plan of the
-    megakernel's space (each knob it acts on: schedule, chunks, SMs, the combine's chunks and queue, ...),
-    named by their labels. The config default leaves num_comm_sms unset, which runs the copy kernels on
-    every SM: its plan says so (it is also timed under its own label, a measure of the noise)."""
-    from ds_uniep.config import UniEPConfig
-    default = space.layer_default(UniEPConfig())
-    plans = {f"config default ({default.label()})": default}
-    for plan in space.enumerate():
-        plans[plan.label()] = plan
-    return plans
-
-
-def fixed_plan_order(plans, records):
-    """The names of ``plans`` (:func:`fixed_plans`) in the order to time them: the config default first,
-    then the plans the tuner's search timed, fastest first by its time (confirmed where confirmed,
-    else its median; a pruned plan's probe median), then the others in their order in ``plans``."""
-    ms = {r.plan: r.ms for r in records if r.status in ("measured", "pruned") and r.ms is not None}
-    names = list(plans)
-    default, rest = names[0], names[1:]
-    timed = sorted((n for n in rest if plans[n] in ms), key=lambda n: ms[plans[n]])  # stable: ties keep order
-    return [default] + timed + [n for n in rest if plans[n] not in ms]
-
-
 def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
     """Tune the megakernel layer through its own autotune path, then time it and every fixed plan."""
     from ds_uniep.config import AutotuneConfig
@@ -594,56 +457,6 @@ def autotune_shape(name, shape, E, ep, T, inputs, layers, status, args, dist):
             if args.streamed_steps > 0:
                 row["modes"][mode]["fixed_streamed_ms"][pname] = time_layer_streamed(layer, inputs, mode, args, dist)
     return row
-
-
-def summarize_autotune(auto, modes):
-    """Per mode and timing (launched: ``*_ms``; streamed, with ``--streamed-steps``: ``*_streamed_ms``),
-    the single fixed plan with the smallest geometric mean time over the shapes, and per shape the
-    tuned time against it (speedup = best single fixed ms / tuned ms; >= 1 means tuning paid), and
-    against the config default's."""
-    rows = [r for r in auto["rows"] if "modes" in r]
-    auto["best_single_fixed"] = {}
-    for mode in modes:
-        for t in ("", "_streamed"):
-            if not rows or any(f"fixed{t}_ms" not in r["modes"][mode] for r in rows):
-                continue
-            fixed = [r["modes"][mode][f"fixed{t}_ms"] for r in rows]
-            names = sorted(set.intersection(*(set(f) for f in fixed)))
-            geo = {n: math.exp(sum(math.log(f[n]) for f in fixed) / len(rows)) for n in names}
-            best = min(names, key=lambda n: geo[n])
-            auto["best_single_fixed"][mode + t] = {"plan": best, "geomean_ms": geo}
-            for r, f in zip(rows, fixed):
-                m, tuned = r["modes"][mode], r["modes"][mode][f"tuned{t}_ms"]
-                default = next(n for n in f if n.startswith("config default"))
-                m.update({f"best_single_fixed{t}": best, f"best_single_fixed{t}_ms": f[best],
-                          f"speedup{t}_vs_best_single_fixed": f[best] / tuned,
-                          f"fastest_fixed{t}_here": min(f, key=f.get), f"config_default{t}_ms": f[default],
-                          f"speedup{t}_vs_config_default": f[default] / tuned})
-
-
-def print_autotune(auto):
-    print(f"\nautotune (megakernel, tuned on fwd+bwd, budget {auto['budget_s']:g} s per shape); speedup = best "
-          "single fixed plan ms / tuned ms")
-    head = ["shape", "mode", "tuned plan", "tuned", "best single fixed", "its ms", "speedup", "config default ms",
-            "vs default", "fastest fixed here", "tuning s"]
-    print(" | ".join(head))
-    for r in auto["rows"]:
-        if "modes" not in r:
-            print(f"{r['shape']} | {r['skipped']}")
-            continue
-        for mode, m in r["modes"].items():
-            for t in ("", "_streamed"):
-                if f"speedup{t}_vs_config_default" not in m:
-                    continue
-                here = m[f"fastest_fixed{t}_here"]
-                print(" | ".join([r["shape"], mode + (" streamed" if t else ""),
-                                  r["tuned_label"] + (" (cache)" if r["from_cache"] else ""),
-                                  f"{m[f'tuned{t}_ms']:.2f}", m[f"best_single_fixed{t}"],
-                                  f"{m[f'best_single_fixed{t}_ms']:.2f}",
-                                  f"{m[f'speedup{t}_vs_best_single_fixed']:.3f}x", f"{m[f'config_default{t}_ms']:.2f}",
-                                  f"{m[f'speedup{t}_vs_config_default']:.3f}x", f"{here} {m[f'fixed{t}_ms'][here]:.2f}"
-                                  + (f" (of {len(m[f'fixed{t}_ms'])} timed)" if r.get("fixed_not_timed") else ""),
-                                  f"{r['tune_wall_s']:.1f}"]))
 
 
 def init_ranks():
@@ -722,7 +535,6 @@ def main(argv=None):
                           + (f", streamed {row[bname + '_streamed_ms']:.2f} ms/step"
                              if bname + "_streamed_ms" in row else ""), flush=True)
             for base, other, key, rounds in (
-                    ("megakernel-torch-gemm", "megakernel-arrival", "determinism", args.determinism_rounds),
                     ("megakernel-torch-gemm", "megakernel-pipelined", "schedule", args.schedule_rounds),
                     ("megakernel", "megakernel-pipelined-sm", "schedule_sm", args.schedule_rounds),
                     ("megakernel", "megakernel-fused", "schedule_fused", args.schedule_rounds),
@@ -738,18 +550,14 @@ def main(argv=None):
                         for b in pair:
                             times[b].append(time_layer(layers[b], inputs, mode, args, dist))
                     med = {b: sorted(v)[len(v) // 2] for b, v in times.items()}
-                    if key == "determinism":
-                        row[key] = {"layout_ms": times[pair[0]], "arrival_ms": times[pair[1]],
-                                    "cost": med[pair[0]] / med[pair[1]] - 1}
+                    row[key] = {"sequential_ms": times[pair[0]], "speedup": med[pair[0]] / med[pair[1]]}
+                    if key in ("schedule_fused", "epilogue_combine", "epilogue_only", "schedule_interleaved",
+                               "rank_partials"):
+                        row[key]["fused_ms"] = times[pair[1]]
+                    elif key == "route_early":
+                        row[key]["early_ms"] = times[pair[1]]
                     else:
-                        row[key] = {"sequential_ms": times[pair[0]], "speedup": med[pair[0]] / med[pair[1]]}
-                        if key in ("schedule_fused", "epilogue_combine", "epilogue_only", "schedule_interleaved",
-                                   "rank_partials"):
-                            row[key]["fused_ms"] = times[pair[1]]
-                        elif key == "route_early":
-                            row[key]["early_ms"] = times[pair[1]]
-                        else:
-                            row[key].update(pipelined_ms=times[pair[1]], num_chunks=args.pipeline_chunks)
+                        row[key].update(pipelined_ms=times[pair[1]], num_chunks=args.pipeline_chunks)
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
             any_uni = layers.get("reference") or (ds_style[0] if ds_style else
                                                   build_layers(shape, E, ep, ["stock"], status)["stock"])
@@ -856,16 +664,13 @@ def print_table(results):
     def times(v):
         return "/".join(f"{x:.2f}" for x in v)
     # the alternating timings of two megakernel layers
-    for key in ("determinism", "schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
+    for key in ("schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
                 "schedule_interleaved", "rank_partials", "route_early"):
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
                 continue
-            if key == "determinism":
-                what = (f"cost of determinism, {r['shape']} {r['mode']}: {100 * d['cost']:+.1f}% (fixed order "
-                        f"{times(d['layout_ms'])} ms, arrival order {times(d['arrival_ms'])} ms")
-            elif key == "route_early":
+            if key == "route_early":
                 what = (f"dispatch queued after the routes vs after the whole gate (torch's GEMM), {r['shape']} "
                         f"{r['mode']}: {d['speedup']:.3f}x (late {times(d['sequential_ms'])} ms, early "
                         f"{times(d['early_ms'])} ms")

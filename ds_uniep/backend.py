@@ -25,7 +25,7 @@ def megakernel_status(device: torch.device) -> Tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "CUDA is not available"
     try:
-        from .megakernel import ops_package
+        from ._ops import ops_package
         megakernel_available = ops_package().megakernel_available
     except ImportError as err:
         return False, f"the UniEP ops cannot be imported ({err})"

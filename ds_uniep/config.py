@@ -1,16 +1,17 @@
 """The ``"uniep"`` block of ds_config.json.
 
-Every field is documented in its ``description``; ``docs`` in README.md is
-generated from the same text (``python -m ds_uniep.config``). A config is
+Every field is documented in its ``description``; docs/config.md is generated
+from the same text (``python docs/gen_config.py``). A config is
 validated once, when it is built: unknown keys and bad values raise
 :class:`UniEPConfigError` naming the key (``uniep.overlap.schedule``) and the
-allowed values.
+allowed values. The expert-parallel knobs (``overlap``, ``compression.dispatch_dtype``,
+``expert_gemm``) are checked against :mod:`ds_uniep.knobs`, and
+:meth:`UniEPConfig.knobs` returns them as one :class:`~ds_uniep.knobs.Knobs`.
 
 Example::
 
     "uniep": {
         "backend": "auto",
-        "deterministic": true,
         "max_tokens_per_rank": 8192,
         "overlap": {"schedule": "pipelined", "num_chunks": 4},
         "compression": {"dispatch_dtype": "activation", "combine": "slots"},
@@ -24,6 +25,9 @@ from typing import Any, Dict, Literal, Mapping, Optional, Union
 
 from deepspeed.runtime.config_utils import DeepSpeedConfigModel
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from . import knobs as _knobs
+from .knobs import DISPATCH_DTYPES, EXPERT_GEMMS, GRANULARITIES, ROLES, SCHEDULES, Knobs
 
 UNIEP_KEY = "uniep"
 
@@ -41,159 +45,120 @@ class OverlapConfig(_Block):
     """How communication overlaps the expert GEMMs (megakernel backend).
 
     Every value gives bitwise identical results: the schedule only changes
-    when rows move, never the order in which they are reduced."""
+    when rows move, never the order in which they are reduced. The allowed
+    values and ranges are those of :mod:`ds_uniep.knobs`."""
 
-    schedule: Literal["sequential", "pipelined", "fused"] = Field(
+    schedule: Literal[SCHEDULES] = Field(
         "sequential",
-        description="sequential: dispatch, then GEMMs, then combine, no overlap; pipelined (megakernel backend): "
-        "the local experts in num_chunks chunks, each chunk's output rows copied back to their sources by the copy "
-        "engines while the next chunk computes (and, in the backward, each chunk's input gradient while the "
-        "others' backward runs); fused (megakernel backend, expert_gemm 'uniep', bf16): the dispatch stores the "
-        "rows one destination rank at a time from num_comm_sms SMs (roles 'interleaved': from every SM before the "
-        "first expert GEMM, whose CTAs take the arrivals in from a spare warp each) and signals each rank as soon "
-        "as its rows are there, while the first expert GEMM runs on the other SMs (interleaved: on every SM) and "
-        "starts each run of its tiles once the latest source rank among the tile's rows has arrived, this "
-        "rank's own rows first (fused_dispatch), and the "
-        "second expert GEMM's epilogue stores each (expert, source) run of output rows straight into that "
-        "source's combine buffer, where the source sums its tokens' rows in slot order (epilogue_combine); in "
-        "the backward the first expert GEMM's dgrad stores the input-gradient rows into the sources' combine "
-        "buffers the same way, while its wgrad runs (epilogue_combine), and the gate gradients are formed at the "
-        "sources; the rest of the backward runs as in sequential.")
-    num_chunks: int = Field(2, ge=1, le=64, description="Chunks of local experts for the pipelined schedule (at "
-                            "most one per local expert).")
-    num_comm_sms: int = Field(20, ge=1, le=132, description="SMs given to dispatch/combine: the megakernel "
-                              "launches its dispatch and combine copy kernels with this many blocks (the chunked "
-                              "combine: this many summing blocks beside half as many pushing ones) when this is "
-                              "set (in the block or by a tuning plan); left unset, the sequential schedule gives "
-                              "them one block per SM. Set, with the pipelined schedule and expert_gemm 'uniep', the "
-                              "chunks' rows are copied back by SM stores from this many blocks while the GEMMs run "
-                              "on the other SMs (unset, or with torch's GEMM: by the copy engines).")
-    combine_chunks: int = Field(16, ge=0, le=64, description="The megakernel's combine (and the backward of "
-                                "dispatch) as one kernel pipelined over this many chunks of source tokens "
-                                "(max_tokens_per_rank split evenly, but no chunk under 256 tokens, so fewer chunks "
-                                "where the buffers are small): a source sums a chunk's rows while later chunks are "
-                                "still being pushed; 0: push, then reduce, as two kernels. Read where the combine "
-                                "kernels move the rows (the sequential schedule; the fused one without "
-                                "epilogue_combine). The same bits for every value.")
-    combine_queue: bool = Field(True, description="The chunked combine's pushing blocks first sort all rows by "
-                                "chunk into one order, then every pushing warp takes its next rows from one shared "
-                                "queue, so blocks that store faster push more (false: each pushing block walks a "
-                                "fixed share of the rows); its reducing blocks default to the SMs the pushing ones "
-                                "leave, and the pushing blocks sum the last chunk once pushed. Measured faster than "
-                                "fixed shares at every size of the combine's goal (hidden 7168, top-8, 2048-8192 "
-                                "tokens, ep 2 and 4); inside the layer level with them (0.94-1.04x their time). "
-                                "The tuner walks both with combine_chunks. Read with combine_chunks > 0 where "
-                                "combine_chunks is read. The same bits either way.")
-    fused_dispatch: bool = Field(True, description="The fused schedule's dispatch beside the first expert GEMM, "
-                                 "whose tiles wait for their rows (from num_comm_sms SMs, or with roles "
-                                 "'interleaved' partly from inside the GEMM's CTAs); false: the sequential "
-                                 "schedule's dispatch (every SM), then that GEMM. Read by the fused schedule only.")
-    epilogue_combine: bool = Field(True, description="The fused schedule's second expert GEMM stores its output rows "
-                                   "straight into their sources' combine buffers (a last projection without bias), "
-                                   "and in the backward the first expert GEMM's dgrad stores the input-gradient "
-                                   "rows there; false: the rows stay on the expert's rank and the combine kernels "
-                                   "move them. Read by the fused schedule only.")
-    roles: Literal["partitioned", "interleaved"] = Field(
+        description="sequential: dispatch, expert GEMMs, combine, one after another; pipelined (megakernel): the "
+        "local experts in num_chunks chunks, each chunk's output rows copied back while the next computes; fused "
+        "(megakernel, expert_gemm 'uniep', bf16): the dispatch runs beside the first expert GEMM, whose tiles wait "
+        "for their rows, and the second GEMM's epilogue stores the output rows into their sources' combine "
+        "buffers. Set pipelined or fused to hide communication behind the GEMMs, or let autotune choose.")
+    num_chunks: int = Field(2, description="Chunks of local experts the pipelined schedule splits the GEMMs "
+                            "into (at most one per local expert). Read by the pipelined schedule only.")
+    num_comm_sms: Optional[int] = Field(
+        None, description="Blocks of the megakernel's dispatch and combine copy kernels, and under the fused "
+        "schedule the SMs its dispatch takes beside the first GEMM in partitioned roles; null: one block per SM "
+        f"for the copy kernels, {_knobs.FUSED_COMM_SMS} SMs for that fused dispatch. Set it to leave SMs to the "
+        "GEMMs; with the pipelined schedule on expert_gemm 'uniep' it makes this many blocks copy the chunks "
+        "back instead of the copy engines.")
+    combine_chunks: int = Field(16, description="Chunks of source tokens the megakernel's combine kernel (and the "
+                                "backward of dispatch) is pipelined over, 0: push, then reduce, as two kernels; "
+                                "read where the combine kernels move the rows (the sequential schedule, the fused "
+                                "one without epilogue_combine). The same bits for every value: a speed knob the "
+                                "tuner walks.")
+    combine_queue: bool = Field(True, description="The chunked combine's pushing warps take their rows from one "
+                                "shared queue (false: each pushing block walks a fixed share of the rows); read "
+                                "with combine_chunks > 0. The same bits either way: a speed knob the tuner walks.")
+    fused_dispatch: bool = Field(True, description="The fused schedule's dispatch runs beside its first expert "
+                                 "GEMM, whose tiles wait for their rows (false: the sequential dispatch, then the "
+                                 "GEMM). Read by the fused schedule only.")
+    epilogue_combine: bool = Field(True, description="The fused schedule's second expert GEMM (in the backward, the "
+                                   "first GEMM's dgrad) stores its rows straight into their sources' combine buffers "
+                                   "(false: the combine kernels move them). Read by the fused schedule only.")
+    roles: Literal[ROLES] = Field(
         "interleaved",
-        description="Read by the fused schedule's dispatch (fused_dispatch). interleaved: every SM stores the "
-        "rows, one destination rank after another, before the first expert GEMM, and the arriving rows are taken "
-        "in (source pairs, deduplicated copies) by one spare warp of each of the GEMM's CTAs (a warp of the "
-        "producer warpgroup that the GEMM leaves idle, beside its warpgroups), so the GEMM has every SM and "
-        "num_comm_sms is not read there; partitioned: the dispatch runs on num_comm_sms whole SMs while that "
-        "GEMM runs on the others (measured slower). The same bits either way.")
-    tile_m: int = Field(128, description="GEMM tile rows (64, 128 or 256). Read by ds_uniep's GEMM (expert_gemm "
-                        "'uniep') when the block sets tile_m or tile_n: every expert GEMM (forward, dgrad, wgrad) "
-                        "then runs the tile_m x tile_n configuration it is built with (128x256, 256x128 or 128x128; "
-                        "another pair is an error naming the layer), the same bits as its own choice.")
-    tile_n: int = Field(128, description="GEMM tile columns (64, 128 or 256); see tile_m.")
-    stages: int = Field(4, ge=2, le=8, description="Shared-memory pipeline stages of the GEMM.")
-    signal_granularity: Literal["tile", "expert", "rank"] = Field(
-        "tile", description="What one wait of the fused schedule's first expert GEMM covers (read with "
-        "fused_dispatch; arrival words are raised per source rank, in the order the sources send): tile, each run "
-        "of whole tiles starts once the latest source among its rows has arrived; expert, each expert's rows start "
-        "once the latest source among them has; rank, every row waits for all of this rank's rows. The same "
-        "tiles and bits under each; the tuner keeps the configured value rather than walking it.")
+        description="Where the fused dispatch runs: interleaved, on every SM before the first expert GEMM, the "
+        "arrivals taken in by a spare warp of each of the GEMM's CTAs; partitioned, on num_comm_sms whole SMs "
+        "beside the GEMM. Read with the fused schedule's fused_dispatch; the same bits either way.")
+    tile_m: Optional[int] = Field(None, description="Tile rows (64, 128 or 256) of every expert GEMM run by "
+                                  "ds_uniep's GEMM (expert_gemm 'uniep'); null: the GEMM picks its tile, or 128 "
+                                  "when tile_n is set. Set it to pin one of the tiles the GEMM is built with "
+                                  "(128x256, 256x128, 128x128); the bits are the same.")
+    tile_n: Optional[int] = Field(None, description="Tile columns (64, 128 or 256) of ds_uniep's GEMM; see tile_m.")
+    signal_granularity: Literal[GRANULARITIES] = Field(
+        "tile", description="What one wait of the fused schedule's first expert GEMM covers: a run of whole tiles "
+        "(tile), an expert's rows (expert) or all of this rank's rows (rank). Read with fused_dispatch; the same "
+        "bits under each, and the tuner keeps the configured value.")
     timeout_s: float = Field(100.0, gt=0, description="Seconds a kernel waits on a peer's signal before it "
-                             "raises an error naming the layer, rank and signal.")
+                             "raises an error naming the layer, rank and signal. Raise it where ranks may reach "
+                             "a layer far apart (a debugger, very uneven work).")
 
-    @field_validator("tile_m", "tile_n")
+    @field_validator("num_chunks", "num_comm_sms", "combine_chunks", "tile_m", "tile_n")
     @classmethod
-    def _tile(cls, v: int) -> int:
-        if v not in (64, 128, 256):
-            raise ValueError(f"must be one of 64, 128, 256, got {v}")
-        return v
+    def _knob(cls, v, info):
+        return _knobs.check(info.field_name, v)
 
 
 class CompressionConfig(_Block):
     """Communication compression. Any value but the default changes numerics."""
 
-    dispatch_dtype: Literal["activation", "fp8_e4m3"] = Field(
+    dispatch_dtype: Literal[DISPATCH_DTYPES] = Field(
         "activation",
-        description="activation: rows travel in the activation dtype (exact); fp8_e4m3: rows travel as FP8 "
-        "e4m3 with one fp32 scale per 128 elements (deterministic, but not exact).")
+        description="activation: rows travel in the activation dtype (exact); fp8_e4m3: as FP8 e4m3 with one "
+        "fp32 scale per 128 elements (deterministic, not exact). Set fp8_e4m3 to cut dispatch bytes where that "
+        "rounding is acceptable.")
     combine: Literal["slots", "rank_partials"] = Field(
         "slots",
-        description="slots: every (token, slot) output row travels back to its source, which sums the token's k "
-        "rows in slot order in fp32 with the gate weights and casts once. rank_partials: each expert rank first "
-        "sums its rows of a token (the token's slots on that rank, gate-weighted, in slot order, fp32) and sends "
-        "that sum cast to the activation dtype, one row per token and rank, as the deduplicated dispatch sends "
-        "it; the source adds those rows in the order of each rank's first slot, in fp32, cast once. Fewer bytes "
-        "where a token has several slots on one rank, one more rounding per rank (deterministic, not the slots "
-        "bits). The backward of dispatch sums the input-gradient rows the same way (unweighted). Megakernel: "
-        "where its combine kernels move the rows (the sequential schedule, the fused one without "
-        "epilogue_combine), with deterministic on; reference backend: the same numbers in torch.")
+        description="slots: every (token, slot) output row travels back and the source sums the token's k rows in "
+        "slot order in fp32; rank_partials: each expert rank first sums its slots of a token and sends one row "
+        "per token and rank, added at the source in fp32 (fewer bytes, one more rounding per rank). "
+        "rank_partials runs on the reference backend and in the megakernel's combine kernels (the sequential "
+        "schedule, the fused one without epilogue_combine).")
 
 
 class AutotuneConfig(_Block):
     """Search of the tuning space (``ds_uniep.tuning``) on the live shapes."""
 
     enabled: bool = Field(False, description="Each UniEPMoE tunes itself on its first forward with a new (tokens "
-                          "per rank, dtype, device): a cached plan is used without timing anything; otherwise all "
-                          "expert-parallel ranks time the plans the backend acts on, agree on one and cache it.")
+                          "per rank, dtype, device): a cached plan is used as is, otherwise all expert-parallel "
+                          "ranks time the plans, agree on one and cache it. Set it for runs long enough to repay "
+                          "budget_s per shape.")
     cache_dir: str = Field("~/.cache/ds_uniep", description="Directory of the JSON plan cache.")
-    budget_s: float = Field(60.0, gt=0, description="Seconds one layer shape may spend tuning (the configured "
-                            "plan and the sequential baseline are always timed; the confirmation round "
-                            "counts within it).")
+    budget_s: float = Field(60.0, gt=0, description="Seconds one layer shape may spend tuning after the configured "
+                            "plan and the sequential baseline are timed, the confirmation round included.")
     allow_numerics_change: bool = Field(
         False, description="Let the tuner explore options that change numbers (FP8 dispatch).")
     warmup: int = Field(3, ge=0, description="Untimed runs per candidate plan.")
     repeats: int = Field(10, ge=1, description="Timed runs per candidate plan; the median counts.")
     confirm_top: int = Field(4, ge=0, description="After the search, the fastest this many plans and the "
-                             "configured one are timed again, taking turns for confirm_rounds rounds, and the "
-                             "winner is the smallest median of their rounds (a plan that timed fast once by chance "
-                             "among many close ones does not win on that alone); 0: the search's fastest wins.")
+                             "configured one are timed again in turns and the smallest median over the rounds "
+                             "wins, so a plan that timed fast once by chance does not; 0: the search's fastest "
+                             "wins.")
     confirm_rounds: int = Field(3, ge=1, description="Rounds of the confirmation (each: warmup and repeats runs of "
                                 "every finalist, in an order rotated by one each round).")
 
 
 class CommFuseConfig(_Block):
-    """All-gather+GEMM and GEMM+reduce-scatter as peer-to-peer steps (``ds_uniep.commfuse``)."""
+    """All-gather+GEMM and GEMM+reduce-scatter as peer-to-peer steps (``ds_uniep.commfuse``), read by
+    ColumnParallelLinear/RowParallelLinear (``config=``) and UniEPMoE's TP-sharded experts."""
 
-    enabled: bool = Field(False, description="Read by no ds_uniep code: for callers choosing between CommFuse's "
-                          "parallel linears and plain ones. ColumnParallelLinear/RowParallelLinear (config=) and "
-                          "UniEPMoE's TP-sharded TPGeLUExpert experts read schedule, num_chunks and transport, "
-                          "whatever enabled says.")
     schedule: Literal["ring", "bidirectional_ring", "local_first", "arrival", "relay"] = Field(
         "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
-        "round, half the steps; local_first: every block moves in one step while this rank's block is "
-        "multiplied, then the other rows in two GEMMs (fewer, larger GEMMs; equal to the ring schedules within "
-        "the GEMM's rounding); arrival (CUDA, Hopper, bf16): blocks move as in local_first and the all-gather's "
-        "GEMM is one launch of ds_uniep's grouped GEMM whose tiles wait on the GPU for their block, this rank's "
-        "block first (the bits of that GEMM; its reduce-scatter runs bidirectional_ring); relay (reduce-scatter): "
-        "each block's running sum travels round the ring in fp32, every rank adding its product in its GEMM's "
-        "epilogue, in num_chunks row chunks, so no closing sum follows the last GEMM (a fixed ring order per "
-        "block: equal to the rank-order schedules within the input dtype's rounding; its all-gather runs ring; "
-        "measured slower than ring, see README).")
-    num_chunks: int = Field(1, ge=1, le=16, description="p2p transport: chunks each peer-to-peer step is split "
-                            "into. copy_engine transport (whose copies stay whole): the reduce-scatter's own partial "
-                            "GEMM in that many row chunks, each chunk's rank-order sum overlapping the next chunk's "
-                            "GEMM (one GEMM per chunk, so equal to 1 chunk within the GEMM's rounding). relay "
-                            "schedule, either transport: each step's GEMM in that many row chunks, each passed on "
-                            "when done (with 1 every step waits for a whole block's transfer).")
+        "round; local_first: every block moves in one step while this rank's block is multiplied; arrival (CUDA, "
+        "Hopper, bf16): as local_first, with the all-gather's GEMM one launch of ds_uniep's grouped GEMM whose "
+        "tiles wait for their block; relay (reduce-scatter): each block's fp32 running sum travels round the "
+        "ring, every rank adding its product in its GEMM's epilogue. All agree with the rank-order schedules "
+        "within the GEMM's or the input dtype's rounding.")
+    num_chunks: int = Field(1, ge=1, le=16, description="Chunks each peer-to-peer step is split into (p2p "
+                            "transport), or the row chunks of the reduce-scatter's own GEMM (copy_engine) and of "
+                            "each relay step's GEMM, each passed on when done. Raise it to overlap transfers and "
+                            "GEMMs more finely.")
     transport: Literal["auto", "p2p", "copy_engine"] = Field(
         "auto", description="p2p: NCCL/gloo send/recv; copy_engine: copies into peers' symmetric buffers (CUDA, "
-        "no SMs taken from the GEMMs); auto: copy_engine where usable, else p2p. The arrival schedule moves blocks "
-        "by the copy engines: not with p2p.")
+        "no SMs taken from the GEMMs); auto: copy_engine where usable, else p2p. The arrival schedule needs the "
+        "copy engines (auto or copy_engine).")
 
     @model_validator(mode="after")
     def _arrival_needs_copy_engines(self):
@@ -207,8 +172,8 @@ class HybridCompressionConfig(_Block):
     """Parameter-efficient expert migration: a shared base once, then sparse residuals."""
 
     enabled: bool = Field(False, description="Migrate experts as a shared base (the domain's mean expert, "
-                          "all-reduced once) plus each expert's top-ratio residual positions, which are all the "
-                          "gather moves (changes numerics; domain_size auto charges these bytes).")
+                          "all-reduced once) plus each expert's top-ratio residual positions (changes numerics). "
+                          "domain_size auto charges these bytes.")
     ratio: float = Field(0.1, gt=0, le=1, description="Fraction of residual values kept per expert.")
 
 
@@ -219,7 +184,8 @@ class HybridConfig(_Block):
     *domain* is the set of ranks that gather each other's experts, chosen by the
     planner. A domain inside one site saves nothing on the slow links."""
 
-    enabled: bool = Field(False, description="Gather experts inside a domain; send tokens only across domains.")
+    enabled: bool = Field(False, description="Gather experts inside a domain; send tokens only across domains. "
+                          "Set it when the expert-parallel ranks span slow links.")
     site_size: Union[int, Literal["auto"]] = Field(
         "auto", description="Ranks joined by fast links (planner input), or auto: the ranks of one node.")
     domain_size: Union[int, Literal["auto"]] = Field(
@@ -232,48 +198,34 @@ class HybridConfig(_Block):
         "measure", description="Bytes/s per rank between sites (planner input), or measure: timed ring "
         "exchanges at start-up.")
     migrated_fraction: Union[float, Literal["auto"]] = Field(
-        "auto", description="Share of each rank's experts migrated inside its domain: round(f * L) of its "
-        "L (which ones: migrated_experts; the others keep taking tokens from the domain's ranks; 0 is plain "
-        "EP), or auto: with domain_size auto chosen by the planner with it (in whole experts), with a fixed "
-        "domain_size all of them.")
+        "auto", description="Share of each rank's experts migrated inside its domain, round(f * L) of its L (0 is "
+        "plain EP; which ones: migrated_experts). auto: chosen by the planner with domain_size auto, all of them "
+        "with a fixed domain_size.")
     migrated_experts: Literal["first", "hottest"] = Field(
-        "hottest", description="Which of a rank's experts migrate when only some do (migrated_fraction < 1): its "
-        "first ones, or the hottest: at each gather (with reuse_replicas, the first after each optimizer step) "
-        "those that the other ranks of the owner's domain routed the most tokens to since the last choice (their "
-        "tokens then stay on those ranks instead of crossing to the owner), ties to the smaller index; the same "
-        "choice on every rank, from token counts all-gathered at each dispatch; before any token is seen, the "
-        "first ones.")
+        "hottest", description="Which of a rank's experts migrate when only some do: its first ones, or the "
+        "hottest, those the other ranks of its domain routed the most tokens to since the last gather (with "
+        "reuse_replicas, the last optimizer step), ties to the smaller index. Every rank makes the same choice, "
+        "from token counts all-gathered at each dispatch.")
     compression: HybridCompressionConfig = Field(default_factory=HybridCompressionConfig,
                                                  description="Compressed expert migration.")
     reuse_replicas: bool = Field(
         False, description="Migrate once per optimizer step: the gathered replicas serve later forwards while the "
-        "experts' weights are unchanged (a forward gathers again after an optimizer step in the process, seen "
-        "through torch.optim step hooks, which DeepSpeed's optimizers run, or an in-place change of an expert "
-        "parameter; weights changed otherwise, through .data or a buffer the parameters view, need "
-        "UniEPMoE.refresh_replicas() on any rank of the domain; the domain's ranks agree at each forward, "
-        "through a small gloo all-reduce, whether to gather, so they never diverge), and under a DeepSpeed "
-        "engine the replica gradients are summed over the step's micro-batches and returned at its last one "
-        "(the engine's accumulation boundary; without an engine, the one UniEPMoE.set_accumulation_boundary "
-        "marks, else every backward). domain_size auto then plans with M = gradient_accumulation_steps.")
+        "experts' weights are unchanged, and their gradients are summed over the step's micro-batches and "
+        "returned at its last one (weights changed other than by an optimizer step or an in-place parameter "
+        "update need UniEPMoE.refresh_replicas()). Set it with gradient accumulation; domain_size auto then "
+        "plans with M = gradient_accumulation_steps.")
     replan_after_steps: int = Field(
         0, ge=0, description="With domain_size auto: at the first forward after this many optimizer steps, plan "
-        "again for the routing seen until then (every rank's tokens per expert, all-gathered once over the world "
-        "and summed over its EP groups, so every rank chooses alike), with the compute times replan_compute "
-        "gives and the planner's other inputs unchanged, and switch the domain size and migrated experts to "
-        "that plan (partial migrations assume migrated_experts' choice); 0: plan once, at start-up, for uniform "
-        "routing.")
+        "again for the routing seen so far (the same on every rank) and switch to that plan where it gains "
+        "replan_min_gain. 0: plan once, at start-up, for uniform routing.")
     replan_min_gain: float = Field(
-        0.05, ge=0, lt=1, description="replan_after_steps switches only where the new plan's predicted time, "
-        "for the routing seen, is at least this fraction below the current plan's for the same routing (a switch "
-        "builds new groups, and the plan's compute times are estimated or measured once); else the current plan "
-        "stays.")
+        0.05, ge=0, lt=1, description="replan_after_steps switches only where the new plan's predicted time for "
+        "the routing seen is at least this fraction below the current plan's. A switch builds new groups, so "
+        "keep it above the planner's error.")
     replan_compute: Literal["measure", "estimate"] = Field(
-        "measure", description="The compute times replan_after_steps plans with. measure: this rank's experts' "
-        "forward timed once, at the replan, over max_tokens_per_rank * k rows split evenly among them (random "
-        "rows, no autograd; after one untimed run, the median of 3 timed runs, or of as many as fill 50 ms where 3 "
-        "take less), the mean over the world's ranks (so every rank plans alike), and the compute before the "
-        "router scaled from its estimate by the same measured over estimated ratio; estimate: FLOPs at a fixed "
-        "rate, as the start-up plan (which has run no forward) does.")
+        "measure", description="The compute times replan_after_steps plans with: measure, this rank's experts' "
+        "forward timed once over max_tokens_per_rank * k rows and averaged over the world's ranks; estimate, "
+        "FLOPs at a fixed rate, as the start-up plan uses.")
 
     @model_validator(mode="after")
     def _replan_needs_auto(self):
@@ -312,32 +264,26 @@ class UniEPConfig(_Block):
         "auto",
         description="reference: torch ops and all_to_all_single (any device); megakernel: the CUDA kernels "
         "(Hopper GPUs with NVLink peers); auto: megakernel where possible, else reference, logged once.")
-    deterministic: bool = Field(
-        True, description="Keep the fixed token order; results are bitwise identical run to run. false: the "
-        "megakernel backend places rows and sums them in arrival order with atomics (what a non-deterministic "
-        "design does; kept to measure what the fixed order costs; results vary in the last bits; not with FP8 "
-        "dispatch). The reference backend is deterministic either way.")
     max_tokens_per_rank: int = Field(
         8192, ge=1, description="Largest token count one rank feeds a layer; sizes the symmetric buffers.")
-    expert_gemm: Literal["torch", "uniep"] = Field(
+    expert_gemm: Literal[EXPERT_GEMMS] = Field(
         "torch",
-        description="Grouped GEMM of recognised bf16 MLP experts (SwiGLU, GeLU): torch: torch._grouped_mm; uniep: "
-        "ds_uniep's own (CUTLASS wgmma kernels, Hopper; tile configuration chosen per shape on first use, values "
-        "identical for every choice). torch stays the default while uniep is not faster inside the layer at every "
-        "shape measured. With autotune on the megakernel backend both are timed where uniep can run (the same "
-        "bits); this one is the baseline's. HybridEP and expert tensor parallelism run on torch.")
+        description="Grouped GEMM of recognised bf16 MLP experts (SwiGLU, GeLU): torch (torch._grouped_mm) or uniep "
+        "(ds_uniep's CUTLASS wgmma kernels, Hopper), the same bits either way. Set uniep for the fused schedule "
+        "or tile_m/tile_n; HybridEP and expert tensor parallelism run on torch.")
     overlap: OverlapConfig = Field(default_factory=OverlapConfig,
-                                   description="Overlap schedule and kernel knobs (the tuning space; the megakernel "
-                                   "backend runs the sequential, pipelined or fused schedule and reads schedule, "
-                                   "num_chunks, num_comm_sms, combine_chunks, combine_queue, fused_dispatch, "
-                                   "epilogue_combine, roles and signal_granularity (the fused dispatch) and "
-                                   "timeout_s; no schedule reads stages yet; tile_m and tile_n reach ds_uniep's "
-                                   "GEMM only).")
+                                   description="Overlap schedule and kernel knobs of the megakernel backend (the "
+                                   "tuning space).")
     compression: CompressionConfig = Field(default_factory=CompressionConfig,
                                            description="Communication compression.")
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")
     commfuse: CommFuseConfig = Field(default_factory=CommFuseConfig, description="CommFuse for TP/SP linears.")
     hybrid: HybridConfig = Field(default_factory=HybridConfig, description="HybridEP over slow links.")
+
+    def knobs(self, **changes) -> Knobs:
+        """The expert-parallel knobs of this block (``changes`` applied before they are normalised, see
+        :meth:`Knobs.from_config`)."""
+        return Knobs.from_config(self, **changes)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -409,24 +355,51 @@ def _model_at(model_cls, loc):
 
 
 def _describe(err: ValidationError, model_cls) -> str:
-    lines = []
+    """One line per bad key: an unknown key lists the allowed ones; a value of the wrong type names the type the
+    key takes and the type given (``uniep.max_tokens_per_rank: expected int, got str '8192'``); any other bad
+    value says what is wrong with it."""
+    type_names = {"int_type": "int", "int_from_float": "int", "float_type": "number", "bool_type": "bool",
+                  "string_type": "str", "model_type": "an object", "dict_type": "an object",
+                  "model_attributes_type": "an object", "none_required": "null"}
+
+    def given(value) -> str:
+        text = repr(value)
+        text = text if len(text) <= 80 else text[:77] + "..."
+        return "null" if value is None else f"{type(value).__name__} {text}"
+
+    def expected(e) -> str:
+        if e["type"] == "literal_error":
+            values = str(e.get("ctx", {}).get("expected", "")).replace(" or ", ", ")
+            return values if values.count(",") == 0 else f"one of {values}"
+        return type_names.get(e["type"], e["type"])
+
+    keys, wrong_type, other = [], {}, {}
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p in ("int", "float", "str", "bool"))
                     and not str(p).startswith(("literal[", "function-")))
         key = ".".join([UNIEP_KEY] + [str(p) for p in loc])
+        if key not in keys:
+            keys.append(key)
         if e["type"] == "extra_forbidden":
             owner = _model_at(model_cls, loc)
             allowed = ", ".join(sorted(owner.model_fields)) if owner else "?"
-            lines.append(f"{key}: unknown key; allowed keys here: {allowed}")
+            other.setdefault(key, f"{key}: unknown key; allowed keys here: {allowed}")
+        elif e["type"] in type_names or e["type"] == "literal_error":
+            # pydantic reports every member of a Union: gather what each member takes.
+            names, value = wrong_type.setdefault(key, ([], e.get("input")))
+            if expected(e) not in names:
+                names.append(expected(e))
         else:
-            lines.append(f"{key}: {e['msg']} (got {e.get('input')!r})")
-    # pydantic reports every member of a Union; keep one line per key.
-    seen, out = set(), []
-    for line in lines:
-        k = line.split(":", 1)[0]
-        if k not in seen:
-            seen.add(k)
-            out.append(line)
+            msg = e["msg"][len("Value error, "):] if e["msg"].startswith("Value error, ") else e["msg"]
+            # the value itself, unless the message already names it (field validators' messages do)
+            other.setdefault(key, f"{key}: {msg}" + ("" if "got " in msg else f" (got {given(e.get('input'))})"))
+    out = []
+    for key in keys:
+        if key in other:
+            out.append(other[key])
+        else:
+            names, value = wrong_type[key]
+            out.append(f"{key}: expected {' or '.join(names)}, got {given(value)}")
     return "invalid \"uniep\" config:\n  " + "\n  ".join(out)
 
 

@@ -141,7 +141,7 @@ class _GemmCombineFn(torch.autograd.Function):
         d.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
         e_disp = d._next_epoch(_PHASE_DISPATCH)
         d.ext.dispatch_rows(grad_out, idx, dest_row, None, False, d.num_experts, d.bufs.descriptor,
-                            d.direct_descriptor(False, 0), e_disp, d.num_blocks, None, None, d.dedup, False)
+                            d.direct_descriptor(False, 0), e_disp, d.num_blocks, d.dedup, False)
         grad_y = a.new_empty(a.shape[0], d.hidden_size)
         d.ext.combine_bwd_rows(None, num_recv, grad_y, d.bufs.descriptor, e_disp, 0, *d._wait_args(), d.num_blocks,
                                d.dedup, 0, False)

@@ -56,10 +56,10 @@ DEFAULT_CONFIGS = {"fwd": "coop128x256", "dgrad": "auto", "wgrad": "auto"}
 of an (op, G, N, K, rows rounded up to a power of two) on a device times every tile
 configuration with every order of :data:`ORDERS` on that call's operands, under sustained load
 (:func:`time_sustained`), and keeps the fastest for the process. The values cannot change with
-the choice (see above), so choosing is safe on every rank independently. The forward runs ``coop128x256``: inside the MoE layer (4 H200s,
-``benchmarks/bench_gemm_in_layer.py``) the forward configurations that timed fastest alone on the
-layer's own rows (ping-pong 128x128) made the layer's forward 4-6% slower than torch's GEMM at
-dsv3-like, while ``coop128x256`` made it level, at dsv2lite-like too."""
+the choice (see above), so choosing is safe on every rank independently. The forward runs
+``coop128x256``, not the automatic choice: a configuration timed fastest alone on the layer's rows
+need not be the fastest inside the layer, beside the dispatch and the other GEMMs
+(``benchmarks/bench_gemm_in_layer.py`` compares them there)."""
 
 _TUNED: Dict[Tuple, str] = {}
 
@@ -78,13 +78,13 @@ def available(device) -> Tuple[bool, str]:
     device = torch.device(device)
     if device.type != "cuda":
         return False, f"device {device} is not a CUDA device"
-    from .megakernel import ops_package
+    from ._ops import ops_package
     return ops_package().build_requirements(device)
 
 
 def _ops():
-    from .megakernel import ops_package
-    return ops_package().load_uniep_ops()
+    from ._ops import ext
+    return ext()
 
 
 def parse_config(config: str) -> Tuple[int, int, int]:
@@ -278,11 +278,8 @@ class ArrivalWaits:
 FUSED_DEFAULT = "coop128x256"
 """The fused schedule's waiting GEMM's configuration unless the block's tiles name one (band 1:
 the scheduler rounds every group's tiles up to a whole band, and that GEMM's groups are runs of
-rows). Not timed per shape: inside the layer (one H200, the fused schedule against the sequential
-one, forward) the configuration that timed fastest alone on scratch rows, ``pingpong128x128``,
-made the layer 0.88x / 0.91x / 0.89x the sequential schedule at dsv3-like / dsv2lite-like /
-mixtral-like with partitioned roles, where ``coop128x256`` made it 1.01x / 0.97x / 0.90x (and
-0.97x / 0.90x / 0.88x against 1.08x / 1.00x / 0.96x with interleaved roles)."""
+rows). Not chosen by timing per shape: the configuration fastest alone on scratch rows is not
+the fastest while the dispatch shares the GPU with it."""
 
 
 def run_alignment(config: str) -> int:

@@ -208,7 +208,7 @@ class _DispatchChunksFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, expert_idx, call):
         d = call.d
-        recv, local_counts, dest_row, recv_pair, num_recv, _ = d._dispatch_fwd(x, expert_idx, None, host_counts=True)
+        recv, local_counts, dest_row, recv_pair, num_recv, _ = d._dispatch_fwd(x, expert_idx, host_counts=True)
         call.setup(d._counts_host.numpy().copy())
         call.expert_idx, call.dest_row, call.recv_pair, call.num_recv = expert_idx, dest_row, recv_pair, num_recv
         ctx.call = call

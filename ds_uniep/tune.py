@@ -10,10 +10,9 @@ With the megakernel backend (CUDA, Hopper, launched on ``ep`` ranks) the
 plans of the knobs it acts on (``ds_uniep.tuning.space.ACTING_KNOBS``: schedule,
 num_chunks, num_comm_sms, roles, fused_dispatch, epilogue_combine, combine_chunks,
 combine_queue, and dispatch_dtype when numerics may change) are timed with CUDA events; the tile
-sizes and signal granularity are kept as configured (``KEPT_KNOBS``) and stages
-is read by nothing. Without it the tool enumerates and validates the whole
-design space (``--backend none``), or times the reference backend's layer
-(``--backend reference``), whose plans differ only in dispatch_dtype.
+sizes and signal granularity are kept as configured (``KEPT_KNOBS``). Without it the tool
+enumerates and validates the whole design space (``--backend none``), or times the reference
+backend's layer (``--backend reference``), whose plans differ only in dispatch_dtype.
 """
 
 import argparse
@@ -29,7 +28,8 @@ from .tuning import GPUInfo, Space, estimate_ms, tune
 from .tuning.plot import plot_space, reason_counts
 from .tuning.presets import PRESET_NAMES, parse_shape, preset_shape
 from .argtypes import positive_float
-from .tuning.space import DTYPES, KEPT_KNOBS
+from .tuning.runner import TORCH_DTYPES
+from .tuning.space import DTYPES, KEPT_KNOBS, Shape
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "plan, max_tokens_per_rank and the autotune settings (default: built-in defaults)")
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--shape", default=None, help="T,M,F,E,k: tokens per rank, hidden, expert FFN, experts, top-k")
-    g.add_argument("--preset", choices=PRESET_NAMES, default=None, help="a shape of docs/benchmarks.md")
+    g.add_argument("--preset", choices=PRESET_NAMES, default=None, help="a shape of docs/performance.md")
     ap.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (default 1)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="activation dtype (default bf16)")
     ap.add_argument("--backend", choices=["auto", "megakernel", "reference", "none"], default="auto",
@@ -109,7 +109,7 @@ def _run(args) -> int:
                 "space; no plan is timed (--backend reference times the reference layer)")
         mk = space.for_backend("megakernel")
         say(f"design space of every knob; the megakernel backend acts on {', '.join(ACTING_KNOBS['megakernel'])} "
-            f"(tiles and signal granularity kept as configured, stages read by nothing), so it would time "
+            f"(tiles and signal granularity kept as configured), so it would time "
             f"{len(mk.enumerate())} plans")
         return _space_only(args, space, cfg, stem, say)
     return _measure(args, space, cfg, mode, stem, say, rank0)
@@ -153,14 +153,14 @@ def _space_only(args, space: Space, cfg: UniEPConfig, stem: str, say) -> int:
 
 
 def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, rank0: bool) -> int:
-    from .tuning.runner import build_layer, layer_runner, reference_paths
+    from .tuning.runner import layer_runner, reference_paths
     at = cfg.autotune
     if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per launched rank
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     layer, x = build_layer(space.shape, cfg, mode, device)
     if mode == "reference":
-        say("reference backend: only dispatch_dtype changes its path (schedule, chunks, SMs, tiles, stages and "
+        say("reference backend: only dispatch_dtype changes its path (schedule, chunks, SMs, tiles and "
             "signals are megakernel settings), so one plan per dispatch dtype is timed; the default plan and "
             "the sequential baseline run the same reference path (one timing when their dispatch dtypes match)")
         space = reference_paths(space)
@@ -197,6 +197,34 @@ def _measure(args, space: Space, cfg: UniEPConfig, mode: str, stem: str, say, ra
                    **result.to_dict()}, f, indent=1)
     say(f"plot {png}\njson {stem}{suffix}.json")
     return 0
+
+
+def build_layer(shape: Shape, config, backend: str, device: torch.device, seed: int = 0):
+    """A UniEPMoE with SwiGLU experts at ``shape`` and an input ``[T, M]`` for it, on ``device``.
+
+    With ``shape.ep > 1`` the process must be one of ``ep`` launched ranks
+    (``deepspeed`` or ``torchrun``); distributed is initialised here if needed."""
+    from .experts import SwiGLUExpert
+    from .layer import UniEPMoE
+    cfg = UniEPConfig.coerce(config).model_copy(update={"backend": backend})
+    if shape.ep > 1:
+        if "WORLD_SIZE" not in os.environ:
+            raise ValueError(f"--ep {shape.ep} needs {shape.ep} ranks: launch with "
+                             f"`deepspeed --num_gpus {shape.ep} -m ds_uniep.tune ...` or torchrun")
+        import deepspeed
+        deepspeed.init_distributed(verbose=False)
+        if torch.distributed.get_world_size() != shape.ep:
+            raise ValueError(f"--ep {shape.ep} but the job has {torch.distributed.get_world_size()} ranks")
+    torch.manual_seed(seed + (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0))
+    layer = UniEPMoE(shape.M, SwiGLUExpert(shape.M, shape.F), num_experts=shape.E, ep_size=shape.ep, k=shape.k,
+                     min_capacity=0, drop_tokens=False, config=cfg)
+    if shape.ep > 1:
+        layer.set_deepspeed_parallelism()
+    dtype = TORCH_DTYPES[shape.dtype]
+    layer = layer.to(device=device, dtype=dtype)
+    layer.deepspeed_moe.gate.wg.float()  # an fp32 gate
+    x = torch.randn(shape.T, shape.M, device=device, dtype=dtype, requires_grad=True)
+    return layer, x
 
 
 if __name__ == "__main__":

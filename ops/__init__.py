@@ -9,9 +9,11 @@ import functools
 import os
 from typing import Optional, Tuple
 
-from .builder import UniEPBuilder, build_requirements, cutlass_include, find_nvcc
+from .builder import (UniEPBuilder, build_directory, build_lock, build_requirements, cutlass_include, find_nvcc,
+                      stale_build_locks)
 
-__all__ = ["UniEPBuilder", "megakernel_available", "load_uniep_ops", "cutlass_include", "find_nvcc"]
+__all__ = ["UniEPBuilder", "megakernel_available", "load_uniep_ops", "cutlass_include", "find_nvcc",
+           "stale_build_locks"]
 
 
 def megakernel_available(device) -> Tuple[bool, str]:
@@ -57,14 +59,20 @@ def load_uniep_ops(verbose: bool = False):
     """The compiled extension module. Local rank 0 builds first, and every rank then learns
     whether the builds succeeded (one collective, in place of a barrier), so ranks never race on
     one build directory; the others then load the finished build, or, where a build failed, raise
-    an error naming the rank whose build failed instead of building again themselves."""
+    an error naming the rank whose build failed instead of building again themselves.
+
+    Every build and load holds the build directory's flock (:func:`build_lock`): two jobs building at once
+    take turns, and a torch build ``lock`` that a killed build left there is removed with a message
+    instead of being waited on forever."""
     ok, reason = build_requirements()
     if not ok:
         raise RuntimeError(f"cannot build the UniEP ops: {reason}")
     builder = UniEPBuilder()
+    build_dir = build_directory(builder.NAME)
     if _local_rank() == 0:
         try:
-            module = builder.jit_load(verbose=verbose)
+            with build_lock(build_dir):
+                module = builder.jit_load(verbose=verbose)
         except Exception as err:
             _agree(f"{type(err).__name__}: {str(err)[-2000:]}")  # the other ranks must not wait forever
             raise
@@ -76,4 +84,5 @@ def load_uniep_ops(verbose: bool = False):
     if failed is not None:
         raise RuntimeError(f"building the UniEP ops failed on {failed} (local rank 0 builds; this rank does not "
                            "build again)")
-    return builder.jit_load(verbose=verbose)
+    with build_lock(build_dir):
+        return builder.jit_load(verbose=verbose)

@@ -39,12 +39,12 @@ _SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
 @pytest.fixture(autouse=True)
 def _remove_deepspeed_shm_buffers():
     """DeepSpeed's CPU all-reduce leaves a shared-memory buffer per run in /dev/shm; launched examples
-    and spawned ranks would otherwise pile them up until the machine runs out of memory."""
+    and spawned ranks would otherwise pile them up until the machine runs out of memory. Only buffers
+    that no live process uses go: another test process's run opens its peers' buffers by name, and a
+    rank that finds one gone spins forever."""
     import glob
+
+    from dist_utils import remove_unused_shm_buffers
     before = set(glob.glob(_SHM_PATTERN))
     yield
-    for path in set(glob.glob(_SHM_PATTERN)) - before:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+    remove_unused_shm_buffers(set(glob.glob(_SHM_PATTERN)) - before)

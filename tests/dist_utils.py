@@ -1,13 +1,20 @@
 """Run a test body on N ranks in spawned processes (gloo on CPU, NCCL on GPU).
 
 Every rank's exit code is asserted and a failing rank's traceback is re-raised
-in the parent, so a test cannot pass because a rank died quietly.
+in the parent, so a test cannot pass because a rank died quietly. A run fails
+fast: at the first failing rank the others are killed; collectives time out;
+and a run that passes its time limit is stopped with every live rank's Python
+stack (where each one waits) in the failure's message.
 """
+import datetime
+import faulthandler
 import glob
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -44,10 +51,14 @@ def run_launcher(command, env=None, attempts: int = 3, **kwargs) -> subprocess.C
     return launch()
 
 
-def _entry(rank, world_size, port, backend, fn, args, errq):
+def _entry(rank, world_size, port, backend, fn, args, report_dir, collective_timeout):
     # The parent holds the rendezvous store on ``port`` (see run_distributed): every rank is a client.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True")
+    # SIGUSR1 writes this rank's Python stacks (all threads) to a file: the parent asks for them when the run
+    # passes its time limit, to say where each rank waits (even inside C++, e.g. a spin on a peer).
+    stacks = open(os.path.join(report_dir, f"rank{rank}.stack"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     # CPU ranks: one intra-op thread each unless the caller chose otherwise, as torchrun does; ranks
     # that each start a thread per core oversubscribe the cores (a 4-rank step on 2 cores took 7-12x
     # longer). GPU (NCCL) ranks keep torch's default.
@@ -57,19 +68,24 @@ def _entry(rank, world_size, port, backend, fn, args, errq):
         import torch
         if threads and threads.isdigit() and int(threads) > 0:  # torch may be imported already (this module)
             torch.set_num_threads(int(threads))
+        timeout = datetime.timedelta(seconds=collective_timeout)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         else:
             # DeepSpeed binds a CUDA device whenever one is visible, and torch then builds every
             # new_group() by splitting, which gloo groups cannot do: start gloo unbound here.
-            torch.distributed.init_process_group(backend)
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+            torch.distributed.init_process_group(backend, timeout=timeout)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False, timeout=timeout)
         fn(rank, world_size, *args)
         import deepspeed.comm as dist
         dist.barrier()
         torch.distributed.destroy_process_group()
     except BaseException:  # noqa: BLE001 - forwarded to the parent
-        errq.put((rank, traceback.format_exc()))
+        # One file per rank, complete once renamed: a rank killed while reporting leaves nothing half written.
+        path = os.path.join(report_dir, f"rank{rank}.error")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{time.time()!r}\n{traceback.format_exc()}")
+        os.replace(path + ".tmp", path)
         raise
     # Every rank finished and met the others at the barrier. Leave without running C++ static
     # destructors: a background thread of the communication stack can end the process with
@@ -79,31 +95,92 @@ def _entry(rank, world_size, port, backend, fn, args, errq):
     os._exit(0)
 
 
+def _errors(report_dir):
+    """``[(time, rank, traceback)]`` of the ranks that reported an error, the earliest first."""
+    out = []
+    for path in glob.glob(os.path.join(report_dir, "rank*.error")):
+        with open(path) as f:
+            when, _, tb = f.read().partition("\n")
+        out.append((float(when), int(os.path.basename(path)[4:-len(".error")]), tb))
+    return sorted(out)
+
+
+def _stacks(procs, report_dir, alive):
+    """The Python stacks of the ranks in ``alive``, asked for by SIGUSR1 (see _entry)."""
+    for r in alive:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    time.sleep(1.0)
+    out = []
+    for r in alive:
+        try:
+            with open(os.path.join(report_dir, f"rank{r}.stack")) as f:
+                text = f.read().strip()
+        except OSError:
+            text = ""
+        out.append(f"--- rank {r} ---\n{text or '(no stack: the rank had not started Python code yet)'}")
+    return "\n".join(out)
+
+
+def _stale_locks_note() -> str:
+    """Names the torch build locks that dead builds left (a rank loading that op waits forever), if any."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops", "builder.py")
+    try:
+        spec = importlib.util.spec_from_file_location("uniep_ops_builder", path)
+        builder = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(builder)
+        stale = builder.stale_build_locks(120.0)
+    except Exception:  # noqa: BLE001 - a note only
+        return ""
+    return (f"\ntorch build locks left by builds no longer running (a JIT load waits on them forever): "
+            f"{', '.join(stale)}") if stale else ""
+
+
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 600.0):
-    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes."""
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes.
+
+    Fails (AssertionError) with the first failing rank's traceback as soon as one rank fails (the others are
+    killed), with the exit codes when a rank died without a Python error (a signal), and, after ``timeout``
+    seconds, with the ranks still running and their Python stacks. Collectives time out after
+    ``0.8 * timeout`` seconds, so a rank waiting on a peer that never comes reports its own traceback."""
     ctx = mp.get_context("spawn")
-    errq = ctx.SimpleQueue()
+    report_dir = tempfile.mkdtemp(prefix="run_distributed_")
     # The rendezvous store lives here, on a port the OS picks and this process keeps bound until the
     # ranks are done (the ranks connect as clients, as under torchrun's agent), so no other process
     # can take the port between its choice and the ranks' start.
     from torch.distributed import TCPStore
     store = TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     port = store.port
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, errq)) for r in range(world_size)]
+    collective_timeout = max(10.0, 0.8 * timeout)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, backend, fn, args, report_dir,
+                                              collective_timeout)) for r in range(world_size)]
     for p in procs:
         p.start()
     # A rank that fails leaves its peers blocked in their next collective: stop them all
     # at the first failure instead of waiting for the peers' collective timeouts.
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    deadline = start + timeout
+    failed = False
     while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if not errq.empty() or any(p.exitcode not in (None, 0) for p in procs):
+        if _errors(report_dir) or any(p.exitcode not in (None, 0) for p in procs):
+            failed = True
             time.sleep(2.0)  # let the failing rank finish reporting
             break
         time.sleep(0.05)
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    hang = ""
+    if alive and not failed and not _errors(report_dir):
+        hang = (f"ranks {alive} of {world_size} still running after {time.monotonic() - start:.0f} s "
+                f"(timeout {timeout:.0f} s); where each waits:\n{_stacks(procs, report_dir, alive)}"
+                f"{_stale_locks_note()}")
     for p in procs:
         if p.is_alive():
             p.kill()
-            p.join()
+    for p in procs:
+        p.join(timeout=30)
     # DeepSpeed's CPU all-reduce keeps shared-memory buffers named after the master port; a run
     # that ends leaves them in /dev/shm, and enough of them fill the machine's memory.
     for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
@@ -111,12 +188,74 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
             os.remove(path)
         except OSError:
             pass
-    errors = []
-    while not errq.empty():
-        errors.append(errq.get())
+    errors = _errors(report_dir)
+    for path in glob.glob(os.path.join(report_dir, "*")):
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+    try:
+        os.rmdir(report_dir)
+    except OSError:
+        pass
+    codes = [p.exitcode for p in procs]
+    # Ranks that died without a Python error (a signal, os._exit): the likely root cause when a peer's error
+    # is only its lost connection to them. Ranks this function killed are not among them.
+    reported = {rank for _, rank, _ in errors}
+    silent = [f"rank {r} of {world_size} exit code {c}" + (f" (signal {-c})" if c is not None and c < 0 else "")
+              + " without a Python error" for r, c in enumerate(codes)
+              if c != 0 and r not in reported and r not in alive]
     if errors:
         # The first report is the root cause; later ones are peers losing their connection to it.
-        rank, tb = errors[0]
-        raise AssertionError(f"rank {rank} of {world_size} failed:\n{tb}")
-    codes = [p.exitcode for p in procs]
-    assert all(c == 0 for c in codes), f"rank exit codes {codes} (a negative code is a signal; None a hang)"
+        _, rank, tb = errors[0]
+        killed = f" (ranks {alive} were still running and were killed)" if alive else ""
+        raise AssertionError("".join(line + "\n" for line in silent) + f"rank {rank} of {world_size} failed"
+                             f"{killed}:\n{tb}")
+    if hang:
+        raise AssertionError(hang)
+    assert not silent, "; ".join(silent) + (f"; ranks {alive} still running then were killed" if alive else "")
+
+
+# DeepSpeed's CPU all-reduce's shared-memory buffers (one per rank, named after the run's master port).
+SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+def shm_in_use(paths):
+    """The ``paths`` that a live process of this host has open or mapped."""
+    paths = set(paths)
+    used = set()
+    if not paths or not os.path.isdir("/proc"):
+        return used
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    fields = line.rstrip("\n").split(maxsplit=5)  # address perms offset dev inode [path]
+                    path = fields[5] if len(fields) == 6 else ""
+                    path = path[:-len(" (deleted)")] if path.endswith(" (deleted)") else path
+                    if path in paths:
+                        used.add(path)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link in paths:
+                    used.add(link)
+        except OSError:  # ended meanwhile, or another user's
+            continue
+    return used
+
+
+def remove_unused_shm_buffers(paths):
+    """Remove those of ``paths`` (DeepSpeed's shared-memory buffers) that no live process has open or mapped.
+    A buffer of a run still going on (another test process's) stays: its peers open it by name, and a
+    peer that finds it gone waits forever."""
+    paths = set(paths)
+    for path in paths - shm_in_use(paths):
+        try:
+            os.remove(path)
+        except OSError:
+            pass

@@ -55,48 +55,20 @@ def test_bench_dispatcher_settings_refuses_bad_settings(setting, said):
 def test_bench_dispatcher_settings_parses_literals():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_dispatcher_settings import parse_setting
-    assert parse_setting("a:own_rows_whole=False,combine_chunks=16,combine_push_blocks=None") == (
-        "a", {"own_rows_whole": False, "combine_chunks": 16, "combine_push_blocks": None})
+    assert parse_setting("a:dedup=False,combine_chunks=16,combine_push_blocks=None") == (
+        "a", {"dedup": False, "combine_chunks": 16, "combine_push_blocks": None})
 
 
 def test_bench_dispatch_parses_combine_variants():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from bench_dispatch import parse_variant
-    assert parse_variant("16/0/2/0.5") == (16, None, 2, 0.5, False, False)
-    assert parse_variant("8/33/1/0/q") == (8, 33, 1, None, True, False)  # the queue's default GPU fences
-    assert parse_variant("8/0/2/0.5/q/s") == (8, None, 2, 0.5, True, True)  # system fences per warp
-    for bad in ("16/0/2", "16/0/2/0.5/x", "16/0/2/0.5/q/q", "a/0/2/0.5", "16/0/2/1.5", "16/0/2/0.5/s",
-                "16/0/2/0.5/q/g", "16/0/2/0.5/q/s/s"):
+    assert parse_variant("16/0/0.5") == (16, None, 0.5, False, False)
+    assert parse_variant("8/33/0/q") == (8, 33, None, True, False)  # the queue's default GPU fences
+    assert parse_variant("8/0/0.5/q/s") == (8, None, 0.5, True, True)  # system fences per warp
+    for bad in ("16/0", "16/0/0.5/x", "16/0/0.5/q/q", "a/0/0.5", "16/0/1.5", "16/0/0.5/s", "16/0/0.5/q/g",
+                "16/0/0.5/q/s/s"):
         with pytest.raises(SystemExit, match="--combine-variants"):
             parse_variant(bad)
-
-
-def test_bench_dispatch_summarizes_a_combine_timeline():
-    """Block words as the kernel stamps them (W = 3 + 2 * max_chunks each, then the chunks' raise
-    stamps): one pushing and two reducing blocks, two chunks, in ns from 1000."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    from bench_dispatch import median_trace, summarize_trace, trace_line
-    max_chunks, W = 4, 3 + 2 * 4
-
-    def block(start, end, sorted_=0, seen=(), summed=()):
-        words = [start, end, sorted_] + [0] * (2 * max_chunks)
-        for c, (a, b) in enumerate(zip(seen, summed)):
-            words[3 + c], words[3 + max_chunks + c] = a, b
-        return words
-
-    words = (block(1000, 9000, sorted_=3000) + block(2000, 12000, seen=(5000, 9500), summed=(6000, 11000)) +
-             block(1500, 11500, seen=(5500, 9200), summed=(6500, 11500)) + [4000, 8800, 0, 0])
-    t = summarize_trace(words, 3, 1, 2, W, max_chunks)
-    assert t == {"push_started": 0.0, "reduce_started": 1.0, "sorted": 2.0, "push_end_first": 8.0, "push_end": 8.0,
-                 "chunk_raised": [3.0, 7.8], "chunk_seen": [4.5, 8.5], "chunk_summed": [5.5, 10.5], "end": 11.0}
-    # A block that stamped nothing for a word gives None there, not a time before the start.
-    words[2] = 0
-    assert summarize_trace(words, 3, 1, 2, W, max_chunks)["sorted"] is None
-    later = dict(t, end=13.0, chunk_raised=[5.0, 9.8])
-    m = median_trace([t, later, dict(t, end=12.0)])
-    assert m["end"] == 12.0 and m["chunk_raised"] == [3.0, 7.8] and m["push_end"] == 8.0
-    assert median_trace([t, dict(t, sorted=None)])["sorted"] is None
-    assert "push end 8.0-8.0" in trace_line(m) and "end 12.0 us" in trace_line(m)
 
 
 def test_autotune_fixed_plans_are_every_plan_of_the_space_by_label():

@@ -322,7 +322,7 @@ def _check_linears(me, G, device, dtype):
     ref_lp = single(dtype)
 
     for schedule in ("ring", "bidirectional_ring"):
-        cfg = UniEPConfig.from_dict({"commfuse": {"enabled": True, "schedule": schedule, "num_chunks": 2}})
+        cfg = UniEPConfig.from_dict({"commfuse": {"schedule": schedule, "num_chunks": 2}})
         col = ColumnParallelLinear.from_linear(lin1, config=cfg.commfuse).to(device=device, dtype=dtype)
         row = RowParallelLinear.from_linear(lin2, config=cfg.commfuse).to(device=device, dtype=dtype)
         assert isinstance(col.weight, torch.nn.Parameter) and col.weight.shape == (F // G, H)
@@ -385,7 +385,8 @@ def _check_errors(me, G, device):
 
 def _plans_consistent():
     """Pure schedule check: every send has a matching receive and every block/partial arrives once."""
-    from ds_uniep.commfuse.ops import _ag_plan, _offsets, _remote_runs, _rs_plan
+    from ds_uniep.commfuse.common import _offsets, _remote_runs
+    from ds_uniep.commfuse.ops import _ag_plan, _rs_plan
     for G in range(1, 9):
         # local_first: the runs cover every row but this rank's once, each run whole blocks.
         for sizes in ([3] * G, [0, 5, 0, 2, 7, 0, 1, 4][:G], [1, 19, 111, 5, 0, 7, 7, 7][:G]):
@@ -552,7 +553,7 @@ def test_reference_own_chunks_cuts_only_the_owners_partial():
     row chunk of the block (``_chunks``), every other partial one GEMM per block, added in rank
     order in fp32 and cast once; C = 1 and blocks of one row or none keep the whole-block GEMM."""
     from ds_uniep.commfuse import ref_matmul_reduce_scatter
-    from ds_uniep.commfuse.ops import _chunks, _offsets
+    from ds_uniep.commfuse.common import _chunks, _offsets
     G, N = 3, 5
     for sizes in ([4, 3, 3], [1, 0, 9]):
         T = sum(sizes)
@@ -589,7 +590,7 @@ def test_arrival_segments_cover_every_row_once_own_block_first():
     wait), then the blocks of me-1, me-2, ... each waiting for its owner's word; empty blocks have
     no segment, and together the segments cover every row once."""
     from ds_uniep.commfuse.arrival import segments
-    from ds_uniep.commfuse.ops import _offsets
+    from ds_uniep.commfuse.common import _offsets
     from ds_uniep.gemm import SEG_ALT_ROWS
     for sizes in ([3], [5, 7], [1, 19, 111, 5], [0, 5, 0, 2, 7, 0, 1, 4], [0, 0, 0]):
         offs = _offsets(sizes)
@@ -645,7 +646,7 @@ def _sum_by_steps(parts):
 
 
 def test_ordered_sum_rejects_mismatched_parts():
-    from ds_uniep.commfuse.ops import ordered_sum
+    from ds_uniep.commfuse.common import ordered_sum
     with pytest.raises(ValueError, match="every part must have the shape"):
         ordered_sum([torch.zeros(3, 2), torch.zeros(2, 3)])
     parts = _sum_inputs(3, (5, 7), torch.bfloat16, "cpu")
@@ -656,16 +657,16 @@ def test_ordered_sum_rejects_mismatched_parts():
 def test_ordered_sum_on_cuda_adds_in_list_order():
     """The one-pass CUDA kernel gives the bits of fp32 adds in list order and one cast; a sum in another
     order gives other bits on these inputs (so the check can fail)."""
-    from ds_uniep.commfuse import ops
+    from ds_uniep.commfuse import common
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for n_parts in (2, 3, 4, 8):
             for shape in ((1,), (19, 33), (2048, 4099 + n_parts)):
                 parts = _sum_inputs(n_parts, shape, dtype, "cuda")
                 want = _sum_by_steps(parts)
-                got = ops.ordered_sum(parts)
-                strided = ops.ordered_sum([torch.stack([p, p], -1)[..., 0] for p in parts])
+                got = common.ordered_sum(parts)
+                strided = common.ordered_sum([torch.stack([p, p], -1)[..., 0] for p in parts])
                 assert got.dtype == dtype and torch.equal(got, want), (dtype, n_parts, shape)
                 assert torch.equal(strided, want), ("strided", dtype, n_parts, shape)
         parts = _sum_inputs(4, (2048, 4096), dtype, "cuda")
         assert not torch.equal(_sum_by_steps(parts), _sum_by_steps(parts[::-1])), dtype
-    assert not ops._SUM_FALLBACK[0], "the one-pass kernel fell back to step-by-step adds"
+    assert not common._SUM_FALLBACK[0], "the one-pass kernel fell back to step-by-step adds"

@@ -1,8 +1,7 @@
-"""The docs say what the code does: README's config list is the code's, CHANGELOG is Keep a Changelog."""
+"""The docs say what the code does: docs/config.md is the code's, CHANGELOG is Keep a Changelog."""
+import importlib.util
 import os
 import re
-
-from ds_uniep.config import describe_fields
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -12,11 +11,18 @@ def _read(name):
         return f.read()
 
 
-def test_readme_lists_every_config_field_as_the_code_describes_it():
+def test_config_doc_is_the_code_s():
+    spec = importlib.util.spec_from_file_location("gen_config", os.path.join(ROOT, "docs", "gen_config.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert _read("docs/config.md") == gen.render(), \
+        "regenerate it: python docs/gen_config.py"
+
+
+def test_readme_links_exist():
     readme = _read("README.md")
-    section = readme.split("<!-- config-fields -->\n", 1)[1].split("<!-- /config-fields -->", 1)[0]
-    expected = "".join(f"- `{k}`: {v}\n" for k, v in describe_fields().items())
-    assert section == expected, "regenerate the README section with `python -m ds_uniep.config`:\n" + expected
+    for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme):
+        assert os.path.exists(os.path.join(ROOT, target)), target
 
 
 def test_readme_has_the_two_commands_ci_runs():
@@ -37,8 +43,19 @@ def test_changelog_is_keep_a_changelog():
 def test_benchmark_shapes_doc_is_the_presets():
     from ds_uniep.hybrid.presets import PRESETS
     from ds_uniep.tuning.presets import num_experts_at
-    text = _read("docs/benchmarks.md")
+    text = _read("docs/performance.md")
     rows = {m.group(1): tuple(int(v) for v in m.groups()[1:])
             for m in re.finditer(r"^\| ([\w-]+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", text, flags=re.M)}
     assert rows == {name: (s.hidden, s.ffn, s.num_experts, s.top_k, s.tokens_per_rank) for name, s in PRESETS.items()}
     assert "At ep 4 the dsv3-like layer runs 32 experts" in text and num_experts_at("dsv3-like", 4) == 32
+
+
+def test_performance_doc_cites_exactly_the_result_files_kept():
+    text = _read("docs/performance.md")
+    results = os.path.join(ROOT, "docs", "results")
+    for name in os.listdir(results):
+        shaped = re.sub(r"(mixtral|dsv2lite|dsv3)-like", "<shape>", name)
+        assert name in text or shaped in text, f"docs/results/{name} is cited by no table of docs/performance.md"
+    for cited in re.findall(r"docs/results/([\w.<>-]+)", text):
+        for shape in ("mixtral-like", "dsv2lite-like", "dsv3-like"):
+            assert os.path.exists(os.path.join(results, cited.replace("<shape>", shape))), cited

@@ -1,4 +1,5 @@
-"""The order in which ``UniEPMoE._forward_dispatch_early`` issues its steps (CPU, one gloo rank).
+"""The order in which the megakernel's early-dispatch schedules issue their steps (CPU, one gloo rank):
+``ds_uniep.schedules.EarlySequential`` and ``Fused`` with ``early``.
 
 Under the fused schedule the experts are stacked before the routes (the fused dispatch needs the
 stacked first projection when it is queued; stacked between the routes and the dispatch, that host
@@ -11,7 +12,8 @@ dispatch's counts before ``dispatch()`` waits for the row count. With rank parti
 stages the gates) and in the fused schedule without the fused dispatch, the rest of the gate comes
 first and ``dispatch()`` gets the gates. The dispatcher here is a stand-in that records its calls
 (the real one needs NVLink peers); the gate is DeepSpeed's own, split by
-``ds_uniep.gating.route_split``. The GPU tests check that either order gives the same bits.
+``ds_uniep.gating.route_split``. The schedule is resolved before the calls are recorded (the
+resolver asks whether the experts stack). The GPU tests check that either order gives the same bits.
 """
 import torch
 
@@ -22,8 +24,6 @@ COUNTS = torch.tensor([3, 0, 5, 2])  # rows per local expert, as the layout woul
 
 class _Recorder:
     """Stands in for ``NVLinkDispatcher``: records the layer's calls in ``calls``."""
-
-    ordering = "layout"
 
     def __init__(self, calls, seen, rank_partials):
         self.calls, self.seen, self.rank_partials = calls, seen, rank_partials
@@ -47,27 +47,27 @@ class _Recorder:
 
 
 def _orders(rank, world_size):
-    from ds_uniep import SwiGLUExpert, UniEPMoE, gating
-    from ds_uniep import layer as layer_mod
+    from ds_uniep import SwiGLUExpert, UniEPMoE, gating, schedules
+    from ds_uniep.schedules import common, fused
     from moe_models import MLP
 
     real_split = gating.route_split
     cases = {  # (schedule, fused_dispatch, rank partials, grouped bf16 experts) -> the calls expected
-        ("fused", True, False, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin",
-                                        "dispatch()", "finish", "experts"],
-        ("fused", True, True, False): ["stack", "fuses", "routes", "request_fused", "dispatch_begin", "finish",
+        ("fused", True, False, False): ["stack", "routes", "request_fused", "dispatch_begin", "dispatch()", "finish",
+                                        "experts"],
+        ("fused", True, True, False): ["stack", "routes", "request_fused", "dispatch_begin", "finish",
                                        "dispatch(gates)", "experts"],
-        ("fused", False, False, False): ["stack", "fuses", "routes", "dispatch_begin", "finish",
-                                         "dispatch(gates)", "experts"],
+        ("fused", False, False, False): ["stack", "routes", "dispatch_begin", "finish", "dispatch(gates)", "experts"],
         ("sequential", True, False, False): ["routes", "dispatch_begin", "stack", "dispatch()", "local experts",
                                              "finish", "combine"],
         # experts that run as grouped GEMMs: their row ends are queued before dispatch() waits for the row count
         ("sequential", True, False, True): ["routes", "dispatch_begin", "stack", "pending counts", "dispatch()",
                                             "local experts", "finish", "combine"],
         ("sequential", True, True, False): ["routes", "dispatch_begin", "finish", "stack", "dispatch(gates)",
-                                            "experts"],
+                                            "local experts", "combine"],
     }
-    real_stack = layer_mod.stack_experts
+    real_stack, real_local, real_request = common.stack, common.local_experts, fused.request_fused
+    real_experts = fused.Fused.experts_and_combine
     for (schedule, fused_dispatch, partials, grouped), want in cases.items():
         torch.manual_seed(0)
         layer = UniEPMoE(16, SwiGLUExpert(16, 32) if grouped else MLP(16, 32), num_experts=4, ep_size=1, k=2,
@@ -89,29 +89,35 @@ def _orders(rank, world_size):
                 return seen["finish"]
             return idx, recorded
 
-        def experts(dispatcher, x, recv, local_counts, stacked, fused, gates, handle):
+        def experts(self, layer, dispatcher, x, recv, local_counts, stacked, gates, handle):
             calls.append("experts")
             seen["gates"] = gates
             return x * 2
 
-        def local_experts(dispatcher, recv, local_counts, stacked, fused, last=None, into=None, offs=None):
+        def local_experts(layer, dispatcher, recv, local_counts, stacked, fused, last=None, into=None, offs=None):
             calls.append("local experts")
             assert not fused and (stacked is not None) == grouped
             seen["offs"] = offs
             return recv * 2
 
-        layer._dispatcher = lambda x: _Recorder(calls, seen, partials)
-        layer._local_experts = local_experts
-        layer._fuses = lambda dispatcher, grouped: calls.append("fuses") or schedule == "fused"
-        layer._request_fused = lambda dispatcher, stacked: calls.append("request_fused")
-        layer._experts_and_combine = experts
-        layer_mod.gating.route_split = split
-        layer_mod.stack_experts = lambda *a, **kw: calls.append("stack") or real_stack(*a, **kw)
+        recorder = _Recorder(calls, seen, partials)
+        layer._dispatcher = lambda x: recorder
+        gating.route_split = split
+        common.stack = lambda layer, x: calls.append("stack") or real_stack(layer, x)
+        common.local_experts, fused.Fused.experts_and_combine = local_experts, experts
+        fused.request_fused = lambda dispatcher, stacked, configs: calls.append("request_fused")
         try:
             x = torch.randn(2, 5, 16, dtype=dtype)
+            chosen, _ = layer._schedule(x.reshape(-1, 16))
+            if schedule == "fused":  # the fused schedule needs experts that stack: stand-ins for its checks
+                chosen = schedules.Fused(True, fused_dispatch, True, None)
+                layer._schedules[x.device, x.dtype] = (layer._schedules[x.device, x.dtype][0], chosen)
+            assert type(chosen) is {"fused": schedules.Fused, "sequential": schedules.EarlySequential}[schedule]
+            calls.clear()
             out, l_aux, counts = layer(x)
         finally:
-            layer_mod.gating.route_split, layer_mod.stack_experts = real_split, real_stack
+            gating.route_split, common.stack, common.local_experts = real_split, real_stack, real_local
+            fused.request_fused, fused.Fused.experts_and_combine = real_request, real_experts
         where = f"{schedule}, fused_dispatch={fused_dispatch}, rank partials={partials}, grouped={grouped}"
         assert calls == want, f"{where}: {calls}"
         # whatever the order, the combine gets the gate's own gates and the layer its auxiliary loss and counts

@@ -59,15 +59,20 @@ def test_missing_group_is_explained():
 
 @pytest.mark.parametrize("block,pattern", [
     ({"backnd": "auto"}, r"uniep\.backnd: unknown key; allowed keys here: autotune, backend"),
-    ({"backend": "gpu"}, r"uniep\.backend: Input should be 'auto', 'reference' or 'megakernel'"),
-    ({"overlap": {"schedule": "fast"}}, r"uniep\.overlap\.schedule: Input should be 'sequential', 'pipelined'"),
+    ({"backend": "gpu"}, r"uniep\.backend: expected one of 'auto', 'reference', 'megakernel', got str 'gpu'"),
+    ({"overlap": {"schedule": "fast"}}, r"uniep\.overlap\.schedule: expected one of 'sequential', 'pipelined'"),
     ({"overlap": {"tile_m": 100}}, r"uniep\.overlap\.tile_m: .*64, 128, 256"),
     ({"hybrid": {"migrated_fraction": 1.5}}, r"uniep\.hybrid\.migrated_fraction: .*must be a number in \[0, 1\] "
      r"or 'auto', got 1\.5"),
-    ({"compression": {"dispatch_dtype": "int8"}}, r"uniep\.compression\.dispatch_dtype: .*'activation' or "
+    ({"compression": {"dispatch_dtype": "int8"}}, r"uniep\.compression\.dispatch_dtype: .*'activation', "
      r"'fp8_e4m3'"),
-    ({"max_tokens_per_rank": "4096"}, r"uniep\.max_tokens_per_rank: Input should be a valid integer"),
-    ({"deterministic": "yes"}, r"uniep\.deterministic: Input should be a valid boolean"),
+    ({"max_tokens_per_rank": "4096"}, r"uniep\.max_tokens_per_rank: expected int, got str '4096'"),
+    ({"overlap": {"combine_queue": "yes"}}, r"uniep\.overlap\.combine_queue: expected bool, got str 'yes'"),
+    ({"overlap": {"num_comm_sms": 0}}, r"uniep\.overlap\.num_comm_sms: must be an integer in \[1, 132\], got 0"),
+    ({"overlap": {"num_chunks": 65}}, r"uniep\.overlap\.num_chunks: must be an integer in \[1, 64\], got 65"),
+    ({"deterministic": True}, r"uniep\.deterministic: unknown key"),
+    ({"overlap": {"stages": 4}}, r"uniep\.overlap\.stages: unknown key"),
+    ({"commfuse": {"enabled": True}}, r"uniep\.commfuse\.enabled: unknown key"),
     ({"autotune": {"budget": 3}}, r"uniep\.autotune\.budget: unknown key; allowed keys here: allow_numerics_change"),
     ({"commfuse": {"schedule": "arrival", "transport": "p2p"}}, r"uniep\.commfuse: .*schedule 'arrival' moves "
      r"blocks by the copy engines; transport 'p2p' does not apply"),
@@ -130,25 +135,6 @@ def test_ep_size_larger_than_world():
     run_distributed(_ep_larger_than_world, 2)
 
 
-def test_arrival_ordering_refuses_what_it_cannot_run():
-    from ds_uniep.megakernel import NVLinkDispatcher
-    with pytest.raises(ValueError, match=r"test\.bad \(rank 0\): ordering must be 'layout' or 'arrival', got 'fifo'"):
-        NVLinkDispatcher("test.bad", 4, 1, 256, 2, torch.bfloat16, {}, ordering="fifo")
-    fp8 = {"compression": {"dispatch_dtype": "fp8_e4m3"}}
-    with pytest.raises(ValueError, match="arrival ordering .* neither with FP8 dispatch nor with pull_combine"):
-        NVLinkDispatcher("test.fp8", 4, 1, 256, 2, torch.bfloat16, fp8, ordering="arrival")
-    with pytest.raises(ValueError, match="arrival ordering .* neither with FP8 dispatch nor with pull_combine"):
-        NVLinkDispatcher("test.pull", 4, 1, 256, 2, torch.bfloat16, {}, ordering="arrival", pull_combine=True)
-
-
-def test_combine_push_options_are_checked():
-    from ds_uniep.megakernel import NVLinkDispatcher
-    with pytest.raises(ValueError, match=r"test\.lead \(rank 0\): combine_push_lead = -1 must be at least 0"):
-        NVLinkDispatcher("test.lead", 4, 1, 256, 2, torch.bfloat16, {}, combine_push_lead=-1)
-    with pytest.raises(ValueError, match=r"combine_push_blocks = 0 must be at least 1"):
-        NVLinkDispatcher("test.pushers", 4, 1, 256, 2, torch.bfloat16, {}, combine_push_blocks=0)
-
-
 def _reference_layer_outputs(configs, backward):
     """Output (and input gradient) of a fresh reference-backend layer with the same weights per config."""
     outs = []
@@ -176,19 +162,11 @@ def test_accumulation_boundary_without_reuse_is_said_and_a_non_function_refused(
         UniEPMoE(8, MLP(8, 8), num_experts=2).set_accumulation_boundary(True)
 
 
-def test_not_deterministic_on_the_reference_backend_is_said_and_changes_nothing():
-    with _logged() as records:
-        outs = _reference_layer_outputs([{"deterministic": True}, {"deterministic": False}], backward=True)
-    said = [r.getMessage() for r in records if '"deterministic": false changes nothing' in r.getMessage()]
-    assert len(said) == 1 and "reference backend" in said[0], said
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
 def test_overlap_knobs_that_wait_for_the_fused_schedule_are_named():
     """Knobs of schedules not built yet are accepted and said to do nothing; "sequential" is not."""
     overlaps = ({"schedule": "sequential"}, {"schedule": "pipelined", "num_chunks": 4}, {},
                 {"schedule": "pipelined", "num_chunks": 4})  # the second such layer is not named again
-    from ds_uniep import layer as layer_module
+    from ds_uniep import schedules as layer_module
     layer_module._SAID_WAITING.clear()  # said once per process: start from none said
     with _logged() as records:
         outs = _reference_layer_outputs([{"overlap": o} for o in overlaps], backward=False)
@@ -201,7 +179,7 @@ def test_overlap_knobs_that_wait_for_the_fused_schedule_are_named():
 def test_fused_schedule_and_its_unread_knobs_are_named_off_the_megakernel():
     """On the reference backend the fused schedule does not run: "schedule": "fused" and the
     knobs no schedule reads yet (tile_m here) are named once, and the results are unchanged."""
-    from ds_uniep import layer as layer_module
+    from ds_uniep import schedules as layer_module
     layer_module._SAID_WAITING.clear()
     with _logged() as records:
         outs = _reference_layer_outputs([{"overlap": {"schedule": "sequential"}},
@@ -217,7 +195,7 @@ def test_fused_schedule_and_its_unread_knobs_are_named_off_the_megakernel():
 
 def test_roles_are_named_unless_the_fused_dispatch_reads_them():
     """``roles`` is read by the megakernel's fused dispatch only: set anywhere else it is named."""
-    from ds_uniep import layer as layer_module
+    from ds_uniep import schedules as layer_module
     from ds_uniep.config import UniEPConfig
     counts = []
     for overlap, backend in (({"schedule": "fused", "roles": "interleaved"}, "megakernel"),
@@ -226,8 +204,7 @@ def test_roles_are_named_unless_the_fused_dispatch_reads_them():
                              ({"schedule": "fused", "roles": "interleaved"}, "reference")):
         layer_module._SAID_WAITING.clear()
         with _logged() as records:
-            layer_module._say_overlap_knobs_wait(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend,
-                                                 "layer 0")
+            layer_module.say_unread_knobs(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend, "layer 0")
         said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
         assert all("roles='interleaved'" in m for m in said), said
         counts.append(len(said))
@@ -235,31 +212,30 @@ def test_roles_are_named_unless_the_fused_dispatch_reads_them():
 
 
 def test_signal_granularity_is_named_unless_the_fused_dispatch_reads_it():
-    """``signal_granularity`` is read by the megakernel's fused dispatch only; ``stages`` by nothing."""
-    from ds_uniep import layer as layer_module
+    """``signal_granularity`` is read by the megakernel's fused dispatch only; tiles by ds_uniep's GEMM only."""
+    from ds_uniep import schedules as layer_module
     from ds_uniep.config import UniEPConfig
     for overlap, backend, named in (
             ({"schedule": "fused", "signal_granularity": "expert"}, "megakernel", []),
-            ({"schedule": "fused", "signal_granularity": "rank", "stages": 3}, "megakernel", ["stages=3"]),
+            ({"schedule": "fused", "signal_granularity": "rank", "tile_m": 128}, "megakernel", ["tile_m=128"]),
             ({"schedule": "sequential", "signal_granularity": "expert"}, "megakernel",
              ["signal_granularity='expert'"]),
             ({"schedule": "fused", "fused_dispatch": False, "signal_granularity": "rank"}, "megakernel",
              ["signal_granularity='rank'"])):
         layer_module._SAID_WAITING.clear()
         with _logged() as records:
-            layer_module._say_overlap_knobs_wait(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend,
-                                                 "layer 0")
+            layer_module.say_unread_knobs(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend, "layer 0")
         said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
         assert len(said) == (1 if named else 0), (overlap, said)
         assert all(n in said[0] for n in named), (overlap, said)
         if said:
-            assert ("signal_granularity" in said[0].split("accepted")[0]) == (named != ["stages=3"]), said
+            assert ("signal_granularity" in said[0].split("accepted")[0]) == (named != ["tile_m=128"]), said
 
 
 def test_combine_knobs_are_named_where_the_combine_kernels_do_not_move_the_rows():
     """``combine_chunks`` and ``combine_queue`` are read by the megakernel's combine kernels: under the
     sequential schedule and the fused one without its epilogues; the queue needs chunks."""
-    from ds_uniep import layer as layer_module
+    from ds_uniep import schedules as layer_module
     from ds_uniep.config import UniEPConfig
     both = {"combine_chunks": 4, "combine_queue": True}
     for overlap, backend, named in (
@@ -272,8 +248,7 @@ def test_combine_knobs_are_named_where_the_combine_kernels_do_not_move_the_rows(
             ({"combine_chunks": 0}, "megakernel", [])):
         layer_module._SAID_WAITING.clear()
         with _logged() as records:
-            layer_module._say_overlap_knobs_wait(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend,
-                                                 "layer 0")
+            layer_module.say_unread_knobs(UniEPConfig.from_dict({"overlap": overlap}).overlap, backend, "layer 0")
         said = [r.getMessage() for r in records if "accepted but not acted on" in r.getMessage()]
         assert len(said) == (1 if named else 0), (overlap, backend, said)
         if said:
@@ -327,11 +302,11 @@ def test_tile_sizes_choose_the_uniep_gemm_tile_and_others_are_refused():
     cfg = UniEPConfig.coerce({"expert_gemm": "uniep"})
     applied = Plan.from_config(cfg).replace(num_comm_sms=16).apply(cfg).overlap
     assert not {"tile_m", "tile_n"} & applied.model_fields_set and "num_comm_sms" in applied.model_fields_set
-    # A backend space's plans carry the baseline's 64x64 tiles, which no backend walks: applied, they
+    # A backend space's plans carry the baseline's unset tiles, which no backend walks: applied, they
     # leave the config's tiles (unset: the GEMM's own choice; set: those) as they were.
     baseline = Space(Shape(T=64, M=64, F=64, E=4, k=2), GPUInfo.cpu(), backend="megakernel",
                      expert_gemm="uniep").baseline()
-    assert (baseline.tile_m, baseline.tile_n) == (64, 64)
+    assert (baseline.tile_m, baseline.tile_n) == (None, None)
     assert not {"tile_m", "tile_n"} & baseline.apply(cfg).overlap.model_fields_set
     cfg = UniEPConfig.coerce({"expert_gemm": "uniep", "overlap": {"tile_m": 256, "tile_n": 128}})
     assert {"tile_m", "tile_n"} <= Plan.from_config(cfg).apply(cfg).overlap.model_fields_set
@@ -396,9 +371,9 @@ def test_used_token_needs_one_value_per_token_and_is_said_to_do_nothing_past_top
 
 def test_config_file_with_a_bare_block_is_read_as_the_block(tmp_path):
     path = tmp_path / "uniep.json"
-    path.write_text(json.dumps({"backend": "reference", "deterministic": False}))
+    path.write_text(json.dumps({"backend": "reference", "max_tokens_per_rank": 64}))
     cfg = UniEPConfig.coerce(str(path))
-    assert cfg.backend == "reference" and cfg.deterministic is False
+    assert cfg.backend == "reference" and cfg.max_tokens_per_rank == 64
     path.write_text(json.dumps({"backnd": "reference"}))  # a typo is an error, not the defaults
     with pytest.raises(UniEPConfigError, match=r"uniep\.backnd: unknown key"):
         UniEPConfig.coerce(str(path))

@@ -326,7 +326,7 @@ def test_fused_segments_kernel_is_the_layout_runs():
     a crowded expert among them."""
     _gemm()
     from ds_uniep.layout import fused_runs
-    from ds_uniep.megakernel import _ext
+    from ds_uniep._ops import ext as _ext
     g = torch.Generator().manual_seed(9)
     for G, E in ((1, 4), (2, 64), (4, 32), (8, 128)):
         counts_all = torch.randint(0, 300, (G, E), generator=g)

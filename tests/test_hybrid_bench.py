@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_pacing_rejects_bad_arguments():
-    from ds_uniep.hybrid.runtime import InterSitePacing
+    from ds_uniep.hybrid.pacing import InterSitePacing
     for kwargs, word in (({"site_size": 0, "bytes_per_s": 1e9}, "site_size"),
                          ({"site_size": 2, "bytes_per_s": 0}, "bytes_per_s"),
                          ({"site_size": 2, "bytes_per_s": float("inf")}, "bytes_per_s"),
@@ -27,7 +27,7 @@ def test_pacing_rejects_bad_arguments():
 def test_background_transfers_yield_to_blocking_ones_and_overlap_compute():
     """One far peer, 1 MB/s: a 40 ms background transfer behind which a 20 ms blocking one goes first
     ends at 60 ms; compute done meanwhile is not added; a second background one queues behind the first."""
-    from ds_uniep.hybrid.runtime import InterSitePacing
+    from ds_uniep.hybrid.pacing import InterSitePacing
     cpu = torch.device("cpu")
     pacing = InterSitePacing(2, 1e6)
     pacing.remote = lambda group: [False, True]
@@ -107,7 +107,8 @@ def _expert_bytes():
 def _pacing_body(rank, world_size):
     import torch.distributed as dist
 
-    from ds_uniep.hybrid.runtime import InterSitePacing, measure_bandwidths
+    from ds_uniep.hybrid.pacing import InterSitePacing
+    from ds_uniep.hybrid.planning import measure_bandwidths
     g = torch.Generator().manual_seed(rank)
     x, gy = torch.randn(40, M, generator=g), torch.randn(40, M, generator=g)
     for S in (1, 2, 4):

@@ -4,7 +4,6 @@ Both backends run the same grouped GEMMs over the same rows in the same layout
 order and combine in slot order in fp32, so outputs agree bit for bit; the gate
 gradient is reduced in a different (fixed) order by each, so gradients agree to
 bf16 tolerance. Megakernel runs must be bitwise identical to each other. The
-arrival-ordered megakernel (``"deterministic": false``) must agree to bf16 tolerance.
 The pipelined and fused schedules must equal the sequential one bit for bit, for every chunk
 count and number of communication SMs, and so must the sequential schedule with its dispatch
 queued before the rest of the gate (the default) and after it. Under ``compression.combine``
@@ -20,7 +19,7 @@ from conftest import needs_gpus
 from dist_utils import run_distributed
 
 
-def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False,
+def _make(rank, world_size, k, backend, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False,
           max_tokens=4096, compression=None):
     """A layer with the same weights on every call (bf16 experts, fp32 gate); SwiGLU experts, or
     GeLU ones with biases (``gelu``); buffers for ``max_tokens`` tokens per rank. At least 2k
@@ -31,7 +30,7 @@ def _make(rank, world_size, k, backend, det=True, overlap=None, expert_gemm="tor
     expert = GeLUExpert(M, F) if gelu else SwiGLUExpert(M, F)
     layer = UniEPMoE(M, expert, num_experts=E, ep_size=world_size, k=k, min_capacity=0,
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
-                     config={"backend": backend, "max_tokens_per_rank": max_tokens, "deterministic": det,
+                     config={"backend": backend, "max_tokens_per_rank": max_tokens,
                              "expert_gemm": expert_gemm, "compression": compression or {},
                              "overlap": dict(timeout_s=5.0, **(overlap or {}))})
     with torch.no_grad():
@@ -108,8 +107,8 @@ def _check_same(layer, rank, cases, want, where):
 WORLD_SIZES = pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (2, 4)])
 
 
-def _run(rank, world_size, k, T, one_expert, backend, det=True, overlap=None):
-    layer = _make(rank, world_size, k, backend, det, overlap, max_tokens=max(T, 4096))
+def _run(rank, world_size, k, T, one_expert, backend, overlap=None):
+    layer = _make(rank, world_size, k, backend, overlap, max_tokens=max(T, 4096))
     res = _step(layer, rank, T, one_expert)
     assert layer.backend_name(torch.device("cuda", rank)) == backend
     return res, layer
@@ -128,20 +127,15 @@ def _cases(k):
 
 def _compare(rank, world_size):
     for k, T, one_expert in CASES + [(k, BIG, False) for k in (1, 2, 6, 8)]:
-        runs = {}
-        for backend, det in (("reference", True), ("megakernel", True), ("megakernel", True),
-                             ("megakernel", False)):
-            res, _ = _run(rank, world_size, k, T, one_expert, backend, det)
-            runs.setdefault(backend if det else "arrival", []).append(res)
-        ref, (mk1, mk2), arrival = runs["reference"][0], runs["megakernel"], runs["arrival"][0]
+        ref, _ = _run(rank, world_size, k, T, one_expert, "reference")
+        mk1, _ = _run(rank, world_size, k, T, one_expert, "megakernel")
+        mk2, _ = _run(rank, world_size, k, T, one_expert, "megakernel")
         where = f"rank {rank} k={k} T={T} one_expert={one_expert}"
         assert torch.equal(mk1[0], ref[0]), f"{where}: forward output differs from the reference"
         for i, (a, b, c) in enumerate(zip(ref, mk1, mk2)):
             assert torch.equal(b, c), f"{where}: tensor {i} of the megakernel not bitwise repeatable"
-            for mine, what in ((b, "megakernel"), (arrival[i], "arrival-ordered megakernel")):
-                rel = _rel(mine, a)
-                assert rel <= 1e-2, f"{where}: tensor {i} of the {what}: relative error {rel:.3e} against " \
-                                    "the reference"
+            rel = _rel(b, a)
+            assert rel <= 1e-2, f"{where}: tensor {i} of the megakernel: relative error {rel:.3e} against the reference"
 
 
 @WORLD_SIZES

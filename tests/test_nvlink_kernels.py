@@ -5,6 +5,8 @@ token index (t // 64, t % 64; exact in bf16), so a misplaced row names itself. T
 expert outputs are y = x * (e + 1) / 8 for the row's global expert e, which makes
 the whole layer a per-token function every rank can compute alone in torch.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -46,29 +48,24 @@ def _expert_fn(rows, experts):
     return (rows.float() * (experts.float().unsqueeze(1) + 1) / 8).to(rows.dtype)
 
 
-def _check_timeline(words, d, T, where):
-    """The chunked combine's timeline (NVLinkDispatcher.combine_trace) is in order: every block
-    started; a pushing block sorted, then ended; a reducing block saw each of this rank's chunks
-    before it summed it, and summed it before it saw the next."""
-    block_words, max_chunks = d.combine_trace_layout()
-    P, R = d.combine_pushers(), d.combine_reducers()
-    rows = [words[b * block_words:(b + 1) * block_words] for b in range(P + R)]
-    assert all(r[0] > 0 for r in rows), f"timeline: a block without a start stamp ({where})"
-    for b, r in enumerate(rows[:P]):
-        assert r[0] <= r[2] <= r[1], f"timeline: pushing block {b} start/sorted/end {r[:3]} ({where})"
-    chunk_tokens = d.combine_chunking()[0]
-    mine = -(-T // chunk_tokens)
-    for q, r in enumerate(rows[P:]):
-        stamps = [r[0]] + [v for c in range(mine) for v in (r[3 + c], r[3 + max_chunks + c])] + [r[1]]
-        assert all(v > 0 for v in stamps) and stamps == sorted(stamps), \
-            f"timeline: reducing block {q}: start, (seen, summed) per chunk, end out of order: {stamps} ({where})"
+def _disp(name, E, G, k, dtype, cfg, knobs=None, **hooks):
+    """An NVLinkDispatcher built from the block ``cfg``, with ``knobs`` (a dict) replacing some of
+    its knobs and ``hooks`` set as its test attributes (padded_recv, dedup, combine_push_blocks, ...)."""
+    from ds_uniep.megakernel import NVLinkDispatcher
+    d = NVLinkDispatcher.from_config(name, E, G, M, k, dtype, cfg)
+    if knobs:
+        d.set_knobs(dataclasses.replace(d.knobs, **knobs))
+    for attr, value in hooks.items():
+        assert hasattr(d, attr), f"NVLinkDispatcher has no test attribute {attr}"
+        setattr(d, attr, value)
+    return d
 
 
 def _body(rank, G, dtype_name):
     import deepspeed.comm as dist
     from ds_uniep.config import UniEPConfig
     from ds_uniep.layout import build_layout, expert_counts
-    from ds_uniep.megakernel import NVLinkDispatcher, UniEPCapacityError
+    from ds_uniep.megakernel import UniEPCapacityError
     from ds_uniep.reference import fp8_roundtrip, weighted_slot_sum
 
     dtype = getattr(torch, dtype_name)
@@ -79,35 +76,26 @@ def _body(rank, G, dtype_name):
     report = []
     case = 0
     for k in (1, 2, 6, 8):
-        disp = NVLinkDispatcher(f"test.k{k}", E, G, M, k, dtype, cfg, group=None)
+        disp = _disp(f"test.k{k}", E, G, k, dtype, cfg)
         # The same layer (whose default combine pushes from one queue shared by the pushing warps,
-        # with the default blocks, one per SM; its timeline recorded) with combine as push-then-reduce
-        # kernels, chunked over 7 chunks with five pushing blocks and one reducing block in fixed
-        # shares, pushing chunk by chunk (not sorted), each pushing block a fixed share of the rows,
-        # pulling from source regions, pushing from the queue with five pushing and 300 reducing
-        # blocks (more than fit one per SM) and system-scoped fences per warp, with the gate
-        # gradients formed at the sources (y sent back) instead of on the experts, and sending a token once per slot
-        # rather than once per destination rank: when and where rows move and are summed
-        # changes, never the bits.
-        pull = NVLinkDispatcher(f"test.k{k}.pull", E, G, M, k, dtype, cfg, pull_combine=True)
-        variants = [NVLinkDispatcher(f"test.k{k}.two_pass", E, G, M, k, dtype, cfg, combine_chunks=0),
-                    NVLinkDispatcher(f"test.k{k}.chunks7", E, G, M, k, dtype, cfg, combine_chunks=7,
-                                     combine_reduce_blocks=1, combine_push_blocks=5, combine_push_queue=False), pull,
-                    NVLinkDispatcher(f"test.k{k}.gates_at_sources", E, G, M, k, dtype, cfg,
-                                     gate_grad_on_experts=False),
-                    NVLinkDispatcher(f"test.k{k}.no_dedup", E, G, M, k, dtype, cfg, dedup=False),
-                    NVLinkDispatcher(f"test.k{k}.by_chunk", E, G, M, k, dtype, cfg, combine_push_lead=0,
-                                     combine_push_queue=False),
-                    NVLinkDispatcher(f"test.k{k}.shares", E, G, M, k, dtype, cfg, combine_push_queue=False),
-                    NVLinkDispatcher(f"test.k{k}.queue7", E, G, M, k, dtype, cfg, combine_chunks=7,
-                                     combine_reduce_blocks=300, combine_push_blocks=5, combine_push_queue=True,
-                                     combine_queue_gpu_fence=False)]
-        queue = disp  # the default combine pushes from one queue; its timeline is recorded in both runs
-        assert queue.combine_push_queue and not variants[-2].combine_push_queue
+        # with the default blocks, one per SM) with combine as push-then-reduce kernels, chunked over
+        # 7 chunks with five pushing blocks and one reducing block in fixed shares, each pushing block
+        # a fixed share of the rows, pushing from the queue with five pushing and 300 reducing blocks
+        # (more than fit one per SM) and system-scoped fences per warp, with the gate gradients formed
+        # at the sources (y sent back) instead of on the experts, and sending a token once per slot
+        # rather than once per destination rank: when and where rows move and are summed changes,
+        # never the bits.
+        variants = [_disp(f"test.k{k}.two_pass", E, G, k, dtype, cfg, knobs={"combine_chunks": 0}),
+                    _disp(f"test.k{k}.chunks7", E, G, k, dtype, cfg, knobs={"combine_chunks": 7, "combine_queue": False},
+                          combine_reduce_blocks=1, combine_push_blocks=5),
+                    _disp(f"test.k{k}.gates_at_sources", E, G, k, dtype, cfg, gate_grad_on_experts=False),
+                    _disp(f"test.k{k}.no_dedup", E, G, k, dtype, cfg, dedup=False),
+                    _disp(f"test.k{k}.shares", E, G, k, dtype, cfg, knobs={"combine_queue": False}),
+                    _disp(f"test.k{k}.queue7", E, G, k, dtype, cfg, knobs={"combine_chunks": 7},
+                          combine_reduce_blocks=300, combine_push_blocks=5, combine_queue_gpu_fence=False)]
+        queue = disp  # the default combine pushes from one queue
+        assert queue.combine_queue and not variants[-2].combine_queue and variants[-1].combine_queue
         assert queue.combine_pushers() + queue.combine_reducers() == queue.num_blocks
-        # Arrival ordering (atomics, not reproducible): the same rows of each expert in some order,
-        # and sums within bf16 tolerance.
-        arrival = NVLinkDispatcher(f"test.k{k}.arrival", E, G, M, k, dtype, cfg, ordering="arrival")
         modes = [("random", 1), ("random", 19), ("random", T_MAX), ("one_expert", 19), ("empty_experts", 19),
                  ("one_expert", T_MAX)]
         for mode, T in modes:
@@ -127,44 +115,16 @@ def _body(rank, G, dtype_name):
                 R = int(counts.sum())
                 experts = torch.repeat_interleave(torch.arange(L, device=dev) + rank * L, counts)
                 y = _expert_fn(recv, experts)
-                src = None
-                if d is pull:
-                    src = d.combine_source(y.shape[0])
-                    src.copy_(y)
-                    y = src
-                pulled = d.combine_stats["pulled"]
-                if d is queue:
-                    trace = torch.zeros(d.ext.combine_trace_size(d.num_blocks), dtype=torch.int64, device=dev)
-                    d.combine_trace = trace
+                queued = d.combine_stats["queued"]
                 out = d.combine(y, g, handle)
-                d.combine_trace = None
-                if d is queue:
-                    _check_timeline(trace.tolist(), d, T, f"k={k}, T={T}, {mode}")
-                assert d.combine_stats["pulled"] == pulled + (d is pull), \
-                    f"the pulling combine was not taken (k={k}, T={T}, {mode}, R={R})"
-                y = src = None  # the source region is free again once the backward has run
+                assert d.combine_stats["queued"] == queued + bool(d.combine_chunks and d.combine_queue), \
+                    f"the queue was not taken as the knobs say (k={k}, T={T}, {mode}, R={R})"
                 w = torch.randn(out.shape, generator=torch.Generator().manual_seed(case)).to(dev)
                 (out.float() * w).sum().backward()
                 outs.append((recv.detach().clone(), out.detach().clone(), x.grad.clone(), g.grad.clone()))
             recv, out, gx, gg = outs[0]
-            x = xs[rank].to(dev).requires_grad_(True)
-            g = gates.clone().requires_grad_(True)
-            recv_a, counts_a, handle_a = arrival.dispatch(x, idx, g)
-            assert torch.equal(counts_a, counts), f"arrival: local counts (k={k}, T={T}, {mode})"
-            # Each row still holds its pair's token: sorted by source pair, the rows are the layout's.
-            order_a = torch.argsort(handle_a.recv_pair.long())
-            order = torch.argsort(handle.recv_pair.long())
-            assert torch.equal(handle_a.recv_pair[order_a], handle.recv_pair[order]), \
-                f"arrival: source pairs (k={k}, T={T}, {mode})"
-            assert torch.equal(recv_a[order_a], recv[order]), f"arrival: rows (k={k}, T={T}, {mode})"
-            experts_a = torch.repeat_interleave(torch.arange(L, device=dev) + rank * L, counts_a)
-            out_a = arrival.combine(_expert_fn(recv_a, experts_a), g, handle_a)
-            w = torch.randn(out_a.shape, generator=torch.Generator().manual_seed(case)).to(dev)
-            (out_a.float() * w).sum().backward()
-            arrival_vals = (out_a.detach(), x.grad.clone(), g.grad.clone())
-            labels = ("a second run", "push-then-reduce combine", "7-chunk combine", "pulling combine",
+            labels = ("a second run", "push-then-reduce combine", "7-chunk combine",
                       "gate gradients at the sources", "one row per slot (no dedup)",
-                      "chunked combine pushing chunk by chunk",
                       "chunked combine, each pushing block a fixed share of the rows",
                       "7-chunk combine pushing from one queue (5 pushing and 300 reducing blocks, system-scoped "
                       "warp fences)")
@@ -208,30 +168,26 @@ def _body(rank, G, dtype_name):
             def rel(a, b):
                 return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
-            out_a, gx_a, gg_a = arrival_vals
             for name, mine_v, ref_v, v64 in (("out", out, ref.detach(), ref64.detach()),
                                              ("grad_x", gx, xr.grad, x64.grad), ("grad_gates", gg, gr.grad,
-                                                                                  g64.grad),
-                                             ("arrival out", out_a, ref.detach(), ref64.detach()),
-                                             ("arrival grad_x", gx_a, xr.grad, x64.grad),
-                                             ("arrival grad_gates", gg_a, gr.grad, g64.grad)):
+                                                                                  g64.grad)):
                 err, ref_err = rel(mine_v, v64), rel(ref_v, v64)
                 assert err <= 2 * ref_err + 1e-6, f"{name}: error {err:.2e} > 2x reference's {ref_err:.2e} " \
                                                   f"(k={k}, T={T}, {mode})"
             if rank == 0:
                 report.append(f"k={k} T={T} {mode}: R={R} out bitwise==torch: {torch.equal(out, ref.detach())}")
     # padded_recv: R_max rows, the first R valid; no host sync.
-    disp = NVLinkDispatcher("test.padded", E, G, M, 2, dtype, cfg, group=None, padded_recv=True)
+    disp = _disp("test.padded", E, G, 2, dtype, cfg, padded_recv=True)
     idx, gates = (v.to(dev) for v in _routing(rank, 999, 19, 2, E, "random"))
     x = _inputs(rank, 999, 19, dtype).to(dev)
     recv, counts, handle = disp.dispatch(x, idx)
     assert recv.shape[0] == G * T_MAX * 2
-    recv2, counts2, _ = NVLinkDispatcher("test.exact", E, G, M, 2, dtype, cfg).dispatch(x, idx)
+    recv2, counts2, _ = _disp("test.exact", E, G, 2, dtype, cfg).dispatch(x, idx)
     assert torch.equal(recv[:int(counts.sum())], recv2)
     # FP8 dispatch: the reference's roundtrip exactly, deterministic, error reported.
     fcfg = UniEPConfig.from_dict({"max_tokens_per_rank": T_MAX, "compression": {"dispatch_dtype": "fp8_e4m3"}})
-    fdisp = NVLinkDispatcher("test.fp8", E, G, M, 8, dtype, fcfg)
-    exact = NVLinkDispatcher("test.fp8ref", E, G, M, 8, dtype, cfg)
+    fdisp = _disp("test.fp8", E, G, 8, dtype, fcfg)
+    exact = _disp("test.fp8ref", E, G, 8, dtype, cfg)
     idx, _ = _routing(rank, 555, T_MAX, 8, E, "random")
     x = torch.randn(T_MAX, M, generator=torch.Generator().manual_seed(rank)).to(dtype).to(dev)
     r1, _, _ = fdisp.dispatch(x, idx.to(dev))
@@ -255,33 +211,33 @@ def _body(rank, G, dtype_name):
                       torch.zeros(T_MAX + 1, 2, dtype=torch.int32, device=dev))
     # One pushing block whose sorted list of rows fills all 48 KiB of dynamic shared memory it may take
     # (12288 rows: every rank receives 8 rows per token), beside the kernel's static arrays: the launch
-    # raises the kernel's shared memory limit (it failed with "invalid argument" before); the same bits.
-    t_big = 12288 // 8
-    idx_b = torch.tensor([[(j % G) * L + (j // G + t) % L for j in range(8)] for t in range(t_big)],
-                         dtype=torch.int32, device=dev)
-    gates_b = torch.rand(t_big, 8, generator=torch.Generator().manual_seed(rank)).to(dev)
-    x_b = _inputs(rank, 2000, t_big, dtype).to(dev)
-    combined = []
-    for d in (NVLinkDispatcher("test.one_pusher", E, G, M, 8, dtype, cfg, combine_push_blocks=1,
-                               combine_push_queue=False),
-              NVLinkDispatcher("test.one_pusher_ref", E, G, M, 8, dtype, cfg, combine_push_queue=False)):
-        recv_b, _, handle_b = d.dispatch(x_b, idx_b)
-        assert recv_b.shape[0] == 12288, recv_b.shape
-        combined.append(d.combine(recv_b, gates_b, handle_b))
-    assert torch.equal(combined[0], combined[1]), "one pushing block with a full sorted list changed the bits"
+    # raises the kernel's shared memory limit; one more token's rows overflow the sorted list, and
+    # the block pushes chunk by chunk instead. The same bits each way.
+    one_pusher = _disp("test.one_pusher", E, G, 8, dtype, cfg, knobs={"combine_queue": False}, combine_push_blocks=1)
+    reference = _disp("test.one_pusher_ref", E, G, 8, dtype, cfg, knobs={"combine_queue": False})
+    for t_big in (12288 // 8, 12288 // 8 + 1):
+        idx_b = torch.tensor([[(j % G) * L + (j // G + t) % L for j in range(8)] for t in range(t_big)],
+                             dtype=torch.int32, device=dev)
+        gates_b = torch.rand(t_big, 8, generator=torch.Generator().manual_seed(rank)).to(dev)
+        x_b = _inputs(rank, 2000, t_big, dtype).to(dev)
+        combined = []
+        for d in (one_pusher, reference):
+            recv_b, _, handle_b = d.dispatch(x_b, idx_b)
+            assert recv_b.shape[0] == 8 * t_big, recv_b.shape
+            combined.append(d.combine(recv_b, gates_b, handle_b))
+        assert torch.equal(combined[0], combined[1]), f"one pushing block over {8 * t_big} rows changed the bits"
     # The shared push queue's blocks meet at barriers: more of them than fit on the GPU at once are
     # refused before anything moves (every rank refuses, so the layer stays in step).
-    over = NVLinkDispatcher("test.queue_over", E, G, M, 2, dtype, cfg, combine_push_queue=True,
-                            combine_push_blocks=10_000)
+    over = _disp("test.queue_over", E, G, 2, dtype, cfg, combine_push_blocks=10_000)
     idx_o, gates_o = _routing(rank, 1000, 19, 2, E, "random")
     recv_o, _, handle_o = over.dispatch(_inputs(rank, 1000, 19, dtype).to(dev), idx_o.to(dev))
-    with pytest.raises(ValueError, match="test.queue_over: combine_push_queue needs every pushing block resident"):
+    with pytest.raises(ValueError, match="test.queue_over: combine_queue needs every pushing block resident"):
         over.combine(recv_o, gates_o.to(dev), handle_o)
     torch.cuda.synchronize()
     dist.barrier()
     # Timeout: rank 0 dispatches alone; its wait gives up and names the layer, rank and signal.
     tcfg = UniEPConfig.from_dict({"max_tokens_per_rank": 64, "overlap": {"timeout_s": 0.5}})
-    lonely = NVLinkDispatcher("test.lonely", E, G, M, 1, dtype, tcfg, padded_recv=True)
+    lonely = _disp("test.lonely", E, G, 1, dtype, tcfg, padded_recv=True)
     if rank == 0:
         lonely.dispatch(torch.ones(4, M, dtype=dtype, device=dev), torch.zeros(4, 1, dtype=torch.int32, device=dev))
         with pytest.raises(Exception, match="test.lonely: rank 0 timed out .* 'counts' signal of rank 1"):
@@ -309,13 +265,12 @@ def _direct_body(rank, G):
     """In-place receive: a rank still holding its rows (or a view of them) gets the next rows by
     staging and copy-out, its held rows stay as they were, and both paths give the same rows."""
     from ds_uniep.config import UniEPConfig
-    from ds_uniep.megakernel import NVLinkDispatcher
 
     dev = torch.device("cuda", rank)
     E, k, T = 4 * G, 2, 257
     cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T, "overlap": {"timeout_s": 30.0}})
-    disp = NVLinkDispatcher("test.direct", E, G, M, k, torch.bfloat16, cfg)
-    plain = NVLinkDispatcher("test.staging", E, G, M, k, torch.bfloat16, cfg, direct_receive=False)
+    disp = _disp("test.direct", E, G, k, torch.bfloat16, cfg)
+    plain = _disp("test.staging", E, G, k, torch.bfloat16, cfg, direct=None)  # staging only
     idx = _routing(rank, 4242, T, k, E, "random")[0].to(dev)
     x1, x2 = (_inputs(rank, c, T, torch.bfloat16).to(dev) for c in (1, 2))
     want1, want2 = (plain.dispatch(x, idx)[0].clone() for x in (x1, x2))
@@ -361,7 +316,7 @@ def test_combine_chunks_hold_at_least_the_minimum_tokens():
         return NVLinkDispatcher.combine_chunking(d)
 
     assert chunking(19) == (256, 1)
-    assert chunking(2048) == (256, 8)  # 16 chunks of 128 were slower
+    assert chunking(2048) == (256, 8)
     assert chunking(4096) == (256, 16)
     assert chunking(8192) == (512, 16)
     assert chunking(4096, chunks=7) == (586, 7)

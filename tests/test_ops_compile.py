@@ -6,6 +6,7 @@ adapters and the binding file are parsed by the host compiler in one translation
 unit, when this torch's headers allow it.
 """
 import concurrent.futures
+import contextlib
 import os
 import re
 import shutil
@@ -56,7 +57,8 @@ def test_there_are_kernels():
 
 
 def test_limits_agree_with_python():
-    """configs.cuh and ds_uniep/megakernel.py must agree on the limits Python validates against."""
+    """configs.cuh and ds_uniep/megakernel/buffers.py must agree on the limits Python validates against
+    and sizes the buffers by, and on the signal phases."""
     text = open(os.path.join(CSRC, "configs.cuh")).read()
 
     def const(name):
@@ -64,11 +66,11 @@ def test_limits_agree_with_python():
         assert m, f"{name} missing from configs.cuh"
         return float(m.group(1))
 
-    src = open(os.path.join(ROOT, "ds_uniep", "megakernel.py")).read()
+    src = open(os.path.join(ROOT, "ds_uniep", "megakernel", "buffers.py")).read()
 
     def py(name):
         m = re.search(rf"^{name} = (\d+)", src, re.M)
-        assert m, f"{name} missing from megakernel.py"
+        assert m, f"{name} missing from megakernel/buffers.py"
         return float(m.group(1))
 
     assert const("kMaxRanks") == py("MAX_RANKS")
@@ -77,7 +79,11 @@ def test_limits_agree_with_python():
     assert const("kFp8GroupSize") == py("FP8_GROUP")
     assert const("kErrorRecordWords") == py("ERROR_RECORD_WORDS")
     assert const("kMaxCombineChunks") == py("MAX_COMBINE_CHUNKS")
-    assert text.count("kPhase") and "kNumPhases = 7" in text and py("NUM_PHASES") == 7
+    phases = dict(re.findall(r"^\s*kPhase(\w+) = (\d+),", text, re.M))
+    assert phases == {"Counts": "0", "Dispatch": "1", "Combine": "2", "Barrier": "3", "Arrived": "4", "Gates": "5"}
+    assert "kNumPhases = 6" in text and py("NUM_PHASES") == 6
+    for name, value in phases.items():
+        assert py("PHASE_" + name.upper()) == int(value), f"PHASE_{name.upper()} differs from kPhase{name}"
 
 
 def test_kernel_headers_are_torch_free():
@@ -90,7 +96,7 @@ def test_kernel_headers_are_torch_free():
 def _builder_module():
     pytest.importorskip("deepspeed")
     sys.path.insert(0, ROOT)
-    from ds_uniep.megakernel import ops_package
+    from ds_uniep._ops import ops_package
     return ops_package()
 
 
@@ -197,6 +203,8 @@ def _build_outcome_body(rank, world_size, fail_rank0):
     calls = []
 
     class Builder:
+        NAME = "uniep_ops_stand_in"
+
         def jit_load(self, verbose=False):
             calls.append(rank)
             if rank == 0 and fail_rank0:
@@ -204,6 +212,8 @@ def _build_outcome_body(rank, world_size, fail_rank0):
             return f"module on rank {rank}"
 
     ops.UniEPBuilder, ops.build_requirements = Builder, lambda *a: (True, "")
+    # The build lock has tests of its own (test_reliability_build_lock.py): no build directory here.
+    ops.build_directory, ops.build_lock = (lambda name: name), (lambda path: contextlib.nullcontext())
     ops.load_uniep_ops.cache_clear()
     if not fail_rank0:
         assert ops.load_uniep_ops() == f"module on rank {rank}" and calls == [rank]

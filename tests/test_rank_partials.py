@@ -155,11 +155,9 @@ def test_layer_refuses_rank_partials_where_no_combine_kernel_runs(overlap, needs
     from ds_uniep.config import UniEPConfig
     cfg = UniEPConfig.coerce({"overlap": overlap, "compression": {"combine": "rank_partials"}})
     layer = UniEPMoE(16, SwiGLUExpert(16, 16), num_experts=4, k=2, config=cfg)
+    from ds_uniep.schedules import check_combine_mode
     with pytest.raises(ValueError, match=needs):
-        layer._check_combine_mode(cfg, "megakernel")
-    layer._check_combine_mode(cfg, "reference")  # the reference backend builds it everywhere
-    nondet = UniEPConfig.coerce({"deterministic": False, "compression": {"combine": "rank_partials"}})
-    with pytest.raises(ValueError, match="deterministic"):
-        layer._check_combine_mode(nondet, "megakernel")
+        check_combine_mode(cfg, "megakernel", layer.layer_name)
+    check_combine_mode(cfg, "reference", layer.layer_name)  # the reference backend builds it everywhere
     with pytest.raises(Exception, match="slots"):
         UniEPConfig.coerce({"compression": {"combine": "ranks"}})

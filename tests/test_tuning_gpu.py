@@ -14,6 +14,7 @@ import torch
 
 from conftest import needs_gpus
 from dist_utils import run_distributed
+from ds_uniep.knobs import FUSED_COMM_SMS
 
 M, F, K, T = 512, 1024, 2, 2048
 EXPERTS_PER_RANK = 4
@@ -115,7 +116,7 @@ def _every_timed_plan_body(rank, world_size, gemm):
         assert ran_uniep == (plan.expert_gemm == "uniep"), f"{plan.label()}: ds_uniep's GEMM ran: {ran_uniep}"
         piped = d.combine_stats["pipelined"] - piped_before
         assert piped == int(plan.schedule == "pipelined"), f"{plan.label()}: {piped} pipelined combines"
-        assert (d.combine_chunks, d.combine_push_queue) == (plan.combine_chunks, plan.combine_queue), plan.label()
+        assert (d.combine_chunks, d.combine_queue) == (plan.combine_chunks, plan.combine_queue), plan.label()
         # the forward's combine and the backward of its dispatch, when the queue is on and the combine
         # kernels move the rows (elsewhere the plan leaves the queue at its default, unread)
         queued = d.combine_stats["queued"] - queued_before
@@ -123,7 +124,8 @@ def _every_timed_plan_body(rank, world_size, gemm):
             f"{plan.label()}: {queued} queued combines"
         if plan.schedule == "fused":
             if plan.fused_dispatch:
-                assert d.fused_comm_blocks == plan.num_comm_sms, "the plan did not reach the fused dispatch"
+                assert d.fused_comm_blocks == (plan.num_comm_sms or FUSED_COMM_SMS), \
+                    "the plan did not reach the fused dispatch"
                 assert d.interleaved == (plan.roles == "interleaved"), "the plan's roles did not reach it"
             ran = (d.fused_stats["fused"] - fused_before, d.combine_stats["landed"] - landed_before)
             assert ran == (int(plan.fused_dispatch), int(plan.epilogue_combine)), f"{plan.label()} ran {ran}"
@@ -155,7 +157,7 @@ def _self_tuning_body(rank, world_size, cache_dir):
                                                              "combine_queue": False, "timeout_s": 30.0}}, device)
     _assert_same(base, _run(shares, x, gy), f"rank {rank}: combine_chunks 4 in fixed shares from the block")
     d = shares._dispatchers[device]
-    assert (d.combine_chunks, d.combine_push_queue, d.combine_stats["queued"]) == (4, False, 0), d.combine_stats
+    assert (d.combine_chunks, d.combine_queue, d.combine_stats["queued"]) == (4, False, 0), d.combine_stats
     tuned_cfg = {**common, "overlap": {"timeout_s": 30.0},
                  "autotune": {"enabled": True, "cache_dir": cache_dir, "budget_s": 60.0, "warmup": 1, "repeats": 3}}
     key = (T, torch.bfloat16, device)
@@ -173,7 +175,7 @@ def _self_tuning_body(rank, world_size, cache_dir):
         if w.schedule != "fused":
             assert d.num_blocks == w.num_comm_sms, w.label()
         elif w.fused_dispatch:
-            assert d.fused_comm_blocks == w.num_comm_sms, w.label()
+            assert d.fused_comm_blocks == (w.num_comm_sms or FUSED_COMM_SMS), w.label()
         _assert_same(base, got, f"rank {rank}: a layer that {attempt}")
 
 

@@ -13,32 +13,36 @@ M, F, E, K = 32, 64, 4, 2
 
 
 def test_num_comm_sms_is_the_block_count_of_the_copy_kernels(monkeypatch):
-    """The megakernel dispatcher is built with overlap.num_comm_sms blocks and takes a new value in place."""
+    """The megakernel dispatcher is built with the block's knobs (``overlap.num_comm_sms``: the block
+    count of its copy kernels) and takes a plan's knobs in place; a new dispatch dtype builds another."""
     import ds_uniep.megakernel as mk
     from ds_uniep import backend as backend_mod
     built = []
 
     class FakeNVLinkDispatcher:
-        def __init__(self, layer_name, num_experts, ep_size, hidden_size, k, dtype, config, group=None,
-                     padded_recv=False, num_blocks=None, ordering="layout"):
-            self.num_blocks, self.dispatch_dtype = num_blocks, config.compression.dispatch_dtype
-            self.ordering = ordering
-            self.fused_comm_blocks = config.overlap.num_comm_sms
-            built.append(self)
+        """NVLinkDispatcher's own knob handling (set_knobs) on 132 SMs, without buffers."""
+        sm_count, layer_name = 132, "fake"
+        set_knobs = mk.NVLinkDispatcher.set_knobs
 
-        def set_comm_sms(self, blocks, fused=False):  # NVLinkDispatcher's: fused keeps every SM for the rest
-            self.fused_comm_blocks, self.num_blocks = blocks, (132 if fused else blocks)
+        @classmethod
+        def from_config(cls, layer_name, num_experts, ep_size, hidden_size, k, dtype, config, group=None):
+            d = cls()
+            d.fp8, d.dispatch_dtype = config.compression.dispatch_dtype == "fp8_e4m3", config.compression.dispatch_dtype
+            d.set_knobs(config.knobs())
+            built.append(d)
+            return d
 
     monkeypatch.setattr(mk, "NVLinkDispatcher", FakeNVLinkDispatcher)
     monkeypatch.setattr(backend_mod, "resolve", lambda backend, device, name: "megakernel")
     layer = UniEPMoE(M, torch.nn.Linear(M, M), num_experts=2, config={"overlap": {"num_comm_sms": 24}})
     x = torch.randn(4, M)
     d = layer._dispatcher(x)
-    assert d.num_blocks == 24 and d.ordering == "layout"  # "deterministic": true, the default
+    assert d.num_blocks == 24
     plan = Plan.from_config(layer.uniep_config)
     layer.set_plan(plan.replace(num_comm_sms=96))
     assert layer._dispatcher(x) is d and d.num_blocks == 96 and len(built) == 1  # no new symmetric buffer
-    layer.set_plan(plan.replace(schedule="fused", num_comm_sms=16))  # the fused dispatch's SMs
+    # the fused dispatch's SMs in partitioned roles; the other copy kernels then take every SM
+    layer.set_plan(plan.replace(schedule="fused", roles="partitioned", num_comm_sms=16))
     assert (d.fused_comm_blocks, d.num_blocks) == (16, 132) and layer.uniep_config.overlap.schedule == "fused"
     layer.set_plan(plan.replace(num_comm_sms=96, dispatch_dtype="fp8_e4m3"))
     d2 = layer._dispatcher(x)

@@ -146,7 +146,7 @@ def all_gather_matmul_arrival(x_shard: torch.Tensor, w: torch.Tensor, group, me:
     linears pass it) costs no copy; any other ``w`` is transposed into a copy first. ``config``:
     the GEMM's tile configuration (default: :func:`default_config`)."""
     from ..gemm import ArrivalWaits, grouped_mm_segments
-    from .ops import side_stream
+    from .common import side_stream
     G = len(shard_sizes)
     T, K, N = sum(shard_sizes), x_shard.shape[1], w.shape[1]
     device, dtype = x_shard.device, x_shard.dtype

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from ..symm import rendezvous
-from .ops import ordered_sum, side_stream
+from .common import ordered_sum, side_stream
 
 _DATA_CHANNEL = 1
 _ALIGN_ELEMS = 128
@@ -282,7 +282,7 @@ def _own_partial_and_sum(x_me, w, ws, me, G, mine, tail_chunks, step, compute, t
     summed (rank order, fp32, cast once: :func:`ordered_sum`) on a third stream as soon as its GEMM
     is done, behind the waits for every peer's signal, while the next chunk's GEMM runs. One GEMM
     per chunk: its bits are those of ``ref_matmul_reduce_scatter(..., own_chunks=tail_chunks)``."""
-    from .ops import _chunks
+    from .common import _chunks
     t_me, N = x_me.shape[0], w.shape[1]
     red = side_stream(x_me.device, compute, "sum")
     out = torch.empty(t_me, N, dtype=mine.dtype, device=x_me.device)  # before red first waits on compute

@@ -18,8 +18,7 @@ sharded along the first (sequence) dimension, ``[S_r, *B, H]``.
 
 Both keep ``weight`` in ``nn.Linear`` layout (``[out, in]`` of the shard), as
 ordinary ``nn.Parameter`` s. ``config`` is ``UniEPConfig.commfuse`` (schedule,
-num_chunks); its ``enabled`` flag is for callers choosing between these layers
-and plain ones, the layers themselves always use CommFuse.
+num_chunks, transport).
 """
 import math
 from typing import Optional, Sequence
@@ -28,7 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ops import all_gather_matmul, check_schedule, check_transport, even_split, matmul_reduce_scatter
+from .common import check_schedule, check_transport, even_split
+from .ops import all_gather_matmul, matmul_reduce_scatter
 
 
 def _commfuse_args(config):

@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .ops import _chunks, _offsets, _remote_runs, even_split
+from .common import _chunks, _offsets, _remote_runs, even_split
 
 
 def _local_first_rows(sizes: Sequence[int], me: int, own_chunks: int = 1):

@@ -38,7 +38,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from .ops import _Exchange, _Gemm, _chunks, side_stream, sum_dtype
+from .common import _Exchange, _Gemm, _chunks, side_stream, sum_dtype
 
 _CHANNEL0 = 2  # signal channels 2 .. 2 + num_chunks - 1 (channel 1 is the other schedules')
 MAX_CHUNKS = 16  # the config's bound on num_chunks; the p2p tags leave room for 64

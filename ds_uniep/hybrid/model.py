@@ -313,7 +313,7 @@ def layer_times(d, pe_wire, pe_grad, base_bytes, e_r, g, s, l, b_f, b_s, t_pre, 
 def migration_bytes(workload: Workload, compression_ratio: Optional[float], bytes_per_value: int):
     """(wire bytes per migrated expert, shared base bytes all-reduced per step) for a compression choice.
     The base is one expert's values summed in fp32 (``BASE_BYTES_PER_VALUE`` each), as
-    :class:`ds_uniep.hybrid.runtime.CompressedGather` all-reduces it."""
+    :class:`ds_uniep.hybrid.gather.CompressedGather` all-reduces it."""
     if compression_ratio is None:
         return workload.expert_bytes, 0.0
     base = workload.expert_bytes / bytes_per_value * BASE_BYTES_PER_VALUE

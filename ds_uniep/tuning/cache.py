@@ -21,7 +21,7 @@ from typing import Any, Dict, Optional
 from ..version import __version__
 from .space import GPUInfo, Plan, Shape, Space
 
-SCHEMA = 1
+SCHEMA = 2
 _ENTRY_FIELDS = {"schema", "key", "plan", "median_ms", "default_ms", "space_digest", "created"}
 
 

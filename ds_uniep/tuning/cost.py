@@ -2,29 +2,29 @@
 
 It only orders candidates (the likely-fast ones are measured first, so early
 stopping has a good bar early); it never picks the winner and its numbers are
-never reported as measurements. Constants are the ceilings measured on H200
-(docs/benchmarks.md), scaled by the SM count of the GPU at hand.
+never reported as measurements. Its constants are rough H200 ceilings, scaled by
+the SM count of the GPU at hand.
 """
 
 import math
 
+from ..knobs import DEFAULT_TILE
 from .space import Plan, Space
 
 DENSE_TFLOPS_PER_SM = 795.0 / 132
-"""bf16 dense GEMM rate per SM (8192^3 GEMM on H200: ~795 TFLOP/s over 132 SMs)."""
+"""bf16 dense GEMM rate per SM."""
 STORE_GBPS_PER_SM = 353.0 / 8
-"""Peer-store bandwidth one communicating SM sustains (8 blocks reached ~353 GB/s)."""
+"""Peer-store bandwidth one communicating SM sustains."""
 LINK_GBPS = 370.0
 """Peer-store ceiling from all SMs."""
 COPY_SEGMENT_MS = 0.0106
-"""One copy-engine copy of an (expert, source) segment of the pipelined schedule (median of a
-forward's copies at dsv2lite-like on 4 H200s, ~0.4 MB each); copies to different ranks overlap."""
+"""One copy-engine copy of an (expert, source) segment of the pipelined schedule; copies to different
+ranks overlap."""
 LAUNCH_MS = 0.01
 SIGNAL_MS = 0.0005
 """Cost of one arrival signal wait/raise pair, spread over the GEMM blocks."""
 
 _TILE_EFFICIENCY = {64: 0.70, 128: 0.90, 256: 1.0}
-_STAGE_EFFICIENCY = {2: 0.85, 3: 0.95}
 
 
 def estimate_ms(plan: Plan, space: Space) -> float:
@@ -33,16 +33,17 @@ def estimate_ms(plan: Plan, space: Space) -> float:
     L = s.num_local_experts
     rows = s.rows_per_expert
     # Expert GEMMs (SwiGLU: three [M, F] matrices), forward + dgrad + wgrad = 3x the forward FLOPs.
-    padded_rows = math.ceil(rows / plan.tile_m) * plan.tile_m
+    tile_m, tile_n = plan.gemm_tiles() or (DEFAULT_TILE, DEFAULT_TILE)
+    padded_rows = math.ceil(rows / tile_m) * tile_m
     flops = 3 * 2 * 3 * L * padded_rows * s.M * s.F
     gemm_sms = g.num_sms
+    comm_sms = plan.num_comm_sms if plan.num_comm_sms is not None else g.num_sms
     if space.comm_shares_sms(plan):
-        gemm_sms -= plan.num_comm_sms
-    tiles = L * math.ceil(rows / plan.tile_m) * math.ceil(2 * s.F / plan.tile_n)
+        gemm_sms -= comm_sms
+    tiles = L * math.ceil(rows / tile_m) * math.ceil(2 * s.F / tile_n)
     waves = math.ceil(tiles / max(1, gemm_sms))
     wave_eff = tiles / (waves * max(1, gemm_sms))
-    eff = (_TILE_EFFICIENCY[plan.tile_m] * _TILE_EFFICIENCY[plan.tile_n]) ** 0.5
-    eff *= _STAGE_EFFICIENCY.get(plan.stages, 1.0) * wave_eff
+    eff = (_TILE_EFFICIENCY[tile_m] * _TILE_EFFICIENCY[tile_n]) ** 0.5 * wave_eff
     if plan.roles == "interleaved":
         eff *= 0.92  # communication warps take issue slots and registers from the GEMM warpgroups
     gemm_ms = flops / (gemm_sms * DENSE_TFLOPS_PER_SM * 1e12 * max(eff, 1e-3)) * 1e3
@@ -52,7 +53,7 @@ def estimate_ms(plan: Plan, space: Space) -> float:
     dispatch_row_bytes = s.M + 4 * math.ceil(s.M / 128) if plan.dispatch_dtype == "fp8_e4m3" else row_bytes
     off = (s.ep - 1) / s.ep
     nbytes = s.T * s.k * off * (dispatch_row_bytes + 3 * row_bytes)
-    bw = min(LINK_GBPS, plan.num_comm_sms * STORE_GBPS_PER_SM) * 1e9
+    bw = min(LINK_GBPS, comm_sms * STORE_GBPS_PER_SM) * 1e9
     comm_ms = nbytes / bw * 1e3
 
     if plan.schedule == "sequential":
@@ -76,7 +77,7 @@ def estimate_ms(plan: Plan, space: Space) -> float:
     # (the forward dispatch, and the backward's gradient of combine in the same layout) run alone,
     # without the epilogue combines the other half (the forward combine's rows after the second
     # GEMM, the backward's input-gradient rows after the first GEMM's dgrad).
-    per_signal = {"tile": L * math.ceil(rows / plan.tile_m), "expert": L, "rank": max(1, s.ep)}
+    per_signal = {"tile": L * math.ceil(rows / tile_m), "expert": L, "rank": max(1, s.ep)}
     num_signals = s.ep * per_signal[plan.signal_granularity] if plan.fused_dispatch else 0
     first_wait = comm_ms / max(1, num_signals) if plan.fused_dispatch else 0.0
     alone = (0.0 if plan.fused_dispatch else comm_ms / 2) + (0.0 if plan.epilogue_combine else comm_ms / 2)

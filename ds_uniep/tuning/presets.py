@@ -1,4 +1,4 @@
-"""The three layer shapes of docs/benchmarks.md (per rank), as :class:`Shape` for a given ep."""
+"""The three layer shapes of docs/performance.md (per rank), as :class:`Shape` for a given ep."""
 
 from ..hybrid.presets import PRESETS
 from .space import Shape
@@ -14,7 +14,7 @@ def num_experts_at(name: str, ep: int) -> int:
 
 
 def preset_shape(name: str, ep: int = 1, dtype: str = "bf16") -> Shape:
-    """One of the shapes of docs/benchmarks.md (``ds_uniep.hybrid.presets.PRESETS``) at ``ep``."""
+    """One of the shapes of docs/performance.md (``ds_uniep.hybrid.presets.PRESETS``) at ``ep``."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESET_NAMES)}")
     p = PRESETS[name]

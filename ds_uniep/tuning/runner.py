@@ -1,40 +1,40 @@
-"""``run_plan`` callables for :func:`~ds_uniep.tuning.tuner.tune`: the seam between tuner and kernels.
+"""``run_plan`` callables for :func:`~ds_uniep.tuning.tuner.tune`: the seam between tuner and layer.
 
-:func:`layer_runner` turns any :class:`~ds_uniep.UniEPMoE` and an input into a
-``run_plan``: it puts the plan into the layer and runs forward and backward.
-``UniEPMoE.set_plan(plan)`` switches plans: a new ``num_comm_sms`` is taken by
-the live dispatcher, a new dispatch dtype rebuilds it. :func:`live_runner` is
-what a layer uses to tune itself on its live input without leaving a trace.
+The tuner never imports the layer: the layer hands in what a run needs, ``apply(knobs)``
+(make the next forward run these knobs) and ``forward(x) -> (output, l_aux, ...)``, and
+:func:`live_runner` / :func:`input_runner` turn them into a ``run_plan(knobs)`` that runs
+forward and backward. :func:`layer_runner` does the same for any module with a public
+``set_plan`` (scripts and tests).
 
 Each backend acts on a few knobs only (``space.ACTING_KNOBS``): the reference
 backend reads only ``dispatch_dtype``, so :func:`reference_paths` keeps one
 plan per distinct reference path rather than timing identical work many times.
 """
 
-import os
-from typing import List, Optional, Tuple
+from typing import Callable, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..experts import SwiGLUExpert
-from .space import Plan, Shape, Space
+from .space import Plan, Space
 from .tuner import RunPlan
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
+Apply = Callable[[Plan], None]
+"""Makes the layer's next forward run the given knobs (``UniEPMoE.set_plan``)."""
+Forward = Callable[[torch.Tensor], Tuple]
+"""One forward of the layer: ``x -> (output, l_aux, ...)``."""
 
-def apply_plan(layer, plan: Plan) -> None:
-    """Make ``layer``'s next forward run ``plan`` (``UniEPMoE.set_plan``)."""
-    layer.set_plan(plan)
 
-
-def layer_runner(layer, x: torch.Tensor, *, backward: bool = True, seed: int = 0) -> RunPlan:
-    """``run_plan`` running ``layer(x)`` (and its backward with a fixed random output gradient) under a plan."""
+def input_runner(apply: Apply, forward: Forward, x: torch.Tensor, *, backward: bool = True,
+                 seed: int = 0) -> RunPlan:
+    """``run_plan`` running ``forward(x)`` (and its backward with a fixed random output gradient) under
+    the knobs it is given, applied through ``apply``."""
     grad: List[Optional[torch.Tensor]] = [None]
 
     def run_plan(plan: Plan) -> None:
-        apply_plan(layer, plan)
-        out, l_aux, _ = layer(x)
+        apply(plan)
+        out, l_aux = forward(x)[:2]
         if not backward:
             return
         if grad[0] is None:
@@ -45,24 +45,30 @@ def layer_runner(layer, x: torch.Tensor, *, backward: bool = True, seed: int = 0
     return run_plan
 
 
-def live_runner(layer, hidden_states: torch.Tensor, *, backward: bool = True, seed: int = 0) -> RunPlan:
+def layer_runner(layer, x: torch.Tensor, *, backward: bool = True, seed: int = 0) -> RunPlan:
+    """:func:`input_runner` of a module with a public ``set_plan(knobs)`` (a UniEPMoE), called on ``x``."""
+    return input_runner(layer.set_plan, layer, x, backward=backward, seed=seed)
+
+
+def live_runner(apply: Apply, forward: Forward, params: Iterable[torch.Tensor], hidden_states: torch.Tensor, *,
+                backward: bool = True, seed: int = 0) -> RunPlan:
     """``run_plan`` for a layer tuning itself on its live input, leaving nothing behind.
 
-    The input is a detached copy of ``hidden_states`` (the user's graph never
-    sees the tuning runs); ``layer.forward`` is called directly (no module
-    hooks fire); the backward is ``torch.autograd.grad`` over the input and the
-    parameters that require grad, so no ``.grad`` is written and no
-    accumulate-grad hook (DeepSpeed's gradient reduction) fires, yet the
-    backward does the work a training step's does. The caller restores RNG
-    states (the gate may draw random numbers)."""
+    ``apply`` puts the knobs into the layer, ``forward`` runs it without module hooks
+    (``UniEPMoE.forward``), ``params`` are the layer's parameters. The input is a
+    detached copy of ``hidden_states`` (the user's graph never sees the tuning runs);
+    the backward is ``torch.autograd.grad`` over the input and the parameters that
+    require grad, so no ``.grad`` is written and no accumulate-grad hook (DeepSpeed's
+    gradient reduction) fires, yet the backward does the work a training step's does.
+    The caller restores RNG states (the gate may draw random numbers)."""
     x = hidden_states.detach().clone().requires_grad_(backward)
-    params = [p for p in layer.parameters() if p.requires_grad]
+    params = [p for p in params if p.requires_grad]
     grad: List[Optional[torch.Tensor]] = [None]
 
     def run_plan(plan: Plan) -> None:
-        layer.set_plan(plan)
+        apply(plan)
         with torch.enable_grad() if backward else torch.no_grad():
-            out, l_aux, _ = layer.forward(x)
+            out, l_aux = forward(x)[:2]
             if not backward:
                 return
             if grad[0] is None:
@@ -111,31 +117,3 @@ def megakernel_status() -> Tuple[bool, str]:
     except ImportError as e:
         return False, f"ds_uniep.megakernel cannot be imported ({e})"
     return True, "megakernel available"
-
-
-def build_layer(shape: Shape, config, backend: str, device: torch.device, seed: int = 0):
-    """A UniEPMoE with SwiGLU experts at ``shape`` and an input ``[T, M]`` for it, on ``device``.
-
-    With ``shape.ep > 1`` the process must be one of ``ep`` launched ranks
-    (``deepspeed`` or ``torchrun``); distributed is initialised here if needed."""
-    from ..config import UniEPConfig
-    from ..layer import UniEPMoE
-    cfg = UniEPConfig.coerce(config).model_copy(update={"backend": backend})
-    if shape.ep > 1:
-        if "WORLD_SIZE" not in os.environ:
-            raise ValueError(f"--ep {shape.ep} needs {shape.ep} ranks: launch with "
-                             f"`deepspeed --num_gpus {shape.ep} -m ds_uniep.tune ...` or torchrun")
-        import deepspeed
-        deepspeed.init_distributed(verbose=False)
-        if torch.distributed.get_world_size() != shape.ep:
-            raise ValueError(f"--ep {shape.ep} but the job has {torch.distributed.get_world_size()} ranks")
-    torch.manual_seed(seed + (torch.distributed.get_rank() if torch.distributed.is_initialized() else 0))
-    layer = UniEPMoE(shape.M, SwiGLUExpert(shape.M, shape.F), num_experts=shape.E, ep_size=shape.ep, k=shape.k,
-                     min_capacity=0, drop_tokens=False, config=cfg)
-    if shape.ep > 1:
-        layer.set_deepspeed_parallelism()
-    dtype = TORCH_DTYPES[shape.dtype]
-    layer = layer.to(device=device, dtype=dtype)
-    layer.deepspeed_moe.gate.wg.float()  # fp32 gate, as docs/benchmarks.md runs it
-    x = torch.randn(shape.T, shape.M, device=device, dtype=dtype, requires_grad=True)
-    return layer, x

@@ -3,44 +3,25 @@
 Letters (per rank): T tokens, M hidden, F expert FFN width, E experts,
 k experts per token, ep expert-parallel ranks, L = E / ep local experts.
 
-A :class:`Plan` is one point (the ``overlap`` block of the config plus the
-dispatch dtype). A :class:`Space` knows the layer's :class:`Shape` and the
-:class:`GPUInfo` and says, for every plan, whether it can run and if not why
-(:meth:`Space.check`). Validity is a pure function of (plan, shape, GPU,
-max_tokens_per_rank, allow_numerics_change, backend), so every rank of a job
-enumerates the same points in the same order.
+A point is a :class:`~ds_uniep.knobs.Knobs` (``Plan`` here, the same class). A
+:class:`Space` knows the layer's :class:`Shape` and the :class:`GPUInfo` and says,
+for every plan, whether it can run and if not why (:meth:`Space.check`). Validity
+is a pure function of (plan, shape, GPU, max_tokens_per_rank,
+allow_numerics_change, backend), so every rank of a job enumerates the same points
+in the same order.
 
 Two kinds of space:
 
-- the design space (``backend=None``): every knob of DESIGN.md section 7 at the
-  values of :data:`DEFAULT_VALUES`; what ``python -m ds_uniep.tune --backend
-  none`` lists and validates;
-- a backend's space (``backend="megakernel"`` or ``"reference"``): only the
-  knobs that backend acts on today (:data:`ACTING_KNOBS`) are walked; every
-  other knob is fixed at the sequential baseline's value (:meth:`Space.fixed_knobs`).
-  This is what the tuner times, so it never spends time on plans that run the
-  same code. The megakernel backend acts on ``schedule`` (``sequential``,
-  ``pipelined``, and ``fused`` for layers on ds_uniep's grouped GEMM in bf16:
-  :meth:`Space.built_schedules`), ``num_chunks`` (of the pipelined schedule),
-  ``num_comm_sms`` (the block count of its dispatch and combine copy kernels;
-  under the fused schedule the SMs its dispatch keeps beside the first GEMM),
-  ``fused_dispatch`` and ``epilogue_combine`` (the fused schedule's two overlaps:
-  its dispatch beside the first GEMM, the combines in the second GEMM's epilogue and
-  the first GEMM's dgrad epilogue), ``roles`` (where the fused dispatch runs:
-  on ``num_comm_sms`` whole SMs, or interleaved in a spare warp of each of the
-  GEMM's CTAs), ``combine_chunks`` and ``combine_queue`` (how its combine kernels pipeline and
-  share out the rows, where they move them: the sequential schedule, the fused one without
-  its epilogues), ``dispatch_dtype`` and ``expert_gemm`` (the experts' grouped GEMM, over
-  :attr:`Space.gemms`: torch's and ds_uniep's where the layer can run both, the same bits);
-  ``stages`` is read by nothing yet;
-  ``signal_granularity`` (what one wait of the fused dispatch's first GEMM covers)
-  and ``tile_m`` and ``tile_n`` (set in the block, they pick ds_uniep's GEMM tile,
-  ``expert_gemm: "uniep"``) the tuner keeps as configured rather than walks
-  (:data:`KEPT_KNOBS`; left unset, the GEMM picks its tiles itself and the fused
-  dispatch waits per run of tiles; :meth:`Plan.apply` keeps them unset).
-  The reference backend acts on ``dispatch_dtype`` only. Under ``compression.combine``
-  "rank_partials" (``Space(combine=...)``) the megakernel's plans keep to the schedules whose
-  combine kernels move the rows, and ``combine_chunks`` and ``combine_queue``, which that
+- the design space (``backend=None``): every knob at the values of
+  :data:`DEFAULT_VALUES`; what ``python -m ds_uniep.tune --backend none`` lists
+  and validates;
+- a backend's space (``backend="megakernel"`` or ``"reference"``): only the knobs
+  that backend acts on (:data:`ACTING_KNOBS`) are walked; the others are fixed at
+  the sequential baseline's values (:meth:`Space.fixed_knobs`), so the tuner never
+  times two plans that run the same code. ``signal_granularity``, ``tile_m`` and
+  ``tile_n`` are read but kept as configured (:data:`KEPT_KNOBS`). Under
+  ``compression.combine`` "rank_partials" the megakernel's plans keep to the
+  schedules whose combine kernels move the rows, and the combine knobs, which that
   combine does not read, take one value.
 """
 
@@ -52,20 +33,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
-SCHEDULES = ("sequential", "pipelined", "fused")
-ROLES = ("partitioned", "interleaved")
-TILES = (64, 128, 256)
-GRANULARITIES = ("tile", "expert", "rank")
-DISPATCH_DTYPES = ("activation", "fp8_e4m3")
-EXPERT_GEMMS = ("torch", "uniep")
-"""The grouped GEMMs the experts run on (``uniep.expert_gemm``): ``torch._grouped_mm`` or ds_uniep's own
-(Hopper, bf16). Both give the same bits (ds_uniep's GEMM accumulates each row in torch's k order, see
-:mod:`ds_uniep.gemm`), so choosing between them is a speed choice, not a numerics change."""
+from ..knobs import DISPATCH_DTYPES, EXPERT_GEMMS, GRANULARITIES, KEPT, MAX_COMM_SMS, ROLES, SCHEDULES, TILES, Knobs
+
+Plan = Knobs
+"""A point of the space: the layer's :class:`~ds_uniep.knobs.Knobs`."""
+
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4}
 """Activation dtypes a layer runs in, with their bytes per element."""
-
-K_TILE = 64
-"""GEMM K-slice per pipeline stage: one stage holds a [tile_m, 64] and a [tile_n, 64] operand tile."""
 
 FP8_GROUP = 128
 """Elements per fp32 scale of an FP8 row (the megakernel's dispatch needs M divisible by it)."""
@@ -74,8 +48,8 @@ ROW_ROUNDING = 64
 """Rows per expert are compared with tile_m after rounding up to this (the smallest tile)."""
 
 MIN_GEMM_SM_FRACTION = 0.5
-"""While communication runs beside the GEMM on whole SMs, the GEMM keeps at least this share of SMs:
-below it the grouped GEMM, not the transfer, sets the layer's time at every shape of docs/benchmarks.md."""
+"""While communication runs beside the GEMM on whole SMs, the GEMM keeps at least this share of SMs
+(below it the GEMM, not the transfer, sets the layer's time)."""
 
 DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "schedule": SCHEDULES,
@@ -84,7 +58,6 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "roles": ROLES,
     "tile_m": TILES,
     "tile_n": TILES,
-    "stages": (2, 3, 4, 6),
     "signal_granularity": GRANULARITIES,
     "dispatch_dtype": DISPATCH_DTYPES,
     "fused_dispatch": (True, False),
@@ -94,13 +67,9 @@ DEFAULT_VALUES: Dict[str, Tuple[Any, ...]] = {
     "expert_gemm": EXPERT_GEMMS,
 }
 """The values the design space (``backend=None``) walks, per knob (``expert_gemm``: those of
-:attr:`Space.gemms`, by default the configured one). The combine's chunk count and
-queue (how the megakernel's combine kernels pipeline and share out the rows, not a design choice of
-DESIGN.md section 7) stay at the dispatcher's defaults there; the megakernel's space walks them
-(:data:`BACKEND_COMBINE_CHUNKS`), and ``values`` may widen them."""
+:attr:`Space.gemms`). The combine's chunk count and queue stay at their defaults there; a backend's
+space walks them (:data:`BACKEND_COMBINE_CHUNKS`), and ``values`` may widen them."""
 
-MAX_COMM_SMS = 132
-"""The largest ``num_comm_sms`` a plan (and the config's field) takes."""
 COMM_SMS_VALUES = (8, 16, 24, 32, 48, 64, 80, 96, 132)
 """``num_comm_sms`` values a backend space walks, capped by the GPU's SM count (:func:`comm_sms_values`)."""
 
@@ -109,19 +78,11 @@ ACTING_KNOBS: Dict[str, Tuple[str, ...]] = {
                    "epilogue_combine", "combine_chunks", "combine_queue", "expert_gemm"),
     "reference": ("dispatch_dtype",),
 }
-"""The knobs each backend acts on in this version. A backend's :class:`Space` walks these and
-fixes the others at the sequential baseline's values: the megakernel runs the sequential, the
-pipelined (``num_chunks`` chunks of experts, their rows moved back by copy engines) or the fused
-schedule (with or without each of its two overlaps), launches its dispatch and combine copy kernels
-with ``num_comm_sms`` blocks (its fused dispatch in partitioned roles; interleaved, its arrivals are
-taken inside the first GEMM's CTAs), pipelines its combine over ``combine_chunks`` chunks (its
-pushing blocks sharing one queue with ``combine_queue``), moves rows in ``dispatch_dtype`` and runs
-the experts on ``expert_gemm`` (walked over the GEMMs the layer can run: :attr:`Space.gemms`); the
-stage knob is read by nothing yet, the signal knob by the fused dispatch and the tile knobs by
-ds_uniep's GEMM, as configured (not walked: :data:`KEPT_KNOBS`)."""
+"""The knobs each backend acts on. A backend's :class:`Space` walks these and fixes the others at the
+sequential baseline's values. The reference backend reads only the dispatch dtype."""
 
-KEPT_KNOBS = ("tile_m", "tile_n", "signal_granularity")
-"""Knobs a backend reads but its space does not walk: :meth:`Plan.apply` keeps the config's values
+KEPT_KNOBS = KEPT
+"""Knobs a backend reads but its space does not walk: :meth:`Knobs.apply` keeps the config's values
 (set or unset) in every plan it applies."""
 
 BUILT_SCHEDULES = ("sequential", "pipelined", "fused")
@@ -133,172 +94,19 @@ BACKEND_CHUNKS = (2, 4)
 
 BACKEND_COMBINE_CHUNKS = (4, 8, 16)
 """``combine_chunks`` values a backend space walks where the combine kernels move the rows (each with
-and without ``combine_queue``). On 4 H200s (``bench_dispatch.py``, ep 4, hidden 7168, top-8) the queue
-was fastest with 8 chunks of 256 tokens at 2048 tokens and with 4 chunks at 8192."""
+and without ``combine_queue``)."""
 
 
 def comm_sms_values(num_sms: int) -> Tuple[int, ...]:
-    """:data:`COMM_SMS_VALUES` capped by ``num_sms`` (and the Plan's limit of 132), without repeats."""
+    """:data:`COMM_SMS_VALUES` capped by ``num_sms`` (and :data:`~ds_uniep.knobs.MAX_COMM_SMS`), without
+    repeats."""
     cap = min(num_sms, MAX_COMM_SMS)
     return tuple(sorted({min(v, cap) for v in COMM_SMS_VALUES}))
 
 
-@dataclass(frozen=True)
-class Plan:
-    """One point of the space: how a layer overlaps, tiles and compresses, and which grouped GEMM runs
-    its experts.
-
-    Knobs that mean nothing under the chosen schedule are normalised so that
-    two plans that run the same way compare and hash equal: ``num_chunks`` is 1
-    unless ``schedule == "pipelined"``; ``signal_granularity`` is ``"tile"``
-    unless the fused schedule's dispatch runs (only its GEMM waits on arrival
-    signals); ``fused_dispatch`` and ``epilogue_combine`` are True unless
-    ``schedule == "fused"``; ``roles`` is ``"partitioned"`` unless the fused
-    schedule's dispatch runs (nothing else reads it; the config's default,
-    ``"interleaved"``, so becomes ``"partitioned"`` under the other schedules);
-    and without the fused dispatch, which alone keeps ``num_comm_sms`` SMs, the
-    fused schedule's ``num_comm_sms`` is 20 (with it in interleaved roles, which
-    keep no SMs, ``num_comm_sms`` is 20 too); ``combine_chunks`` and
-    ``combine_queue`` are the config's defaults (16, True) where the combine
-    kernels do not move the rows (the pipelined schedule, the fused one with
-    ``epilogue_combine``), so that a plan applied to a config leaves them as a
-    user who never set them has them, and ``combine_queue`` is False with
-    ``combine_chunks`` 0 (no chunked kernel);
-    ``expert_gemm`` is ``"uniep"`` under the fused schedule (its first GEMM waits for rows inside
-    ds_uniep's GEMM). ``overlap.timeout_s`` is not a knob: it is kept from
-    the user's config by :meth:`to_overlap_config`.
-    """
-
-    schedule: str = "fused"
-    num_chunks: int = 1
-    num_comm_sms: int = 20
-    roles: str = "partitioned"
-    tile_m: int = 128
-    tile_n: int = 128
-    stages: int = 4
-    signal_granularity: str = "tile"
-    dispatch_dtype: str = "activation"
-    fused_dispatch: bool = True
-    epilogue_combine: bool = True
-    combine_chunks: int = 16
-    combine_queue: bool = True
-    expert_gemm: str = "torch"
-
-    def __post_init__(self) -> None:
-        for name in ("fused_dispatch", "epilogue_combine", "combine_queue"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"Plan.{name}: must be True or False, got {getattr(self, name)!r}")
-        _one_of("schedule", self.schedule, SCHEDULES)
-        _one_of("roles", self.roles, ROLES)
-        _one_of("tile_m", self.tile_m, TILES)
-        _one_of("tile_n", self.tile_n, TILES)
-        _one_of("signal_granularity", self.signal_granularity, GRANULARITIES)
-        _one_of("dispatch_dtype", self.dispatch_dtype, DISPATCH_DTYPES)
-        _one_of("expert_gemm", self.expert_gemm, EXPERT_GEMMS)
-        for name, lo, hi in (("num_chunks", 1, 64), ("num_comm_sms", 1, MAX_COMM_SMS), ("stages", 2, 8),
-                             ("combine_chunks", 0, 64)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise ValueError(f"Plan.{name}: must be an integer in [{lo}, {hi}], got {v!r}")
-        if self.schedule != "pipelined":
-            object.__setattr__(self, "num_chunks", 1)
-        if self.schedule != "fused":
-            object.__setattr__(self, "fused_dispatch", True)
-            object.__setattr__(self, "epilogue_combine", True)
-        else:
-            object.__setattr__(self, "expert_gemm", "uniep")
-        if self.schedule != "fused" or not self.fused_dispatch:
-            object.__setattr__(self, "signal_granularity", "tile")
-            object.__setattr__(self, "roles", "partitioned")
-        if self.schedule == "fused" and not self.fused_dispatch:
-            object.__setattr__(self, "num_comm_sms", 20)
-        if self.schedule == "fused" and self.roles == "interleaved":
-            object.__setattr__(self, "num_comm_sms", 20)
-        if not self.runs_combine_kernels():
-            object.__setattr__(self, "combine_chunks", 16)
-            object.__setattr__(self, "combine_queue", True)
-        elif self.combine_chunks == 0:
-            object.__setattr__(self, "combine_queue", False)
-
-    def runs_combine_kernels(self) -> bool:
-        """Whether the combine kernels (``combine_chunks``, ``combine_queue``) move the output rows and
-        the input gradient's: the sequential schedule, and the fused one without its epilogues (the
-        pipelined schedule copies chunks back by itself; the epilogues store the rows)."""
-        return self.schedule == "sequential" or (self.schedule == "fused" and not self.epilogue_combine)
-
-    # ------------------------------------------------------------------ forms
-    def to_dict(self) -> Dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
-        """Inverse of :meth:`to_dict`; unknown or missing keys raise ``ValueError``."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        if not isinstance(d, Mapping) or set(d) != names:
-            got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
-            raise ValueError(f"a plan needs exactly the keys {sorted(names)}, got {got}")
-        return cls(**d)
-
-    def key(self) -> str:
-        """Stable text naming the point (same on every rank, run and version of Python)."""
-        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-
-    def label(self) -> str:
-        """Short human form for tables and plots."""
-        s = {"sequential": "seq", "pipelined": f"pipe{self.num_chunks}", "fused": "fused"}[self.schedule]
-        if self.schedule == "fused":
-            parts = ("d" if self.fused_dispatch else "") + ("e" if self.epilogue_combine else "")
-            s += f"[{parts}]/{self.roles[:5]}/{self.signal_granularity}"
-        s += f" sm{self.num_comm_sms} {self.tile_m}x{self.tile_n}s{self.stages}"
-        if self.runs_combine_kernels():
-            s += f" c{self.combine_chunks}" + ("q" if self.combine_queue else "")
-        if self.dispatch_dtype != "activation":
-            s += " fp8"
-        if self.expert_gemm != "torch" and self.schedule != "fused":
-            s += " uniep"
-        return s
-
-    # ------------------------------------------------------------------ config
-    @classmethod
-    def from_config(cls, config) -> "Plan":
-        """The point a :class:`~ds_uniep.config.UniEPConfig` (or a ds_config dict/path) names."""
-        from ..config import UniEPConfig
-        cfg = UniEPConfig.coerce(config)
-        o = cfg.overlap
-        return cls(schedule=o.schedule, num_chunks=o.num_chunks, num_comm_sms=o.num_comm_sms, roles=o.roles,
-                   tile_m=o.tile_m, tile_n=o.tile_n, stages=o.stages, signal_granularity=o.signal_granularity,
-                   dispatch_dtype=cfg.compression.dispatch_dtype, fused_dispatch=o.fused_dispatch,
-                   epilogue_combine=o.epilogue_combine, combine_chunks=o.combine_chunks,
-                   combine_queue=o.combine_queue, expert_gemm=cfg.expert_gemm)
-
-    def to_overlap_config(self, timeout_s: Optional[float] = None, unset: Sequence[str] = ()):
-        """The ``overlap`` block of this plan (``timeout_s`` from the caller, else the config default;
-        the knobs in ``unset`` left at their defaults and unset)."""
-        from ..config import OverlapConfig
-        d = {k: v for k, v in self.to_dict().items() if k not in ("dispatch_dtype", "expert_gemm") and k not in unset}
-        if timeout_s is not None:
-            d["timeout_s"] = timeout_s
-        return OverlapConfig(**d)
-
-    def apply(self, config):
-        """A copy of ``config`` (a UniEPConfig) running this plan; every other field is kept, and so
-        are the config's tile sizes and signal granularity (:data:`KEPT_KNOBS`): no backend's space
-        walks them (a backend plan carries the baseline's), and set, the layer runs them, so a plan
-        must neither set nor change them. Those the config leaves unset stay unset."""
-        unset = [k for k in KEPT_KNOBS if k not in config.overlap.model_fields_set]
-        tiles = {k: getattr(config.overlap, k) for k in KEPT_KNOBS if k not in unset}
-        overlap = self.replace(**tiles).to_overlap_config(config.overlap.timeout_s, unset)
-        compression = config.compression.model_copy(update={"dispatch_dtype": self.dispatch_dtype})
-        return config.model_copy(update={"overlap": overlap, "compression": compression,
-                                         "expert_gemm": self.expert_gemm})
-
-    def replace(self, **changes) -> "Plan":
-        return dataclasses.replace(self, **changes)
-
-
 def _one_of(name: str, v: Any, allowed: Sequence[Any]) -> None:
     if v not in allowed or isinstance(v, bool):
-        raise ValueError(f"Plan.{name}: must be one of {', '.join(map(str, allowed))}, got {v!r}")
+        raise ValueError(f"Space.{name}: must be one of {', '.join(map(str, allowed))}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -469,41 +277,32 @@ class Space:
 
     def layer_default(self, config) -> Plan:
         """The plan a layer under ``config`` runs untuned, as a point of this space: the configured
-        knobs (:meth:`Plan.from_config`), projected (:meth:`project`), except that on a backend that
-        acts on ``num_comm_sms`` a block leaving it unset runs the sequential schedule's copy kernels
-        with one block per SM, i.e. ``num_comm_sms`` = this GPU's SM count (the config's default, 20,
-        is the fused dispatch's), and that a configured schedule the backend runs as the sequential one
-        keeps the block's ``combine_chunks`` and ``combine_queue``, which the sequential one reads. Not
-        covered: the pipelined schedule on ds_uniep's GEMM with it unset copies on the copy engines,
-        which no plan of the space names; its plan keeps the 20."""
+        knobs (``UniEPConfig.knobs()``), projected (:meth:`project`). Where the layer runs the
+        sequential schedule instead of the configured fused one (torch's GEMM, or a space without the
+        fused schedule), the plan is the sequential one with the block's combine knobs and the copy
+        kernels on every SM. On a backend that acts on ``num_comm_sms``, the sequential schedule's
+        unset ``num_comm_sms`` (one block per SM) is this GPU's SM count."""
         from ..config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
-        configured = Plan.from_config(cfg)
-        plan = configured
-        if configured.schedule == "fused" and cfg.expert_gemm != "uniep":
-            # the fused schedule runs on ds_uniep's GEMM only: on torch's the layer runs the sequential one
-            plan = configured.replace(schedule="sequential", expert_gemm=cfg.expert_gemm)
-        plan = self.project(plan)
-        if plan.schedule != configured.schedule and plan.runs_combine_kernels():
-            # the schedule the layer runs instead reads the block's combine knobs
-            plan = plan.replace(combine_chunks=cfg.overlap.combine_chunks, combine_queue=cfg.overlap.combine_queue)
+        configured = cfg.knobs()
+        plan = self.project(configured)
+        if configured.schedule == "fused" and (cfg.expert_gemm != "uniep" or plan.schedule != "fused"):
+            plan = self.project(cfg.knobs(schedule="sequential", num_comm_sms=None))
         if self.backend is not None and "num_comm_sms" in ACTING_KNOBS[self.backend] and \
-                "num_comm_sms" not in cfg.overlap.model_fields_set and plan.schedule == "sequential":
+                plan.num_comm_sms is None and plan.schedule == "sequential":
             plan = plan.replace(num_comm_sms=min(self.gpu.num_sms, MAX_COMM_SMS))
         return plan
 
     def project(self, plan: Plan) -> Plan:
         """``plan`` with the knobs the backend does not act on set to their fixed values (and a schedule
-        it does not run set to the sequential one, which is what runs, with the default combine knobs
-        where the plan's schedule had normalised them away, as :class:`Plan` leaves them): the plan that
-        runs the same code and is a point of this space (unchanged for the design space)."""
+        it does not run set to the sequential one, which is what runs): the plan that runs the same code
+        and is a point of this space (unchanged for the design space)."""
         fixed = self.fixed_knobs()
         if self.backend is not None and plan.expert_gemm not in self.gemms:
             fixed["expert_gemm"] = self.expert_gemm  # the GEMM the layer runs
         if self.backend is not None and "schedule" in ACTING_KNOBS[self.backend] and \
                 plan.schedule not in self.built_schedules():
             fixed["schedule"] = "sequential"
-            fixed["roles"] = "partitioned"  # what the sequential schedule runs
         return plan.replace(**fixed) if fixed else plan
 
     def built_schedules(self) -> Tuple[str, ...]:
@@ -526,10 +325,6 @@ class Space:
         return {k: out[k] for k in DEFAULT_VALUES}
 
     # ------------------------------------------------------------------ validity
-    def smem_bytes(self, plan: Plan) -> int:
-        """Shared memory of the GEMM's operand pipeline: stages x ([tile_m, 64] + [tile_n, 64]) elements."""
-        return plan.stages * (plan.tile_m + plan.tile_n) * K_TILE * self.shape.elem_bytes
-
     def min_gemm_sms(self) -> int:
         return math.ceil(self.gpu.num_sms * MIN_GEMM_SM_FRACTION)
 
@@ -548,23 +343,22 @@ class Space:
         problem = self.shape_problem()
         if problem:
             reasons.append(problem)
-        if plan.schedule == "sequential":
+        sms = plan.num_comm_sms  # None: the copy kernels take every SM, nothing runs beside them on SMs
+        if sms is None:
+            pass
+        elif plan.schedule == "sequential":
             # Nothing runs beside the copy kernels: they may take every SM.
-            if plan.num_comm_sms > g.num_sms:
-                reasons.append(f"SM budget exceeded: num_comm_sms={plan.num_comm_sms} > {g.num_sms} SMs on {g.name}")
-        elif plan.num_comm_sms >= g.num_sms:
-            reasons.append(f"SM budget exceeded: num_comm_sms={plan.num_comm_sms} >= {g.num_sms} SMs on {g.name}")
-        elif self.comm_shares_sms(plan) and g.num_sms - plan.num_comm_sms < self.min_gemm_sms():
-            reasons.append(f"SM budget exceeded: the GEMM is left {g.num_sms - plan.num_comm_sms} of {g.num_sms} "
+            if sms > g.num_sms:
+                reasons.append(f"SM budget exceeded: num_comm_sms={sms} > {g.num_sms} SMs on {g.name}")
+        elif sms >= g.num_sms:
+            reasons.append(f"SM budget exceeded: num_comm_sms={sms} >= {g.num_sms} SMs on {g.name}")
+        elif self.comm_shares_sms(plan) and g.num_sms - sms < self.min_gemm_sms():
+            reasons.append(f"SM budget exceeded: the GEMM is left {g.num_sms - sms} of {g.num_sms} "
                            f"SMs, fewer than {self.min_gemm_sms()} ({MIN_GEMM_SM_FRACTION:.0%})")
         rows = _round_up(s.rows_per_expert, ROW_ROUNDING)
-        if plan.tile_m > rows:
+        if plan.tile_m is not None and plan.tile_m > rows:
             reasons.append(f"tile larger than the rows: tile_m={plan.tile_m} > {rows} rows per expert "
                            f"(T*k*ep/E = {s.rows_per_expert}, rounded up to {ROW_ROUNDING})")
-        smem = self.smem_bytes(plan)
-        if smem > g.smem_per_block:
-            reasons.append(f"shared memory over the limit: {plan.stages} stages x ({plan.tile_m}+{plan.tile_n}) x "
-                           f"{K_TILE} x {s.elem_bytes} B = {smem} B > {g.smem_per_block} B per block on {g.name}")
         if plan.schedule == "pipelined" and plan.num_chunks < 2:
             reasons.append("pipelined with 1 chunk: the sequential schedule with extra launches (num_chunks >= 2)")
         if plan.schedule == "pipelined" and plan.num_chunks > s.T:
@@ -599,11 +393,11 @@ class Space:
 
     def comm_shares_sms(self, plan: Plan) -> bool:
         """Whether communication holds whole SMs while the GEMM runs (so the GEMM gets the rest only):
-        the fused schedule's dispatch in partitioned roles, and the pipelined schedule on ds_uniep's GEMM (SM-store
-        copies beside it). On torch's GEMM the pipelined schedule moves rows with the copy engines;
-        its dispatch kernels run alone."""
+        the fused schedule's dispatch in partitioned roles, and the pipelined schedule on ds_uniep's GEMM
+        with ``num_comm_sms`` set (SM-store copies beside it). Otherwise the pipelined schedule moves rows
+        with the copy engines and its dispatch kernels run alone."""
         if plan.schedule == "pipelined":
-            return plan.expert_gemm == "uniep"
+            return plan.expert_gemm == "uniep" and plan.num_comm_sms is not None
         return plan.schedule == "fused" and plan.fused_dispatch and plan.roles == "partitioned"
 
     def is_valid(self, plan: Plan) -> bool:
@@ -611,16 +405,13 @@ class Space:
 
     # ------------------------------------------------------------------ points
     def baseline(self) -> Plan:
-        """The sequential plan with the smallest tiles: valid whenever :meth:`shape_problem` is None.
-
-        64-row tiles never exceed the rounded rows, two stages of 64x64 tiles need
-        32 KiB in bf16 (64 KiB in fp32; every GPU since Volta allows more), and the
-        sequential schedule never runs communication beside the GEMM, so only
-        ``num_comm_sms <= num_sms`` binds. Its dispatch dtype is the configured one
-        (:attr:`dispatch_dtype`): the baseline's numbers are the ones every plan keeps."""
+        """The sequential plan, tiles left to the GEMM: valid whenever :meth:`shape_problem` is None
+        (the sequential schedule never runs communication beside the GEMM, so only
+        ``num_comm_sms <= num_sms`` binds). Its dispatch dtype and GEMM are the configured ones: the
+        baseline's numbers are the ones every plan keeps."""
         sms = min(16, max(1, self.gpu.num_sms - 1))
-        return Plan(schedule="sequential", num_comm_sms=sms, tile_m=64, tile_n=64, stages=2,
-                    dispatch_dtype=self.dispatch_dtype, expert_gemm=self.expert_gemm)
+        return Plan(schedule="sequential", num_comm_sms=sms, dispatch_dtype=self.dispatch_dtype,
+                    expert_gemm=self.expert_gemm)
 
     def candidates(self) -> Iterator[Plan]:
         """Every distinct plan the knob values make, valid or not, in a fixed order."""

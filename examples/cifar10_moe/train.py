@@ -3,7 +3,10 @@
 The network and flags follow ``cifar10_deepspeed.py`` (``--moe --ep-world-size
 --num-experts --top-k --noisy-gate-policy --moe-param-group --mlp-type --dtype
 --stage``); ``--backend`` picks the MoE class (``deepspeed``: stock
-``deepspeed.moe.layer.MoE``; ``reference``/``megakernel``: ``UniEPMoE``).
+``deepspeed.moe.layer.MoE``; ``reference``/``megakernel``/``auto``: ``UniEPMoE`` with
+that backend; not given: ``reference``, or with ``--deepspeed_config`` the file's
+``"uniep"`` block as it is). The ``"uniep"`` block is validated before anything
+starts: a bad block ends the job with one line from rank 0 and exit code 2.
 
 Data: CIFAR-10 through torchvision when both are present locally
 (``--data-dir``, nothing is downloaded). Otherwise the script trains on
@@ -26,12 +29,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: launch_utils
 if importlib.util.find_spec("ds_uniep") is None:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 
 import deepspeed  # noqa: E402
 from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.layer import MoE  # noqa: E402
+
+from launch_utils import check_build_locks, run  # noqa: E402
 
 FINAL_TAG = "[cifar10_moe] final:"
 
@@ -62,8 +68,9 @@ def add_argument(argv=None):
     p.add_argument("--noisy-gate-policy", default=None, type=str, help="None, RSample or Jitter (top-1 only)")
     p.add_argument("--moe-param-group", action="store_true",
                    help="separate optimizer groups for expert parameters (needed with ZeRO)")
-    p.add_argument("--backend", choices=["reference", "megakernel", "deepspeed"], default="reference",
-                   help="deepspeed: stock deepspeed.moe.layer.MoE; reference/megakernel: UniEPMoE's backend")
+    p.add_argument("--backend", choices=["reference", "megakernel", "auto", "deepspeed"], default=None,
+                   help="deepspeed: stock deepspeed.moe.layer.MoE; reference/megakernel/auto: UniEPMoE with that "
+                   "backend (default reference; with --deepspeed_config: the file's \"uniep\" backend)")
     p = deepspeed.add_config_arguments(p)
     args = p.parse_args(argv)
     if args.deepspeed_config:
@@ -72,6 +79,7 @@ def add_argument(argv=None):
             p.error(f"{', '.join(given)} cannot be combined with --deepspeed_config: set them in "
                     f"{args.deepspeed_config} (train_micro_batch_size_per_gpu, zero_optimization.stage, bf16/fp16)")
         return args
+    args.backend = "reference" if args.backend is None else args.backend
     args.batch_size = 16 if args.batch_size is None else args.batch_size
     args.stage = 0 if args.stage is None else args.stage
     if args.dtype is None:
@@ -174,18 +182,33 @@ class Net(nn.Module):
         return x
 
 
+def uniep_config_for(args, ds_config):
+    """The run's ``"uniep"`` block with ``--backend`` set over it when given, validated (``--backend
+    deepspeed`` sets nothing; the block is still checked)."""
+    from ds_uniep import UniEPConfig
+    block = ds_config.get("uniep", {})
+    if isinstance(block, dict):  # anything else is UniEPConfig's error to report
+        block = dict(block)
+        if args.backend not in (None, "deepspeed"):
+            block["backend"] = args.backend
+    return UniEPConfig.from_dict(block)
+
+
 def moe_class_for(args, ds_config):
-    """The MoE class the model is built with; the only thing ``--backend`` changes."""
+    """``(MoE class, backend name)`` the model is built with; the only thing ``--backend`` changes."""
+    config = uniep_config_for(args, ds_config)
     if args.backend == "deepspeed":
-        return MoE
-    from ds_uniep import UniEPConfig, UniEPMoE
-    block = dict(ds_config.get("uniep", {}))
-    block["backend"] = args.backend
-    return functools.partial(UniEPMoE, config=UniEPConfig.from_dict(block))
+        return MoE, args.backend
+    from ds_uniep import UniEPMoE
+    return functools.partial(UniEPMoE, config=config), config.backend
 
 
 def main(argv=None):
     args = add_argument(argv)
+    # Before any rank starts torch.distributed: these stop every rank alike, and none waits on another.
+    check_build_locks()
+    ds_config = get_ds_config(args)
+    moe_class, args.backend = moe_class_for(args, ds_config)
     backend = "gloo" if get_accelerator().device_name() == "cpu" else None
     deepspeed.init_distributed(dist_backend=backend, distributed_port=int(os.environ.get("MASTER_PORT", 29500)),
                                verbose=False)
@@ -196,8 +219,7 @@ def main(argv=None):
     if rank == 0:
         print(f"[cifar10_moe] data: {desc}", flush=True)
 
-    ds_config = get_ds_config(args)
-    net = Net(args, in_channels, image_size, moe_class_for(args, ds_config) if args.moe else MoE)
+    net = Net(args, in_channels, image_size, moe_class if args.moe else MoE)
     parameters = {"params": [p for p in net.parameters() if p.requires_grad], "name": "parameters"}
     if args.moe_param_group:
         from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -265,5 +287,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    from ds_uniep.backend import run_script
-    run_script(main)
+    run(main)

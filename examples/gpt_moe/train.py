@@ -3,7 +3,11 @@
 Megatron-DeepSpeed's MoE flags; ``--backend`` picks the MoE class:
 
 - ``deepspeed``: stock ``deepspeed.moe.layer.MoE``;
-- ``reference`` / ``megakernel``: ``ds_uniep.UniEPMoE`` with that ``"uniep"`` backend.
+- ``reference`` / ``megakernel`` / ``auto``: ``ds_uniep.UniEPMoE`` with that ``"uniep"`` backend;
+- not given: ``ds_uniep.UniEPMoE`` with the ds_config's ``"uniep"`` block as it is.
+
+The ``"uniep"`` block is validated before anything starts, whichever class runs: a bad
+block ends the job with one line from rank 0 and exit code 2.
 
 Launch with any of (two ranks on one machine; see examples/README.md)::
 
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # examples/: launch_utils
 if importlib.util.find_spec("ds_uniep") is None:  # running from a checkout without `pip install -e .`
     sys.path.insert(0, REPO)
 
@@ -35,6 +40,7 @@ from deepspeed.accelerator import get_accelerator  # noqa: E402
 from deepspeed.moe.layer import MoE  # noqa: E402
 
 from data import VOCAB_SIZE, TextSplits, load_corpus  # noqa: E402
+from launch_utils import check_build_locks, run  # noqa: E402
 from model import GPTModel, count_parameters  # noqa: E402
 
 FINAL_TAG = "[gpt_moe] final:"
@@ -68,8 +74,9 @@ def get_args(argv=None):
                    help="residual: PR-MoE's shared MLP beside the experts")
     g.add_argument("--create-moe-param-group", action="store_true",
                    help="separate optimizer groups for expert parameters (needed with ZeRO)")
-    g.add_argument("--backend", choices=["reference", "megakernel", "deepspeed"], default="reference",
-                   help="deepspeed: stock deepspeed.moe.layer.MoE; reference/megakernel: UniEPMoE's backend")
+    g.add_argument("--backend", choices=["reference", "megakernel", "auto", "deepspeed"], default=None,
+                   help="deepspeed: stock deepspeed.moe.layer.MoE; reference/megakernel/auto: UniEPMoE with that "
+                   'backend, set over the ds_config\'s "uniep" block (default: UniEPMoE with the block\'s backend)')
     g.add_argument("--expert-gemm", choices=["torch", "uniep"], default=None,
                    help='sets "uniep": {"expert_gemm": ...} over the ds_config (default: the config\'s)')
     g = p.add_argument_group("training")
@@ -106,17 +113,29 @@ def get_args(argv=None):
     return args
 
 
-def moe_class_for(backend: str, ds_config_path: str, expert_gemm=None):
-    """The MoE class the model is built with, from ``--backend`` (and ``--expert-gemm``)."""
-    if backend == "deepspeed":
-        return MoE
-    from ds_uniep import UniEPConfig, UniEPMoE
+def uniep_config_for(backend, ds_config_path: str, expert_gemm=None):
+    """The ds_config's ``"uniep"`` block with the flags that were given set over it, validated (a flag left
+    out leaves the block's value; ``--backend deepspeed`` sets nothing, the block is still checked)."""
+    from ds_uniep import UniEPConfig
     with open(ds_config_path) as f:
-        block = dict(json.load(f).get("uniep", {}))
-    block["backend"] = backend
-    if expert_gemm is not None:
-        block["expert_gemm"] = expert_gemm
-    return functools.partial(UniEPMoE, config=UniEPConfig.from_dict(block))
+        block = json.load(f).get("uniep", {})
+    if isinstance(block, dict):  # anything else is UniEPConfig's error to report
+        block = dict(block)
+        if backend not in (None, "deepspeed"):
+            block["backend"] = backend
+        if expert_gemm is not None:
+            block["expert_gemm"] = expert_gemm
+    return UniEPConfig.from_dict(block)
+
+
+def moe_class_for(backend, ds_config_path: str, expert_gemm=None):
+    """``(MoE class, backend name)`` the model is built with, from ``--backend``, ``--expert-gemm`` and the
+    ds_config's ``"uniep"`` block (validated here, whichever class is returned)."""
+    config = uniep_config_for(backend, ds_config_path, expert_gemm)
+    if backend == "deepspeed":
+        return MoE, backend
+    from ds_uniep import UniEPMoE
+    return functools.partial(UniEPMoE, config=config), config.backend
 
 
 def init_distributed() -> None:
@@ -132,6 +151,9 @@ def lm_loss(logits, labels):
 
 def main(argv=None):
     args = get_args(argv)
+    # Before any rank starts torch.distributed: these stop every rank alike, and none waits on another.
+    check_build_locks()
+    moe_class, args.backend = moe_class_for(args.backend, args.deepspeed_config, args.expert_gemm)
     init_distributed()
     # Under mpirun, LOCAL_RANK exists only once init_distributed has read it from MPI.
     args.local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
@@ -151,7 +173,6 @@ def main(argv=None):
               f"(train {len(splits.train):,} / held-out {len(splits.valid):,})", flush=True)
 
     torch.manual_seed(args.seed)
-    moe_class = moe_class_for(args.backend, args.deepspeed_config, args.expert_gemm)
     model = GPTModel(args, VOCAB_SIZE, moe_class=moe_class, ep_rank=rank % args.moe_expert_parallel_size)
 
     params = {"params": [p for p in model.parameters() if p.requires_grad], "name": "params"}
@@ -281,5 +302,4 @@ def _write_losses(args, rank, losses):
 
 
 if __name__ == "__main__":
-    from ds_uniep.backend import run_script
-    run_script(main)
+    run(main)

@@ -22,14 +22,11 @@ torch::Tensor fused_segments(const torch::Tensor& counts_all, int64_t rank, int6
 
 // dispatch_adapter.cpp
 // direct: [kMaxRanks] direct-region bases, then use, then counts_epoch (DirectView).
-// seg_base [E] int32 and row_out [T, k] int32 (both or neither): arrival ordering, rows
-// claimed by atomics (see launch_dispatch). own_whole (with dedup): this rank's own rows are
-// stored whole, not deduplicated (launch_dispatch).
+// own_whole (with dedup): this rank's own rows are stored whole, not deduplicated (launch_dispatch).
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
-                   int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool own_whole);
+                   int64_t num_blocks, bool dedup, bool own_whole);
 // The fused schedule's dispatch (FusedArrive in types.h): segs [G * L, 4] int32 (the (source,
 // expert) blocks), out the direct region [R_max, M], recv_pair [R_max] int32 (every received
 // row's source pair, written as its source arrives), started [1] int32 on the device or in pinned
@@ -52,12 +49,11 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
                               int64_t rows_per_item, bool prefetch, int64_t warps, int64_t send_begin,
                               int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id);
 // copy_rows false: wait and copy the meta words only (the rows were received in place).
-// reset_cursors: local expert cursors to zero after the wait (arrival ordering), else 0.
 // dedup: after a deduplicated dispatch (copies each row its token's first row on this rank).
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                   const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows,
-                  int64_t reset_cursors, bool dedup);
+                  bool dedup);
 
 // combine_adapter.cpp
 void combine_push(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
@@ -80,18 +76,10 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
-                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
-                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence,
-                     const c10::optional<torch::Tensor>& trace);
+                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks,
+                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence);
 // int32 words of combine_chunked's queue workspace for num_blocks pushing blocks and rows rows.
 int64_t combine_queue_size(int64_t num_blocks, int64_t rows);
-// int64 words of combine_chunked's optional timeline for a grid of `grid` blocks (pushing and reducing).
-int64_t combine_trace_size(int64_t grid);
-// Pulling combine: out [T, M] from every rank's source region (source: kMaxRanks region bases).
-void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
-                  const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
-                  const std::vector<int64_t>& source, const std::vector<int64_t>& sym, int64_t epoch,
-                  int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 void gate_grad(const torch::Tensor& expert_idx, const torch::Tensor& grad_out, int64_t num_experts,
                torch::Tensor& grad_gates, const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
@@ -119,17 +107,6 @@ void combine_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_r
 // destination address, bytes); addresses may be peers' symmetric memory.
 void copy_segments(const torch::Tensor& table, int64_t device_index);
 void copy_segments_sm(const torch::Tensor& table, int64_t num_blocks, int64_t device_index);
-// Arrival-ordered combine (not reproducible; the baseline that measures what the fixed order
-// costs): every row of y [R, M] is added, times its pair's gate from the source's gates region
-// when weighted, into its token's fp32 row of the source's accumulator (acc: kMaxRanks region
-// bases, [T_max, M] fp32 each) with vector atomics, in arrival order.
-void combine_atomic(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
-                    bool weighted, int64_t k, const std::vector<int64_t>& acc, const std::vector<int64_t>& sym,
-                    int64_t epoch, int64_t num_blocks);
-// Wait for every rank's combine_atomic, then out [T, M] = cast(acc rows) and zero them (acc:
-// this rank's accumulator, [T_max, M] fp32).
-void acc_cast(torch::Tensor& acc, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
-              int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks);
 // Wait, then grad_gates [T, k] fp32 from this rank's gates region (0 for dropped pairs).
 void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::Tensor& grad_gates,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,

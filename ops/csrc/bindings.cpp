@@ -20,9 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_chunked", &uniep::combine_chunked,
         "push and reduce in one kernel, by chunks of source tokens (same bits as push then reduce)");
   m.def("combine_queue_size", &uniep::combine_queue_size, "int32 words of combine_chunked's queue workspace");
-  m.def("combine_trace_size", &uniep::combine_trace_size, "int64 words of combine_chunked's optional timeline");
-  m.def("combine_pull", &uniep::combine_pull,
-        "raise and wait for every rank's pull signal, then sum each token's rows read from the ranks' source regions");
   m.def("combine_mirror", &uniep::combine_mirror,
         "wait, then sum each token's k rows in slot order, read where the copy-engine pushes left them");
   m.def("copy_segments", &uniep::copy_segments, "copy-engine copies of (source, destination, bytes) segments");
@@ -33,9 +30,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("combine_bwd_rows", &uniep::combine_bwd_rows,
         "backward of combine on the expert side: grad_y rows and each pair's gate gradient, sent to its source");
   m.def("gate_collect", &uniep::gate_collect, "wait, then grad_gates from the gates region (0 for dropped pairs)");
-  m.def("combine_atomic", &uniep::combine_atomic,
-        "arrival-ordered combine: rows added into the sources' fp32 accumulators by atomics (not reproducible)");
-  m.def("acc_cast", &uniep::acc_cast, "wait, then cast the fp32 accumulator rows and zero them");
   // gemm: grouped GEMM of the experts (fwd, dgrad, wgrad), deterministic tiles
   m.def("grouped_mm", &uniep::grouped_mm, "grouped GEMM: op 0 fwd, 1 dgrad, 2 wgrad over groups of rows");
   m.def("grouped_mm_segments", &uniep::grouped_mm_segments,

@@ -1,6 +1,7 @@
 // Hard limits of the UniEP kernels, in one place. The Python side reads none of
-// these by parsing: ds_uniep/megakernel.py repeats the few it validates against
-// (kMaxRanks, kMaxExperts, kMaxTopK, kFp8GroupSize) and test_ops_compile checks they agree.
+// these by parsing: ds_uniep/megakernel/buffers.py repeats the few it validates against or sizes
+// buffers by (kMaxRanks, kMaxExperts, kMaxTopK, kFp8GroupSize, ...) and test_ops_compile checks
+// they agree.
 #pragma once
 
 #include <cstdint>
@@ -30,10 +31,9 @@ enum SignalPhase : int {
   kPhaseDispatch = 1,  // all rows of a dispatch stored
   kPhaseCombine = 2,   // all rows of a combine push stored
   kPhaseBarrier = 3,   // entry barrier of backward ops
-  kPhasePull = 4,      // every rank's expert outputs are in its source region (pulling combine)
-  kPhaseArrived = 5,   // fused schedule, local only: word [5][s] says source s's rows are usable here
-  kPhaseGates = 6,     // a source's gates are in its gates region (combine of rank partials)
-  kNumPhases = 7,
+  kPhaseArrived = 4,   // fused schedule, local only: word [4][s] says source s's rows are usable here
+  kPhaseGates = 5,     // a source's gates are in its gates region (combine of rank partials)
+  kNumPhases = 6,
 };
 
 // Chunked combine: a source's tokens fall into at most this many chunks; every rank raises one

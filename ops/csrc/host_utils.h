@@ -28,7 +28,7 @@
 
 namespace uniep {
 
-// Index of each field in the sym descriptor built by ds_uniep/megakernel.py (_SymBuffers.descriptor).
+// Index of each field in the sym descriptor built by ds_uniep/megakernel/buffers.py (_SymBuffers.descriptor).
 enum SymField : int {
   kSymPtrs = 0,  // kMaxRanks entries
   kSymRank = kMaxRanks,
@@ -41,7 +41,6 @@ enum SymField : int {
   kSymRecvOff,
   kSymCombOff,
   kSymGatesOff,
-  kSymCursorsOff,
   kSymDupOff,
   kSymRecvRows,
   kSymRecvRowBytes,
@@ -68,7 +67,6 @@ inline SymView sym_from_descriptor(const std::vector<int64_t>& d) {
   s.recv_off = d[kSymRecvOff];
   s.comb_off = d[kSymCombOff];
   s.gates_off = d[kSymGatesOff];
-  s.cursors_off = d[kSymCursorsOff];
   s.dup_off = d[kSymDupOff];
   s.recv_rows = d[kSymRecvRows];
   s.recv_row_bytes = d[kSymRecvRowBytes];

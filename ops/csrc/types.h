@@ -26,8 +26,6 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //   scales   [R_max][M / 128] fp32     FP8 dispatch only
 //   recv     [R_max][recv_row_bytes]   received rows (activation dtype, or e4m3 bytes)
 //   comb     [pairs_per_rank][comb_row_bytes] rows pushed back by combine, at pair t * k + j
-//   cursors  [E] int32                 arrival ordering only: next free row of each local expert,
-//            claimed by sources with atomics, zeroed by the receiver once every row arrived
 //   gates    [pairs_per_rank] fp32     backward of combine: the source's gates, which the expert
 //            rank of each pair reads and overwrites with the pair's gate gradient
 struct SymView {
@@ -42,7 +40,6 @@ struct SymView {
   int64_t recv_off;
   int64_t comb_off;
   int64_t gates_off;
-  int64_t cursors_off;
   int64_t dup_off;
   int64_t recv_rows;       // R_max
   int64_t recv_row_bytes;  // M * sizeof(activation) (or M for e4m3)

@@ -1,5 +1,8 @@
 // Combine family: expert output rows pushed back to their source at (token, slot),
 // then summed there in slot order in fp32 and cast once. Host launchers; no torch.
+// Kernels by file: combine_push.cu (push, rank partials), combine_reduce.cu (reduce, mirror),
+// combine_chunked.cu (push and reduce in one kernel), combine_backward.cu (gate gradients,
+// the expert side of the backward of combine), copy_segments.cu (SM copies).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,13 +45,12 @@ cudaError_t launch_combine_reduce(DType dtype, const SymView& sym, uint32_t epoc
 // more blocks sum a chunk once every rank's flag for it is up. The same output bits as
 // push then reduce. num_chunks (<= kMaxCombineChunks) must be the same on every rank (it covers
 // the largest token count of any rank); this rank's num_tokens <= chunk_tokens * num_chunks.
-// push_lead > 0: each pushing block sorts its share of the rows by chunk once and streams
-// through them with no barrier between chunks, at most push_lead chunks ahead of the last chunk
-// it signalled (chunk by chunk when its share exceeds kMaxSortedListBytes); 0: it gathers and
-// pushes one chunk's rows at a time. queue (queue_words ints, at least
-// combine_queue_words(num_blocks, y_rows); null: none): the pushing blocks sort all rows by chunk
-// into one order and every pushing warp takes its next segments from one cursor, so faster blocks
-// push more (push_lead is then unused); zero when allocated, each launch leaves it ready for the
+// Without a queue each pushing block sorts its share of the rows by chunk once and streams
+// through them with no barrier between chunks, a bounded number of chunks ahead of the last chunk
+// it signalled (chunk by chunk when its share exceeds kMaxSortedListBytes). queue (queue_words
+// ints, at least combine_queue_words(num_blocks, y_rows); null: none): the pushing blocks sort all
+// rows by chunk into one order and every pushing warp takes its next segments from one cursor, so
+// faster blocks push more; zero when allocated, each launch leaves it ready for the
 // next (stream-ordered launches may share it); queue_gpu_fence: its pushing warps fence at GPU
 // scope before counting a chunk's rows, and only the warp that completes a chunk fences at system
 // scope before raising its flags. The bits are the same.
@@ -56,14 +58,10 @@ cudaError_t launch_combine_chunked(DType dtype, const void* y, const int* recv_p
                                    int y_rows, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                    const int* expert_idx, const float* weights, int num_tokens, int k, int hidden,
                                    int num_experts, void* out, int num_blocks, int reduce_blocks, int chunk_tokens,
-                                   int num_chunks, int push_lead, int* queue, int64_t queue_words,
-                                   bool queue_gpu_fence, unsigned long long* trace, int64_t trace_words,
+                                   int num_chunks, int* queue, int64_t queue_words, bool queue_gpu_fence,
                                    cudaStream_t stream);
 // Words of the queue workspace for num_blocks pushing blocks and y_rows rows.
 int64_t combine_queue_words(int num_blocks, int y_rows);
-// uint64 words of the chunked combine's optional timeline (trace: %globaltimer stamps, zeroed by the
-// caller) for a grid of `grid` blocks (pushing and reducing).
-int64_t combine_trace_words(int grid);
 
 // As launch_combine_reduce, reading the row of (t, j) from this rank's combine buffer at
 // dest_row[t, j] + mirror_off[expert_idx[t, j]] (mirror_off [E] int32): the buffer the
@@ -72,15 +70,6 @@ cudaError_t launch_combine_mirror(DType dtype, const SymView& sym, uint32_t epoc
                                   const int* dest_row, const int* mirror_off, const int* expert_idx,
                                   const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
                                   int num_blocks, cudaStream_t stream);
-
-// Raises kPhasePull on every rank and waits for every rank's, then out as launch_combine_reduce,
-// reading the row of (t, j) from rank d = expert_idx[t, j] / L's source region at row
-// dest_row[t, j]: source_ptrs[d] (kMaxRanks entries) is the base of rank d's region, rows of
-// M elements of dtype in that rank's layout order. No combine buffer is used.
-cudaError_t launch_combine_pull(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
-                                const char* const* source_ptrs, const int* dest_row, const int* expert_idx,
-                                const float* weights, int num_tokens, int k, int hidden, int num_experts, void* out,
-                                int num_blocks, cudaStream_t stream);
 
 // Waits for kPhaseCombine of every rank, then grad_gates [T, k] fp32:
 // sum over m of float(grad_out[t, m]) * float(comb[t * k + j, m]), 0 for a dropped pair.
@@ -116,18 +105,6 @@ cudaError_t launch_combine_bwd_rows(DType dtype, const SymView& sym, uint32_t di
 cudaError_t launch_gate_collect(const SymView& sym, uint32_t epoch, const WaitPolicy& wait, const int* expert_idx,
                                 int num_pairs, int num_experts, float* grad_gates, int num_blocks,
                                 cudaStream_t stream);
-
-// Arrival ordering (the baseline that measures what the fixed order costs; not reproducible):
-// each of the first min(R, y_rows) rows r of y, times the gate its source left in its gates
-// region when weighted, is added with vector fp32 atomics into row recv_pair[r] % pairs_per_rank / k
-// of its source's accumulator (acc_ptrs: kMaxRanks bases of [T_max, M] fp32). Raises kPhaseCombine.
-cudaError_t launch_combine_atomic(DType dtype, const void* y, const int* recv_pair, const int* num_recv, int y_rows,
-                                  int hidden, int k, bool weighted, const SymView& sym, const char* const* acc_ptrs,
-                                  uint32_t epoch, int num_blocks, cudaStream_t stream);
-
-// Waits for kPhaseCombine of every rank, then out [T, M] = cast(acc[:T]) and acc[:T] = 0.
-cudaError_t launch_acc_cast(DType dtype, const SymView& sym, uint32_t epoch, const WaitPolicy& wait, float* acc,
-                            int num_tokens, int hidden, void* out, int num_blocks, cudaStream_t stream);
 
 // Segments copied by SM stores (16-byte vectors, grid-stride, `num_blocks` blocks of kCopyThreads):
 // dst[i][0, bytes[i]) = src[i][0, bytes[i]) for i < n (n <= kMaxSmSegments; every address and byte

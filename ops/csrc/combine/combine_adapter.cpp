@@ -98,9 +98,8 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                      const torch::Tensor& expert_idx, const c10::optional<torch::Tensor>& weights,
                      int64_t num_experts, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
                      int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks,
-                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks, int64_t push_lead,
-                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence,
-                     const c10::optional<torch::Tensor>& trace) {
+                     int64_t reduce_blocks, int64_t chunk_tokens, int64_t num_chunks,
+                     const c10::optional<torch::Tensor>& queue, bool queue_gpu_fence) {
   UNIEP_CHECK_INPUT(y);
   UNIEP_CHECK_INPUT(recv_pair);
   UNIEP_CHECK_INPUT(num_recv);
@@ -125,17 +124,6 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
                 " rows need ", combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(y.size(0))));
     qp = queue->data_ptr<int>();
   }
-  unsigned long long* tp = nullptr;
-  int64_t t_words = 0;
-  if (trace.has_value()) {
-    UNIEP_CHECK_INPUT((*trace));
-    UNIEP_CHECK_DTYPE((*trace), torch::kInt64);
-    t_words = trace->numel();
-    const int grid = static_cast<int>(num_blocks + reduce_blocks);
-    TORCH_CHECK(t_words >= combine_trace_words(grid), "the combine trace holds ", t_words, " words; a grid of ",
-                grid, " blocks needs ", combine_trace_words(grid));
-    tp = reinterpret_cast<unsigned long long*>(trace->data_ptr<int64_t>());
-  }
   const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
   const float* wp = optional_weights(weights, expert_idx);
   const c10::cuda::CUDAGuard guard(out.device());
@@ -144,42 +132,11 @@ void combine_chunked(const torch::Tensor& y, const torch::Tensor& recv_pair, con
       s, static_cast<uint32_t>(epoch), w, expert_idx.data_ptr<int>(), wp, static_cast<int>(out.size(0)),
       static_cast<int>(expert_idx.size(1)), static_cast<int>(out.size(1)), static_cast<int>(num_experts),
       out.data_ptr(), static_cast<int>(num_blocks), static_cast<int>(reduce_blocks), static_cast<int>(chunk_tokens),
-      static_cast<int>(num_chunks), static_cast<int>(push_lead), qp, q_words, queue_gpu_fence, tp, t_words,
-      c10::cuda::getCurrentCUDAStream()));
+      static_cast<int>(num_chunks), qp, q_words, queue_gpu_fence, c10::cuda::getCurrentCUDAStream()));
 }
 
 int64_t combine_queue_size(int64_t num_blocks, int64_t rows) {
   return combine_queue_words(static_cast<int>(num_blocks), static_cast<int>(rows));
-}
-
-int64_t combine_trace_size(int64_t grid) { return combine_trace_words(static_cast<int>(grid)); }
-
-void combine_pull(const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
-                  const c10::optional<torch::Tensor>& weights, int64_t num_experts, torch::Tensor& out,
-                  const std::vector<int64_t>& source, const std::vector<int64_t>& sym, int64_t epoch,
-                  int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
-  check_routing_and_out(expert_idx, out);
-  UNIEP_CHECK_INPUT(dest_row);
-  UNIEP_CHECK_DTYPE(dest_row, torch::kInt32);
-  TORCH_CHECK(dest_row.sizes() == expert_idx.sizes(), "dest_row must have expert_idx's shape");
-  const SymView s = sym_from_descriptor(sym);
-  TORCH_CHECK(out.size(1) * static_cast<int64_t>(out.element_size()) == s.recv_row_bytes, "out rows are ",
-              out.size(1) * out.element_size(), " bytes, the source regions' ", s.recv_row_bytes);
-  TORCH_CHECK(static_cast<int>(source.size()) == kMaxRanks, "source must list kMaxRanks region bases");
-  const char* ptrs[kMaxRanks];
-  for (int i = 0; i < kMaxRanks; ++i) {
-    ptrs[i] = reinterpret_cast<const char*>(source[i]);
-    TORCH_CHECK(i >= s.num_ranks || ptrs[i] != nullptr, "source region base of a rank is null");
-  }
-  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
-  const float* wp = optional_weights(weights, expert_idx);
-  const c10::cuda::CUDAGuard guard(out.device());
-  UNIEP_CHECK_LAUNCH(launch_combine_pull(dtype_of(out), s, static_cast<uint32_t>(epoch), w, ptrs,
-                                         dest_row.data_ptr<int>(), expert_idx.data_ptr<int>(), wp,
-                                         static_cast<int>(out.size(0)), static_cast<int>(expert_idx.size(1)),
-                                         static_cast<int>(out.size(1)), static_cast<int>(num_experts),
-                                         out.data_ptr(), static_cast<int>(num_blocks),
-                                         c10::cuda::getCurrentCUDAStream()));
 }
 
 void combine_mirror(const torch::Tensor& expert_idx, const torch::Tensor& dest_row, const torch::Tensor& mirror_off,
@@ -353,40 +310,6 @@ void gate_collect(const torch::Tensor& expert_idx, int64_t num_experts, torch::T
                                          static_cast<int>(expert_idx.numel()), static_cast<int>(num_experts),
                                          grad_gates.data_ptr<float>(), static_cast<int>(num_blocks),
                                          c10::cuda::getCurrentCUDAStream()));
-}
-
-void combine_atomic(const torch::Tensor& y, const torch::Tensor& recv_pair, const torch::Tensor& num_recv,
-                    bool weighted, int64_t k, const std::vector<int64_t>& acc, const std::vector<int64_t>& sym,
-                    int64_t epoch, int64_t num_blocks) {
-  const SymView s = check_rows_back(y, recv_pair, num_recv, sym);
-  TORCH_CHECK(k >= 1 && s.pairs_per_rank % k == 0, "k must divide pairs_per_rank");
-  TORCH_CHECK(static_cast<int>(acc.size()) == kMaxRanks, "acc must list kMaxRanks region bases");
-  const char* ptrs[kMaxRanks];
-  for (int i = 0; i < kMaxRanks; ++i) {
-    ptrs[i] = reinterpret_cast<const char*>(acc[i]);
-    TORCH_CHECK(i >= s.num_ranks || ptrs[i] != nullptr, "accumulator base of a rank is null");
-  }
-  const c10::cuda::CUDAGuard guard(y.device());
-  UNIEP_CHECK_LAUNCH(launch_combine_atomic(dtype_of(y), y.data_ptr(), recv_pair.data_ptr<int>(),
-                                           num_recv.data_ptr<int>(), static_cast<int>(y.size(0)),
-                                           static_cast<int>(y.size(1)), static_cast<int>(k), weighted, s, ptrs,
-                                           static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
-                                           c10::cuda::getCurrentCUDAStream()));
-}
-
-void acc_cast(torch::Tensor& acc, torch::Tensor& out, const std::vector<int64_t>& sym, int64_t epoch,
-              int64_t timeout_ns, const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks) {
-  UNIEP_CHECK_INPUT(acc);
-  UNIEP_CHECK_INPUT(out);
-  UNIEP_CHECK_DTYPE(acc, torch::kFloat32);
-  TORCH_CHECK(acc.dim() == 2 && out.dim() == 2 && acc.size(1) == out.size(1) && out.size(0) <= acc.size(0),
-              "acc must be [T_max, M] and out [T, M] with T <= T_max");
-  const SymView s = sym_from_descriptor(sym);
-  const WaitPolicy w = wait_from_args(timeout_ns, error_record, layer_id);
-  const c10::cuda::CUDAGuard guard(out.device());
-  UNIEP_CHECK_LAUNCH(launch_acc_cast(dtype_of(out), s, static_cast<uint32_t>(epoch), w, acc.data_ptr<float>(),
-                                     static_cast<int>(out.size(0)), static_cast<int>(out.size(1)), out.data_ptr(),
-                                     static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream()));
 }
 
 }  // namespace uniep

@@ -62,8 +62,7 @@ template <typename T, bool kWeighted>
 __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
     const T* __restrict__ x, const int* __restrict__ expert_idx, const int* __restrict__ dest_row,
     const float* __restrict__ weights, int num_tokens, int k, int hidden, int experts_per_rank, SymView s,
-    DirectView dv, uint32_t epoch, const int* __restrict__ seg_base, int* __restrict__ row_out, bool dedup,
-    bool own_whole, FusedArrive fused, WaitPolicy w) {
+    DirectView dv, uint32_t epoch, bool dedup, bool own_whole, FusedArrive fused, WaitPolicy w) {
   const bool by_destination = fused.segs != nullptr;
   // Announced even when poisoned: the stream that queues the GEMM waits for this word.
   if (by_destination && fused.started != nullptr) announce_start(s, fused.started, epoch);
@@ -88,17 +87,7 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
       dest_rank[j] = -1;
       if (j < k) {
         const int64_t pair = static_cast<int64_t>(t) * k + j;
-        int row = dest_row[pair];
-        if (seg_base != nullptr) {  // arrival ordering: the next free row of the expert, by atomic
-          if (row >= 0) {
-            const int e = expert_idx[pair];
-            int* cursor = reinterpret_cast<int*>(s.ptrs[e / experts_per_rank] + s.cursors_off) + e % experts_per_rank;
-            int claimed = 0;
-            if (lane == 0) claimed = seg_base[e] + atomicAdd_system(cursor, 1);
-            row = __shfl_sync(0xffffffffu, claimed, 0);
-          }
-          if (lane == 0) row_out[pair] = row;
-        }
+        const int row = dest_row[pair];
         if (row >= 0 && (only < 0 || expert_idx[pair] / experts_per_rank == only)) {
           const int d = expert_idx[pair] / experts_per_rank;
           // Deduplicated: a token travels once per destination rank; its later slots there name
@@ -231,12 +220,8 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
                                                                     const int* __restrict__ num_recv, int out_rows,
                                                                     int hidden, T* __restrict__ out,
                                                                     int* __restrict__ recv_pair, bool copy_rows,
-                                                                    int reset_cursors, bool dedup) {
+                                                                    bool dedup) {
   if (!block_wait_all(s, w, kPhaseDispatch, epoch)) return;
-  // Every source's claims on this rank's cursors came before its dispatch signal: reset them
-  // for the next arrival-ordered dispatch (which follows a counts exchange).
-  if (blockIdx.x == 0)
-    for (int i = threadIdx.x; i < reset_cursors; i += blockDim.x) reinterpret_cast<int*>(s.ptrs[s.rank] + s.cursors_off)[i] = 0;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -289,13 +274,12 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
 cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* expert_idx, const int* dest_row,
                             const float* weights, int num_tokens, int k, int hidden, int num_experts,
                             const SymView& sym, const DirectView& direct, uint32_t epoch, int num_blocks,
-                            cudaStream_t stream, const int* seg_base, int* row_out, bool dedup,
-                            const FusedArrive* fused, const WaitPolicy* wait, bool own_whole) {
+                            cudaStream_t stream, bool dedup, const FusedArrive* fused, const WaitPolicy* wait,
+                            bool own_whole) {
   const bool by_destination = fused != nullptr;
   if (k <= 0 || k > kMaxTopK || num_experts % sym.num_ranks != 0 || num_blocks <= 0 || (fp8 && weights) ||
-      (fp8 && hidden % kFp8GroupSize != 0) || (seg_base != nullptr && (fp8 || row_out == nullptr)) ||
-      (dedup && (fp8 || weights)) || (own_whole && !dedup) ||
-      (by_destination && (fp8 || seg_base != nullptr || weights || wait == nullptr)))
+      (fp8 && hidden % kFp8GroupSize != 0) || (dedup && (fp8 || weights)) || (own_whole && !dedup) ||
+      (by_destination && (fp8 || weights || wait == nullptr)))
     return cudaErrorInvalidValue;
   const int experts_per_rank = num_experts / sym.num_ranks;
   UNIEP_SWITCH_DTYPE(dtype, T, {
@@ -308,7 +292,7 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
       UNIEP_SWITCH_BOOL(weights != nullptr, kWeighted, {
         dispatch_kernel<T, kWeighted><<<num_blocks, kCopyThreads, 0, stream>>>(
             static_cast<const T*>(x), expert_idx, dest_row, weights, num_tokens, k, hidden, experts_per_rank, sym,
-            direct, epoch, seg_base, row_out, dedup, own_whole, fused ? *fused : FusedArrive{},
+            direct, epoch, dedup, own_whole, fused ? *fused : FusedArrive{},
             wait ? *wait : WaitPolicy{});
       });
     }
@@ -318,16 +302,14 @@ cudaError_t launch_dispatch(DType dtype, bool fp8, const void* x, const int* exp
 
 cudaError_t launch_recv_copyout(DType dtype, bool fp8, const SymView& sym, uint32_t epoch, const WaitPolicy& wait,
                                 const int* num_recv, int out_rows, int hidden, void* out, int* recv_pair,
-                                int num_blocks, bool copy_rows, cudaStream_t stream, int reset_cursors, bool dedup) {
-  if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0) || reset_cursors < 0 || reset_cursors > kMaxExperts ||
-      (fp8 && dedup))
-    return cudaErrorInvalidValue;
+                                int num_blocks, bool copy_rows, cudaStream_t stream, bool dedup) {
+  if (num_blocks <= 0 || (fp8 && hidden % kFp8GroupSize != 0) || (fp8 && dedup)) return cudaErrorInvalidValue;
   UNIEP_SWITCH_DTYPE(dtype, T, {
     if (hidden % Vec<T>::kElems != 0) return cudaErrorInvalidValue;
     UNIEP_SWITCH_BOOL(fp8, kFp8, {
       recv_copyout_kernel<T, kFp8><<<num_blocks, kCopyThreads, 0, stream>>>(sym, epoch, wait, num_recv, out_rows, hidden,
                                                                             static_cast<T*>(out), recv_pair, copy_rows,
-                                                                            reset_cursors, dedup);
+                                                                            dedup);
     });
   });
   return cudaGetLastError();

@@ -10,8 +10,7 @@ namespace uniep {
 void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
                    const c10::optional<torch::Tensor>& weights, bool fp8, int64_t num_experts,
                    const std::vector<int64_t>& sym, const std::vector<int64_t>& direct, int64_t epoch,
-                   int64_t num_blocks, const c10::optional<torch::Tensor>& seg_base,
-                   const c10::optional<torch::Tensor>& row_out, bool dedup, bool own_whole) {
+                   int64_t num_blocks, bool dedup, bool own_whole) {
   UNIEP_CHECK_INPUT(x);
   UNIEP_CHECK_INPUT(expert_idx);
   UNIEP_CHECK_INPUT(dest_row);
@@ -33,27 +32,12 @@ void dispatch_rows(const torch::Tensor& x, const torch::Tensor& expert_idx, cons
   const float* w = optional_weights(weights, expert_idx);
   TORCH_CHECK(!(dedup && (fp8 || w)), "a deduplicated dispatch moves unweighted rows in the activation dtype");
   TORCH_CHECK(!own_whole || dedup, "own_whole is a form of the deduplicated dispatch");
-  TORCH_CHECK(seg_base.has_value() == row_out.has_value(), "seg_base and row_out come together (arrival ordering)");
-  const int* seg = nullptr;
-  int* rows_taken = nullptr;
-  if (seg_base.has_value()) {
-    TORCH_CHECK(!fp8 && !w, "arrival ordering moves unweighted rows in the activation dtype");
-    UNIEP_CHECK_INPUT((*seg_base));
-    UNIEP_CHECK_INPUT((*row_out));
-    UNIEP_CHECK_DTYPE((*seg_base), torch::kInt32);
-    UNIEP_CHECK_DTYPE((*row_out), torch::kInt32);
-    UNIEP_CHECK_SHAPE((*seg_base), num_experts);
-    UNIEP_CHECK_SHAPE((*row_out), x.size(0), expert_idx.size(1));
-    seg = seg_base->data_ptr<int>();
-    rows_taken = row_out->data_ptr<int>();
-  }
   const c10::cuda::CUDAGuard guard(x.device());
   UNIEP_CHECK_LAUNCH(launch_dispatch(dtype_of(x), fp8, x.data_ptr(), expert_idx.data_ptr<int>(),
                                      dest_row.data_ptr<int>(), w, static_cast<int>(x.size(0)),
                                      static_cast<int>(expert_idx.size(1)), hidden, static_cast<int>(num_experts), s,
                                      dv, static_cast<uint32_t>(epoch), static_cast<int>(num_blocks),
-                                     c10::cuda::getCurrentCUDAStream(), seg, rows_taken, dedup, nullptr, nullptr,
-                                     own_whole));
+                                     c10::cuda::getCurrentCUDAStream(), dedup, nullptr, nullptr, own_whole));
 }
 
 namespace {
@@ -128,8 +112,8 @@ void dispatch_fused(const torch::Tensor& x, const torch::Tensor& expert_idx, con
                                      dest_row.data_ptr<int>(), nullptr, static_cast<int>(x.size(0)),
                                      static_cast<int>(expert_idx.size(1)), static_cast<int>(x.size(1)),
                                      static_cast<int>(num_experts), f.s, f.dv, static_cast<uint32_t>(epoch),
-                                     static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream(), nullptr,
-                                     nullptr, dedup, &f.fused, &f.w));
+                                     static_cast<int>(num_blocks), c10::cuda::getCurrentCUDAStream(), dedup,
+                                     &f.fused, &f.w));
 }
 
 torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& expert_idx, const torch::Tensor& dest_row,
@@ -175,7 +159,7 @@ torch::Tensor interleaved_job(const torch::Tensor& x, const torch::Tensor& exper
 void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, torch::Tensor& recv_pair,
                   const std::vector<int64_t>& sym, int64_t epoch, int64_t timeout_ns,
                   const torch::Tensor& error_record, int64_t layer_id, int64_t num_blocks, bool copy_rows,
-                  int64_t reset_cursors, bool dedup) {
+                  bool dedup) {
   UNIEP_CHECK_INPUT(num_recv);
   UNIEP_CHECK_INPUT(out);
   UNIEP_CHECK_INPUT(recv_pair);
@@ -191,7 +175,7 @@ void recv_copyout(const torch::Tensor& num_recv, bool fp8, torch::Tensor& out, t
   UNIEP_CHECK_LAUNCH(launch_recv_copyout(dtype_of(out), fp8, s, static_cast<uint32_t>(epoch), w,
                                          num_recv.data_ptr<int>(), static_cast<int>(out.size(0)), hidden, out.data_ptr(), recv_pair.data_ptr<int>(),
                                          static_cast<int>(num_blocks), copy_rows, c10::cuda::getCurrentCUDAStream(),
-                                         static_cast<int>(reset_cursors), dedup));
+                                         dedup));
 }
 
 }  // namespace uniep

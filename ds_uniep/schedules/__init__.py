@@ -1,0 +1,144 @@
+"""The layer's schedules, and the one place that picks which runs.
+
+A schedule is how one forward goes from the gate to the combined tokens: :class:`Sequential` (any
+backend, HybridEP, tensor parallelism) and :class:`EarlySequential` (the megakernel's, with the
+dispatch queued between the gate's routes and the rest of the gate) in ``sequential.py``,
+:class:`Pipelined` (``pipelined.py``) and :class:`Fused` (``fused.py``). Each has ``run(layer,
+step) -> output`` over one :class:`~ds_uniep.schedules.common.Step`.
+
+:func:`resolve` picks the schedule for a layer's config, dispatcher and input dtype once (the layer
+keeps it until one of those changes) and says, once per layer and schedule, why an asked-for
+schedule cannot run where it cannot (the sequential one then runs, with the same results).
+:func:`say_unread_knobs` says which ``uniep.overlap`` knobs nothing acts on;
+:func:`check_combine_mode` refuses ``compression.combine`` "rank_partials" where nothing builds it.
+"""
+
+from torch import Tensor
+
+from .. import gating
+from ..env import logger
+from ..reference import ReferenceDispatcher
+from ..tensor_parallel import tp_context
+from .common import Step, comm_blocks, gemm_configs, stack
+from .fused import Fused
+from .pipelined import Pipelined
+from .sequential import EarlySequential, Sequential
+
+__all__ = ["Step", "Sequential", "EarlySequential", "Pipelined", "Fused", "resolve", "say_unread_knobs",
+           "check_combine_mode", "comm_blocks", "gemm_configs"]
+
+NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
+               "expert tensor parallelism)")
+_SAID_CANNOT = set()
+
+
+def resolve(layer, x: Tensor, d):
+    """The schedule ``layer`` runs on tokens like ``x`` (``[T, M]``) moved by dispatcher ``d``: the
+    configured ``overlap.schedule`` where it can run, else the sequential one (said once per layer
+    and schedule, naming why)."""
+    cfg, hybrid = layer.uniep_config, layer._hybrid
+    schedule = cfg.overlap.schedule
+    tp = tp_context()[1]
+    tp_sharded = tp > 1 and layer.enable_expert_tensor_parallelism
+    megakernel = not isinstance(d, ReferenceDispatcher)
+    grouped = schedule != "sequential" and hybrid is None and not tp_sharded and stack(layer, x) is not None
+    # The dispatch is queued between the gate's routes and the rest of the gate where the megakernel
+    # moves one rank's tokens routed by DeepSpeed's dropless top-2/top-k gate (see EarlySequential);
+    # a pending "replan_after_steps" counts the routes of the whole gate.
+    early = (megakernel and hybrid is None and tp == 1 and layer.route_early and layer.hybrid.replan is None
+             and gating.splits(layer.deepspeed_moe.gate))
+    if schedule == "pipelined" and (megakernel or hybrid is not None):  # (the reference backend: say_unread_knobs)
+        why = ("HybridEP moves tokens on the reference transport" if hybrid is not None else
+               NOT_GROUPED if not grouped else d.pipelines())
+        if _runs(layer.layer_name, schedule, why):
+            gemm = layer._expert_gemm(x.device)
+            from ..pipelined import pipeline_partition
+            # With ds_uniep's GEMM and num_comm_sms set (in the block or by a tuning plan), the GEMMs
+            # leave that many SMs to SM-store copies; else the chunks' rows travel on the copy engines
+            # and the GEMMs take every SM (torch's always do).
+            copy_blocks, sm_count = pipeline_partition(gemm, comm_blocks(cfg) or 0, x.device)
+            return Pipelined(cfg.overlap.num_chunks, gemm, copy_blocks, sm_count,
+                             layer._gemm_configs() if gemm == "uniep" else None)
+    elif schedule == "fused" and megakernel:
+        why = (NOT_GROUPED if not grouped else
+               'its first GEMM waits for rows inside ds_uniep\'s grouped GEMM ("expert_gemm": "uniep")'
+               if layer._expert_gemm(d.device) != "uniep" else d.fuses())
+        if _runs(layer.layer_name, schedule, why):
+            o = cfg.overlap
+            return Fused(early, o.fused_dispatch, o.epilogue_combine, layer._gemm_configs())
+    return EarlySequential() if early else Sequential(tp_sharded)
+
+
+def _runs(layer_name: str, schedule: str, why: str) -> bool:
+    """True when nothing stops ``schedule`` (``why`` empty); else says why, once per layer and
+    schedule, and the sequential schedule runs."""
+    if why and (layer_name, schedule) not in _SAID_CANNOT:
+        _SAID_CANNOT.add((layer_name, schedule))
+        logger.warning(f"{layer_name}: the {schedule} schedule cannot run here ({why}); running the "
+                       "sequential one (the same results)")
+    return not why
+
+
+def check_combine_mode(cfg, backend: str, layer_name: str) -> None:
+    """``compression.combine`` "rank_partials" runs where something builds it: the reference
+    backend, and the megakernel's combine kernels (the sequential schedule, the fused one without
+    epilogue_combine); elsewhere it raises rather than run the slots' sums (HybridEP raises when
+    it is built)."""
+    if cfg.compression.combine != "rank_partials" or backend != "megakernel":
+        return
+    o = cfg.overlap
+    if not _runs_combine_kernels(o.schedule, o.epilogue_combine):
+        raise ValueError(f"{layer_name}: compression.combine 'rank_partials' runs in the megakernel's combine "
+                         "kernels: the sequential schedule, or the fused one with epilogue_combine false (got "
+                         f"schedule {o.schedule!r}, epilogue_combine {o.epilogue_combine})")
+
+
+def _runs_combine_kernels(schedule: str, epilogue_combine: bool) -> bool:
+    from ..knobs import Knobs  # where the combine kernels move the rows: the knobs' own rule
+    return Knobs(schedule=schedule, epilogue_combine=epilogue_combine).runs_combine_kernels()
+
+
+_FUSED_KNOBS = ("roles", "tile_m", "tile_n", "signal_granularity")
+"""``uniep.overlap`` knobs meant for the fused schedule: ``roles`` and ``signal_granularity`` are read
+by its dispatch (``fused_dispatch``) only; ``tile_m`` and ``tile_n`` are read by ds_uniep's GEMM
+(``expert_gemm: "uniep"``) wherever it runs the experts, on any schedule."""
+_SAID_WAITING = set()
+
+
+def say_unread_knobs(overlap, backend: str, layer_name: str, tiles_read: bool = False,
+                     rank_partials: bool = False) -> None:
+    """Warn when the ``uniep.overlap`` block sets knobs that nothing acts on: :data:`_FUSED_KNOBS`,
+    ``schedule`` (pipelined or fused) on a backend other than the megakernel, ``num_chunks``
+    outside the megakernel's pipelined schedule, ``fused_dispatch`` and ``epilogue_combine``
+    outside its fused one, and ``combine_chunks`` and ``combine_queue`` where its combine kernels
+    do not move the rows (``combine_queue`` also with ``combine_chunks`` 0); once per process for
+    each setting and backend, naming the first layer that met it. ``tiles_read``: ds_uniep's GEMM
+    runs the experts and reads ``tile_m`` and ``tile_n``. ``rank_partials``: ``compression.combine``
+    is "rank_partials", whose combine pushes then sums (``combine_chunks`` and ``combine_queue`` are
+    not read)."""
+    pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
+    fused_here = overlap.schedule == "fused" and backend == "megakernel"
+    schedule_here = overlap.schedule == "sequential" or backend == "megakernel"
+    knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
+             and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
+    knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
+    combine_here = backend == "megakernel" and not rank_partials and _runs_combine_kernels(
+        overlap.schedule, overlap.epilogue_combine)
+    knobs += [k for k in ("combine_chunks", "combine_queue") if k in overlap.model_fields_set and not (
+        combine_here and (k == "combine_chunks" or overlap.combine_chunks > 0))]
+    knobs += [k for k in _FUSED_KNOBS if k in overlap.model_fields_set and not (tiles_read and k.startswith("tile_"))
+              and not (k in ("roles", "signal_granularity") and fused_here and overlap.fused_dispatch)]
+    said = ", ".join(f"{k}={getattr(overlap, k)!r}" for k in knobs)
+    if knobs and (said, backend) not in _SAID_WAITING:
+        _SAID_WAITING.add((said, backend))
+        logger.warning(f"{layer_name}: uniep.overlap {said} accepted but not acted on: the {backend} backend runs "
+                       + ("the sequential, pipelined or fused schedule; roles and signal granularity only reach "
+                          "the fused schedule's dispatch (fused_dispatch) and tile sizes only ds_uniep's GEMM "
+                          "(expert_gemm 'uniep'), combine_chunks and combine_queue only the combine kernels (the "
+                          "sequential schedule, the fused one without epilogue_combine; combine_queue with "
+                          "combine_chunks > 0; neither under compression.combine 'rank_partials')"
+                          if backend == "megakernel" else
+                          "the sequential schedule") + "; results are the same under every value. Said once for "
+                       "every layer.")
+
+
