@@ -7,6 +7,7 @@ reason is one line on stderr from one rank, not a traceback from each.
 import importlib.util
 import os
 import sys
+import time
 from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +52,9 @@ def one_line(message: str) -> str:
     return "; ".join(lines)
 
 
+SILENT_EXIT_DELAY_S = 2.0
+
+
 def fail(message: str, code: int = 2, speak: Optional[bool] = None) -> None:
     """Leave now with ``code``; ``message`` goes to stderr as one line where ``speak`` (default: on global
     rank 0). No exit handlers or destructors run: a process group's teardown can wait on peers that are gone,
@@ -59,6 +63,10 @@ def fail(message: str, code: int = 2, speak: Optional[bool] = None) -> None:
         speak = launch_rank() == 0
     if speak:
         print(f"error: {one_line(message)}", file=sys.stderr, flush=True)
+    else:
+        # A launcher stops every rank as soon as one exits: the silent ranks leave a moment later,
+        # so that the speaking rank's line is out first.
+        time.sleep(SILENT_EXIT_DELAY_S)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
