@@ -87,6 +87,12 @@ def parse_args(argv=None):
     p.add_argument("--queue-spin-ms", type=float, default=3.0,
                    help="queued timing (CUDA): GPU spin ahead of each run, longer than any variant takes to launch")
     p.add_argument("--out", default="bench_out/commfuse", help="directory for the JSON and the PNG")
+    p.add_argument("--cases", nargs="+", default=["tp"], choices=["tp", "ulysses", "dp"],
+                   help="tp: the two ops above; ulysses: UlyssesAttention against DeepSpeed's DistributedAttention "
+                   "with nn.Linear projections (forward + backward); dp: ShardedLinear against all-gather + GEMM "
+                   "and GEMM + reduce-scatter with NCCL collectives (forward + backward)")
+    p.add_argument("--seq", type=int, default=32768, help="ulysses: S, sequence length (all ranks together)")
+    p.add_argument("--heads", type=int, default=32, help="ulysses: attention heads (head dim = --hidden / --heads)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes, 1 warm-up, 2 repeats, gloo on CPU: checks the script, times nothing useful")
     return p.parse_args(argv)
@@ -468,7 +474,9 @@ def main(argv=None):
     modes = {"launched": None}
     if device.type == "cuda":
         modes["queued"] = queued_start(a.queue_spin_ms, group)
-    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+    for case in [c for c in a.cases if c != "tp"]:
+        results["ops"][case] = {"times": _time_case(case, a, G, group, device, dtype, sync), "checks": {}}
+    for op in (("all_gather_matmul", "matmul_reduce_scatter") if "tp" in a.cases else ()):
         variants = _variants(op, a, G, group, device, dtype, gloo, symm)
         per_mode = {}
         for mode, before in modes.items():
@@ -500,8 +508,9 @@ def main(argv=None):
     if rank == 0:
         os.makedirs(a.out, exist_ok=True)
         png = os.path.join(a.out, "commfuse_timeline.png")
-        _plot(timelines, png)
-        results["timeline_png"] = png
+        if timelines:
+            _plot(timelines, png)
+            results["timeline_png"] = png
         with open(os.path.join(a.out, "commfuse_results.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
         print(f"\nCommFuse, {G} ranks, {results['device']}, H={a.hidden} F={a.ffn} T={a.tokens} {a.dtype}; "
@@ -537,6 +546,76 @@ def main(argv=None):
             print("*: some queued runs started before their launches ended (raise --queue-spin-ms)")
         print(f"timeline: {png}; JSON: {os.path.join(a.out, 'commfuse_results.json')}")
     dist.barrier(group=group)
+    return results
+
+
+def _time_case(case, a, G, group, device, dtype, sync):
+    """Forward + backward of the Ulysses attention block or the sharded linear, fused and unfused;
+    ``exposed``: time minus the same GEMMs (and attention) with no communication."""
+    import torch.nn.functional as F
+
+    from ds_uniep.commfuse import ShardedLinear, UlyssesAttention
+    from ds_uniep.config import CommFuseConfig
+    H = a.hidden
+    gen = torch.Generator(device=device).manual_seed(dist.get_rank())
+    variants, results = {}, {}
+
+    def step(mod, x):
+        def run(*_):
+            x.grad = None
+            mod(x).sum().backward()
+        return run, None
+
+    if case == "ulysses":
+        import deepspeed
+        from deepspeed.sequence.layer import DistributedAttention
+        if not deepspeed.comm.is_initialized():
+            deepspeed.init_distributed(dist_backend=dist.get_backend(group))
+        S = 8 * G * a.heads if a.dry_run else a.seq
+
+        def attn(q, k, v):
+            o = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
+            return o.permute(2, 0, 1, 3)
+
+        qkv, out = torch.nn.Linear(H, 3 * H).to(device, dtype), torch.nn.Linear(H, H).to(device, dtype)
+        dattn = DistributedAttention(attn, group, scatter_idx=2, gather_idx=0)
+        d = H // a.heads
+
+        def unfused(x):
+            q, k, v = qkv(x).reshape(*x.shape[:2], 3, a.heads, d).unbind(2)
+            return out(dattn(q, k, v, 1).reshape(*x.shape[:2], H))
+
+        x = torch.randn(S // G, 1, H, generator=gen, device=device, dtype=dtype).requires_grad_(True)
+        variants["unfused"] = step(unfused, x)
+        for t in a.transports:
+            for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
+                for c in a.num_chunks:
+                    cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
+                    mod = UlyssesAttention.from_linears(attn, group, qkv, out, a.heads, config=cfg)
+                    variants[f"cf.{t}.{sch}.c{c}"] = step(lambda x, mod=mod: mod(x, 1), x)
+    else:
+        T = 16 * G if a.dry_run else a.tokens // G
+        full = torch.nn.Linear(H, a.ffn).to(device, dtype)
+        shard = full.weight.detach()[dist.get_rank() * (a.ffn // G):][:a.ffn // G].contiguous()
+
+        def unfused(x):
+            parts = [torch.empty_like(shard) for _ in range(G)]
+            dist.all_gather(parts, shard, group=group)
+            return F.linear(x, torch.cat(parts).requires_grad_(True))
+
+        x = torch.randn(T, H, generator=gen, device=device, dtype=dtype).requires_grad_(True)
+        variants["gemm_alone"] = step(lambda x: F.linear(x, full.weight), x)
+        variants["unfused_forward_only"] = step(unfused, x)
+        for t in a.transports:
+            for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
+                for c in a.num_chunks:
+                    cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
+                    variants[f"cf.{t}.{sch}.c{c}"] = step(ShardedLinear.from_linear(full, group, cfg), x)
+    if device.type != "cuda":
+        variants = {k: v for k, v in variants.items() if ".copy_engine." not in k}
+    timed = bench_interleaved(variants, a.warmup, a.repeats, sync=sync, cuda=device.type == "cuda")
+    for name, r in timed.items():
+        results[name] = {"median_ms": r.get("median_ms"), "error": r.get("error")}
     return results
 
 

@@ -39,9 +39,21 @@ def check_requested(backend: str) -> None:
                                 '(torch.cuda.is_available() is False); use "backend": "reference" or "auto"')
 
 
-def resolve(backend: str, device: torch.device, layer_name: str) -> str:
-    """The backend a layer runs on ``device``: ``"reference"`` or ``"megakernel"``."""
+def resolve(backend: str, device: torch.device, layer_name: str, topology=None) -> str:
+    """The backend a layer runs on ``device``: ``"reference"`` or ``"megakernel"``. ``topology``: the
+    layer's expert-parallel group over nodes (:class:`ds_uniep.topology.GroupTopology`); on a group
+    spanning nodes the megakernel cannot run (its symmetric memory reaches one node's GPUs)."""
     if backend == "reference":
+        return "reference"
+    if topology is not None and topology.spans_nodes:
+        # Next step (GPU): the megakernel inside each node with NCCL between nodes (ds_uniep.twolevel).
+        why = f"the expert-parallel group spans {topology.describe()} and symmetric memory reaches one node's GPUs"
+        if backend == "megakernel":
+            raise UniEPBackendError(f"{layer_name}: backend 'megakernel' cannot run: {why}; use 'auto' or "
+                                    "'reference' (the two-level reference path across nodes)")
+        path = ("the two-level reference path: each token once per node across, then inside the node"
+                if topology.uniform else "the flat reference all-to-all: its nodes hold different numbers of its ranks")
+        logger.info(f"{layer_name}: backend auto -> reference ({why}; {path})")
         return "reference"
     ok, reason = megakernel_status(device)
     if backend == "megakernel":

@@ -93,7 +93,9 @@ class OverlapConfig(_Block):
         "bits under each, and the tuner keeps the configured value.")
     timeout_s: float = Field(100.0, gt=0, description="Seconds a kernel waits on a peer's signal before it "
                              "raises an error naming the layer, rank and signal. Raise it where ranks may reach "
-                             "a layer far apart (a debugger, very uneven work).")
+                             "a layer far apart (a debugger, very uneven work). The reference backend's "
+                             "collectives on CPU tensors (gloo) wait as long; over NCCL the process group's own "
+                             "timeout applies (docs/reliability.md).")
 
     @field_validator("num_chunks", "num_comm_sms", "combine_chunks", "tile_m", "tile_n")
     @classmethod
@@ -142,7 +144,8 @@ class AutotuneConfig(_Block):
 
 class CommFuseConfig(_Block):
     """All-gather+GEMM and GEMM+reduce-scatter as peer-to-peer steps (``ds_uniep.commfuse``), read by
-    ColumnParallelLinear/RowParallelLinear (``config=``) and UniEPMoE's TP-sharded experts."""
+    ColumnParallelLinear/RowParallelLinear (``config=``), UniEPMoE's TP-sharded experts, UlyssesAttention
+    and ShardedLinear (these two take ring, bidirectional_ring or local_first)."""
 
     schedule: Literal["ring", "bidirectional_ring", "local_first", "arrival", "relay"] = Field(
         "ring", description="ring: one neighbour per step; bidirectional_ring: blocks travel the shorter way "
@@ -187,7 +190,8 @@ class HybridConfig(_Block):
     enabled: bool = Field(False, description="Gather experts inside a domain; send tokens only across domains. "
                           "Set it when the expert-parallel ranks span slow links.")
     site_size: Union[int, Literal["auto"]] = Field(
-        "auto", description="Ranks joined by fast links (planner input), or auto: the ranks of one node.")
+        "auto", description="Ranks joined by fast links (planner input), or auto: the ranks of one node "
+        "(uniep.topology).")
     domain_size: Union[int, Literal["auto"]] = Field(
         "auto", description="Ranks per domain (must divide the EP size; 1 is plain EP), or auto: chosen by the "
         "planner from the layer's sizes, the site size and the two bandwidths.")
@@ -256,6 +260,23 @@ class HybridConfig(_Block):
         return v
 
 
+class TopologyConfig(_Block):
+    """Which ranks share a node (``ds_uniep.topology``), read by the dispatch, the backend choice and
+    HybridEP's sites. Its exchanges across nodes wait at most ``overlap.timeout_s`` for a peer."""
+
+    node_size: Union[int, Literal["auto"]] = Field(
+        "auto", description="Ranks per node, nodes being runs of consecutive global ranks; auto: the launcher's "
+        "local world size (LOCAL_WORLD_SIZE, LOCAL_SIZE, OMPI_COMM_WORLD_LOCAL_SIZE), else one node. Set it "
+        "smaller than the expert-parallel size to emulate several nodes on one host.")
+
+    @field_validator("node_size")
+    @classmethod
+    def _node_size(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError(f"must be a positive integer or 'auto', got {v}")
+        return v
+
+
 class UniEPConfig(_Block):
     """The ``"uniep"`` block of ds_config.json."""
 
@@ -279,6 +300,8 @@ class UniEPConfig(_Block):
     autotune: AutotuneConfig = Field(default_factory=AutotuneConfig, description="Automatic tuning.")
     commfuse: CommFuseConfig = Field(default_factory=CommFuseConfig, description="CommFuse for TP/SP linears.")
     hybrid: HybridConfig = Field(default_factory=HybridConfig, description="HybridEP over slow links.")
+    topology: TopologyConfig = Field(default_factory=TopologyConfig,
+                                     description="Which ranks share a node (expert parallelism across nodes).")
 
     def knobs(self, **changes) -> Knobs:
         """The expert-parallel knobs of this block (``changes`` applied before they are normalised, see

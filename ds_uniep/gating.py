@@ -92,7 +92,10 @@ def _top2(gate, logits: Tensor):
 
 def splits(gate) -> bool:
     """Whether :func:`route_split` splits ``gate`` (DeepSpeed's dropless top-2 and top-k gates, their
-    ``wall_clock_breakdown`` timer off), without running it."""
+    ``wall_clock_breakdown`` timer off) and a gate with its own ``route_split`` (``ds_uniep.routers``),
+    without running it."""
+    if callable(getattr(gate, "route_split", None)):
+        return True
     return not getattr(gate, "wall_clock_breakdown", False) and _dropless_kind(gate) is not None
 
 
@@ -111,7 +114,10 @@ def route_split(gate, x: Tensor, used_token: Optional[Tensor] = None
 
 
 def _route_split(gate, x: Tensor, used_token: Optional[Tensor] = None):
-    """:func:`route_split`'s two steps, the gate's timer (``wall_clock_breakdown``) around both."""
+    """:func:`route_split`'s two steps, the gate's timer (``wall_clock_breakdown``) around both; a gate
+    with its own ``route_split`` (a ``ds_uniep.routers.Router``) gives them itself."""
+    if callable(getattr(gate, "route_split", None)):
+        return gate.route_split(x, used_token)
     kind = _dropless_kind(gate)
     if kind is None:  # (only DeepSpeed's top-1 gate reads used_token, and it is never split)
         return None

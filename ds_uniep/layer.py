@@ -29,7 +29,8 @@ from .config import UniEPConfig
 from .env import logger
 from .hybrid.layer_state import HybridLayer
 from .experts import pack_experts
-from .reference import ReferenceDispatcher
+from .topology import group_topology
+from .twolevel import reference_dispatcher
 from .schedules.common import Step
 from .tensor_parallel import tp_gather
 
@@ -208,9 +209,7 @@ class UniEPMoE(MoE):
             return super().forward(hidden_states, used_token)
         if used_token is not None:
             self._check_used_token(hidden_states, used_token)
-        if hidden_states.shape[-1] != self.hidden_size:
-            raise ValueError(f"{self.layer_name}: input hidden size {hidden_states.shape[-1]} does not match "
-                             f"hidden_size={self.hidden_size} (input shape {tuple(hidden_states.shape)})")
+        self._check_input(hidden_states)
         if self.uniep_config.autotune.enabled and not self._autotuning and self._hybrid is None:
             autotune_layer.autotune(self, hidden_states)
         if self.hybrid.replan is not None:  # "replan_after_steps": plan again once its steps have run
@@ -230,6 +229,23 @@ class UniEPMoE(MoE):
         if known is None or any(a is not b for a, b in zip(known[0], for_)):
             known = self._schedules[x.device, x.dtype] = (for_, schedules.resolve(self, x, d))
         return known[1], d
+
+    def _check_input(self, hidden_states: Tensor) -> None:
+        """The input's hidden size, device and dtype against the layer's experts (outside autocast, which
+        casts for them); each error names the expected and the given."""
+        if hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"{self.layer_name}: input hidden size {hidden_states.shape[-1]} does not match "
+                             f"hidden_size={self.hidden_size} (input shape {tuple(hidden_states.shape)})")
+        p = next(self.deepspeed_moe.experts.parameters(), None)
+        if p is None:
+            return
+        if hidden_states.device != p.device:
+            raise ValueError(f"{self.layer_name}: input on {hidden_states.device}, the experts' parameters on "
+                             f"{p.device}; move one to the other's device")
+        if (hidden_states.dtype != p.dtype and p.is_floating_point()
+                and not torch.is_autocast_enabled(hidden_states.device.type)):
+            raise ValueError(f"{self.layer_name}: input dtype {hidden_states.dtype} does not match the experts' "
+                             f"parameters' {p.dtype}; cast one to the other (or run under torch.autocast)")
 
     def _check_used_token(self, hidden_states: Tensor, used_token: Tensor) -> None:
         """``used_token`` must hold one value per token; only the top-1 gate reads it (as in DeepSpeed):
@@ -282,7 +298,8 @@ class UniEPMoE(MoE):
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
-        name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name)
+        topo = group_topology(self.uniep_config.topology, self.ep_group, self.ep_size)
+        name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name, topo)
         schedules.say_unread_knobs(self.uniep_config.overlap, name, self.layer_name,
                                    self.uniep_config.expert_gemm == "uniep" and self._hybrid is None,
                                    self.uniep_config.compression.combine == "rank_partials")
@@ -295,9 +312,7 @@ class UniEPMoE(MoE):
             d = NVLinkDispatcher.from_config(self.layer_name, self.num_experts, self.ep_size, self.hidden_size,
                                              self.k, x.dtype, self.uniep_config, self.ep_group)
         else:
-            d = ReferenceDispatcher(self.num_experts, self.ep_size, self.ep_group,
-                                    dispatch_dtype=self.uniep_config.compression.dispatch_dtype, pacing=self._pacing,
-                                    combine=self.uniep_config.compression.combine)
+            d = reference_dispatcher(self, topo)  # flat, or two-level where the group spans nodes
         self._backend_by_device[key] = name
         self._dispatchers[key] = d
         return d

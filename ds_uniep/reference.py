@@ -25,17 +25,25 @@ import torch
 import torch.distributed as torch_dist
 from torch import Tensor
 
+from .faults import Deadline, stop_point
 from .layout import Layout, build_layout, expert_counts
 
 
 class _AllToAllV(torch.autograd.Function):
-    """``all_to_all_single`` with explicit split sizes; its gradient is the reverse exchange."""
+    """``all_to_all_single`` with explicit split sizes; its gradient is the reverse exchange. With a
+    ``deadline`` (:class:`ds_uniep.faults.Deadline`) it waits at most its timeout; ``step`` names it
+    in errors."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group, pacing=None) -> Tensor:
+    def forward(ctx, x: Tensor, out_splits: List[int], in_splits: List[int], group, pacing=None, deadline=None,
+                step: str = "exchange") -> Tensor:
         ctx.group, ctx.out_splits, ctx.in_splits, ctx.pacing = group, out_splits, in_splits, pacing
+        ctx.deadline, ctx.step = deadline, step
         out = x.new_empty((sum(out_splits), ) + tuple(x.shape[1:]))
-        torch_dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        if deadline is None:
+            torch_dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        else:
+            deadline.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group, step)
         if pacing is not None:
             row_bytes = math.prod(x.shape[1:]) * x.element_size()
             pacing.pace(group, [n * row_bytes for n in in_splits], [n * row_bytes for n in out_splits], x.device)
@@ -43,22 +51,30 @@ class _AllToAllV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _AllToAllV.apply(grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.pacing), None, None, None, None
+        stop_point("backward")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
+        step = ctx.step if ctx.step.startswith("backward") else f"backward of the {ctx.step}"
+        back = _AllToAllV.apply(grad, ctx.in_splits, ctx.out_splits, ctx.group, ctx.pacing, ctx.deadline, step)
+        return back, None, None, None, None, None, None
 
 
-def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, pacing=None) -> Tensor:
-    """Rows of ``x`` to the ranks of ``group`` (``in_splits`` rows each); ``out_splits`` rows come back."""
+def all_to_all(x: Tensor, out_splits: List[int], in_splits: List[int], group, pacing=None, deadline=None,
+               step: str = "exchange") -> Tensor:
+    """Rows of ``x`` to the ranks of ``group`` (``in_splits`` rows each); ``out_splits`` rows come back.
+    ``deadline``: a :class:`ds_uniep.faults.Deadline` bounding the wait (None: the group's timeout)."""
     if group is None or torch_dist.get_world_size(group) == 1:
         return x
-    return _AllToAllV.apply(x, out_splits, in_splits, group, pacing)
+    return _AllToAllV.apply(x, out_splits, in_splits, group, pacing, deadline, step)
 
 
-def gather_counts(counts: Tensor, group, ep_size: int) -> Tensor:
-    """``[G, E]`` every rank's ``[E]`` counts; rank order is the group's."""
+def gather_counts(counts: Tensor, group, ep_size: int, deadline=None, step: str = "counts exchange") -> Tensor:
+    """``[G, E]`` every rank's ``[E]`` counts; rank order is the group's. ``deadline`` as in :func:`all_to_all`."""
     if ep_size == 1:
         return counts.unsqueeze(0)
     parts = [torch.empty_like(counts) for _ in range(ep_size)]
-    torch_dist.all_gather(parts, counts.contiguous(), group=group)
+    if deadline is None:
+        torch_dist.all_gather(parts, counts.contiguous(), group=group)
+    else:
+        deadline.all_gather(parts, counts.contiguous(), group, step)
     return torch.stack(parts)
 
 
@@ -184,10 +200,15 @@ class ReferenceDispatcher:
     With a capacity ``C``: every rank sends a zero-padded ``[E, C, M]`` buffer (the
     exchange DeepSpeed's MOELayer does), and the receiver compacts the rows into
     the same expert-major layout, so experts see identical inputs either way.
+
+    With ``timeout_s`` every collective on CPU tensors (gloo) waits at most that long and a failure
+    raises :class:`ds_uniep.errors.UniEPTimeoutError` naming ``layer_name``, the rank and the step
+    (:class:`ds_uniep.faults.Deadline`); None: the process group's own timeout.
     """
 
     def __init__(self, num_experts: int, ep_size: int, group=None, rank: Optional[int] = None,
-                 dispatch_dtype: str = "activation", pacing=None, combine: str = "slots"):
+                 dispatch_dtype: str = "activation", pacing=None, combine: str = "slots",
+                 timeout_s: Optional[float] = None, layer_name: str = "ReferenceDispatcher"):
         if combine not in ("slots", "rank_partials"):
             raise ValueError(f"combine must be 'slots' or 'rank_partials', got {combine!r}")
         #: compression.combine: "rank_partials" sums each rank's rows of a token first (rank_partial_sum)
@@ -201,27 +222,52 @@ class ReferenceDispatcher:
             raise RuntimeError("an expert-parallel group is needed for ep_size > 1")
         self.rank = rank if rank is not None else (torch_dist.get_rank(group) if ep_size > 1 else 0)
         self.num_local_experts = num_experts // ep_size
+        self.layer_name = layer_name
+        self.deadline = Deadline(layer_name, timeout_s) if timeout_s is not None else None
 
     # ------------------------------------------------------------------ dispatch
     def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None
                  ) -> Tuple[Tensor, Tensor, DispatchHandle]:
+        stop_point("dispatch")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
         T, k = expert_idx.shape
         counts = expert_counts(expert_idx, self.num_experts)
-        if capacity is not None and counts.numel() and int(counts.max()) > capacity:
-            raise RuntimeError(f"{int(counts.max())} rows routed to one expert exceed the capacity {capacity}")
-        layout = build_layout(expert_idx, gather_counts(counts, self.group, self.ep_size), self.rank)
+        if capacity is None:
+            counts_all = gather_counts(counts, self.group, self.ep_size, self.deadline, "dispatch (counts all-gather)")
+        else:
+            # Every rank's T and capacity travel with the counts, so that every rank raises alike.
+            rows = gather_counts(torch.cat([counts, counts.new_tensor([T, capacity])]), self.group, self.ep_size,
+                                 self.deadline, "dispatch (counts all-gather)")
+            counts_all = rows[:, :-2]
+            self._check_capacity(counts_all, rows[:, -2].tolist(), rows[:, -1].tolist())
+        layout = build_layout(expert_idx, counts_all, self.rank)
         handle = DispatchHandle(layout, expert_idx, capacity)
         slot_rank = slot_ranks(expert_idx, self.num_local_experts) if self.combine_mode == "rank_partials" else None
         send = _GatherPairs.apply(x, layout.send_pairs, k, slot_rank)  # [N, M], (destination rank, row) order
         if self.fp8:
             send = _FP8Dispatch.apply(send)
         if capacity is None:
-            arrived = all_to_all(send, handle.recv_splits, handle.send_splits, self.group, self.pacing)
+            arrived = all_to_all(send, handle.recv_splits, handle.send_splits, self.group, self.pacing, self.deadline,
+                                 "dispatch (rows all-to-all)")
         else:
             arrived = self._padded_exchange(send, handle, capacity)
         # Arrival order is source-major; the layout wants expert-major rows.
         recv = arrived.index_select(0, torch.argsort(layout.recv_rows))
         return recv, layout.local_expert_counts, handle
+
+    def _check_capacity(self, counts_all: Tensor, tokens: List[int], capacities: List[int]) -> None:
+        """DeepSpeed's capacity-padded exchange (drop_tokens) sends ``[E, C, M]`` from every rank: every
+        rank must have the same C, and no expert more than C rows. Raised on every rank alike."""
+        if len(set(capacities)) > 1:
+            raise ValueError(
+                f"{self.layer_name}: rank {self.rank}: with drop_tokens=True the reference backend exchanges "
+                "capacity-padded buffers, as DeepSpeed's MOELayer does, which needs the same token count on every "
+                f"rank of the expert-parallel group; the ranks have {tokens} tokens (capacities {capacities}). "
+                "Give every rank the same number of tokens, or use drop_tokens=False (dropless).")
+        over = counts_all.max(dim=1).values.tolist() if counts_all.numel() else []
+        for r, most in enumerate(over):
+            if most > capacities[r]:
+                raise RuntimeError(f"{self.layer_name}: rank {r} routed {most} rows to one expert, over the "
+                                   f"capacity {capacities[r]}")
 
     @staticmethod
     def _send_slots(handle: DispatchHandle, C: int) -> Tensor:
@@ -235,16 +281,19 @@ class ReferenceDispatcher:
     def _padded_exchange(self, send: Tensor, handle: DispatchHandle, C: int) -> Tensor:
         E, G, L = self.num_experts, self.ep_size, self.num_local_experts
         padded = send.new_zeros(E * C, send.shape[1]).index_copy(0, self._send_slots(handle, C), send)
-        arrived = all_to_all(padded, [L * C] * G, [L * C] * G, self.group, self.pacing)  # [G * L * C, M], source-major
+        arrived = all_to_all(padded, [L * C] * G, [L * C] * G, self.group, self.pacing, self.deadline,
+                             "dispatch (rows all-to-all)")  # [G * L * C, M], source-major
         return arrived.index_select(0, self._recv_slots(handle.layout, C))
 
     # ------------------------------------------------------------------ combine
     def combine(self, y: Tensor, gates: Tensor, handle: DispatchHandle) -> Tensor:
+        stop_point("combine")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
         layout = handle.layout
         T, k = layout.dest_row.shape
         back = y.index_select(0, layout.recv_rows)  # expert-major -> arrival order
         if handle.capacity is None:
-            returned = all_to_all(back, handle.send_splits, handle.recv_splits, self.group, self.pacing)
+            returned = all_to_all(back, handle.send_splits, handle.recv_splits, self.group, self.pacing, self.deadline,
+                                  "combine (rows all-to-all)")
         else:
             returned = self._padded_return(back, handle, handle.capacity)
         pair_rows = y.new_zeros(T * k, y.shape[1]).index_copy(0, layout.send_pairs, returned).view(T, k, y.shape[1])
@@ -255,5 +304,6 @@ class ReferenceDispatcher:
     def _padded_return(self, back: Tensor, handle: DispatchHandle, C: int) -> Tensor:
         G, L = self.ep_size, self.num_local_experts
         padded = back.new_zeros(G * L * C, back.shape[1]).index_copy(0, self._recv_slots(handle.layout, C), back)
-        returned = all_to_all(padded, [L * C] * G, [L * C] * G, self.group, self.pacing)  # [E * C, M]
+        returned = all_to_all(padded, [L * C] * G, [L * C] * G, self.group, self.pacing, self.deadline,
+                              "combine (rows all-to-all)")  # [E * C, M]
         return returned.index_select(0, self._send_slots(handle, C))

@@ -5,7 +5,6 @@ The layer owns one :class:`HybridLayer` and delegates its hybrid methods to it. 
 not import the layer: the layer hands over what it needs (its experts, EP group, config).
 """
 
-import os
 import weakref
 from typing import Callable, Optional
 
@@ -16,6 +15,7 @@ from ..env import logger
 from ..layout import expert_counts
 from ..reference import gather_counts
 from ..tensor_parallel import tp_context
+from ..topology import node_size
 from .model import predict_routed
 from .planning import measure_expert_compute, migrated_experts, plan_domains, planner_inputs, with_compute
 from .runtime import HybridExperts, HybridGroups, optimizer_steps
@@ -77,7 +77,7 @@ class HybridLayer:
                     return e is None or e.is_gradient_accumulation_boundary()
         S, L = hyb.domain_size, self._local_experts
         if S == "auto":
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size()))
+            local_world = node_size(config.topology)  # site_size auto: the ranks of one node (ds_uniep.topology)
             inputs = planner_inputs(hyb, ep_size, experts[0], self.hidden_size, self.k, config.max_tokens_per_rank, L,
                                     local_world, ep_group, pacing=self.pacing, num_microbatches=micro)
             S, m, plan = plan_domains(inputs, L)

@@ -78,10 +78,11 @@ def choose_domain_size(hybrid_cfg, ep_size: int, expert: nn.Module, hidden_size:
                        pacing: Optional[InterSitePacing] = None, num_microbatches: int = 1):
     """``(S, plan)`` for ``"domain_size": "auto"``: the planner of :mod:`.model` on this layer.
 
-    Inputs: the configured site size (auto: the ranks of one node, ``local_world_size``, as
-    far as it divides the EP size) and bandwidths (bytes/s, or measured over ``ep_group`` by
-    :func:`measure_bandwidths`, through ``pacing`` when given); token bytes D = T_max * k * M *
-    element size; expert bytes from the expert's parameters; expert compute from its FLOPs and
+    Inputs: the configured site size (auto: the ranks of one node, ``local_world_size`` from
+    :func:`ds_uniep.topology.node_size`, as far as it divides the EP size) and bandwidths
+    (bytes/s, or measured over ``ep_group`` by :func:`measure_bandwidths`, through ``pacing`` when
+    given); token bytes D = T_max * k * M * element size; expert bytes from the expert's
+    parameters; expert compute from its FLOPs and
     pre-expert compute from the attention projections' (2 * T * 4 * M^2), both at
     :data:`ds_uniep.hybrid.presets.DEFAULT_TFLOPS`, as the ``plan`` CLI estimates them. The domain
     size is the configured one or (``"auto"``) chosen; the migrated fraction is the configured one

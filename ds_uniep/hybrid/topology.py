@@ -123,6 +123,15 @@ class Topology:
         order = [r for nodes in domains.values() for ranks in nodes.values() for r in ranks]
         return cls(len(domains), nodes_per_domain.pop(), gpus_per_node.pop(), order)
 
+    @classmethod
+    def from_nodes(cls, nodes, domain_size: int) -> "Topology":
+        """Domains of ``domain_size`` consecutive ranks of an expert-parallel group laid over the nodes of
+        ``nodes`` (a :class:`ds_uniep.topology.GroupTopology`, the one description of which ranks share
+        a node); ranks here are the group's. Domains must be made of whole nodes."""
+        G = len(nodes.ranks)
+        _check(G, domain_size)
+        return cls.from_placement([g // domain_size for g in range(G)], [nodes.node_of(g) for g in range(G)])
+
     # ----------------------------------------------------------------- numbering
     @property
     def world_size(self) -> int:

@@ -14,6 +14,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from ..faults import stop_point
 from .buffers import PHASE_BARRIER, PHASE_COMBINE, PHASE_DISPATCH, PHASE_GATES
 
 
@@ -165,6 +166,7 @@ class _CombineSteps:
 
     # ------------------------------------------------------------------ raw steps (no autograd)
     def _combine_fwd(self, y, gates, expert_idx, recv_pair, num_recv):
+        stop_point("combine")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
         self._join_fused()
         self.check()
         self.combine_stats["pushed"] += 1
@@ -180,6 +182,7 @@ class _CombineSteps:
         # grad_y is a dispatch of grad_out weighted by the gates, in the same layout;
         # grad_gates[t, j] = <grad_out[t], y row of (t, j)>. y: [R, M], or the pipelined
         # schedule's chunks [(first row, rows)], which get grad_y as chunks too.
+        stop_point("backward")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
         self.check()
         self._barrier()
         if not self.gate_grad_on_experts:

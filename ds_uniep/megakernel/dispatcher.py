@@ -12,15 +12,13 @@ import torch.distributed as torch_dist
 from torch import Tensor
 
 from .._ops import ext, ops_package
+from ..errors import UniEPTimeoutError
+from ..faults import stop_point
 from ..knobs import FUSED_COMM_SMS, Knobs
 from . import autograd
 from .buffers import (ERROR_RECORD_WORDS, FP8_GROUP, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K, NUM_PHASES, PHASE_ARRIVED,
                       PHASE_COUNTS, PHASE_DISPATCH, PHASE_NAMES, _DirectRegion, _SymBuffers)
 from .combine import _CombineSteps
-
-
-class UniEPTimeoutError(RuntimeError):
-    """A kernel gave up waiting on a peer's signal; the message names layer, rank and signal."""
 
 
 class UniEPCapacityError(ValueError):
@@ -542,6 +540,7 @@ class NVLinkDispatcher(_CombineSteps):
     def checked_inputs(self, x: Tensor, expert_idx: Tensor) -> Tuple[Tensor, Tensor]:
         """(x contiguous, expert_idx as contiguous int32 on x's device), after checking both against
         the buffers' sizes, the hidden size and the activation dtype."""
+        stop_point("dispatch")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
         T, k = expert_idx.shape
         self._check_tokens(T, k)
         if x.shape != (T, self.hidden_size) or x.dtype != self.dtype:

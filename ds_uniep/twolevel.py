@@ -1,0 +1,362 @@
+"""Expert parallelism across nodes: the two-level dispatch and combine on the reference transport.
+
+An expert-parallel group of N nodes of P ranks (:class:`ds_uniep.topology.GroupTopology`). Rank
+``(n, l)`` is local rank ``l`` of node ``n``; the rows of source ``s = (n_s, l)`` for a rank on
+node ``n_d`` go through the *relay* ``(n_d, l)``, the rank of that node with the same local rank.
+
+Dispatch: a token travels at most once to each node that holds one of its experts (to the relay,
+over the cross-node group of ranks with local rank ``l``), with its ``[k]`` expert indices; the
+relay expands it into the (token, slot) rows of its node's experts and sends them to their ranks
+over the node group. Combine: the rows go back to their relay inside the node, then across nodes
+to their source, once per (token, slot) row on a remote node, and the source sums a token's
+slots in slot order in fp32. Backward the same ways: the dispatch's gradient comes back as the
+combine's rows are returned, the combine's gradient goes out as (token, slot) rows through the
+relays. Nothing is summed on the way, so the layout (rows of a local expert ordered by source
+rank, token, slot) and every sum are those of the flat reference backend: the same bits.
+
+Every exchange is point-to-point (``batch_isend_irecv``) on a node group or a cross-node group
+(groups whose own timeout is ``uniep.overlap.timeout_s``), and each transfer is waited for at most
+that long: a peer that stops answering makes :class:`NodeUnreachableError` name the layer, the
+step, the exchange and the peer's node.
+
+Next step (GPU): the megakernel's NVLink dispatch and combine inside each node with NCCL between
+the relays, the local node's rows starting their GEMMs while remote nodes' rows are in flight.
+"""
+
+import datetime
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as torch_dist
+from torch import Tensor
+
+from .env import logger
+from .errors import UniEPCommError
+from .layout import build_layout, expert_counts
+from .reference import (DispatchHandle, ReferenceDispatcher, _FP8Dispatch, rank_partial_sum, slot_ranks,
+                        weighted_slot_sum)
+from .topology import GroupTopology, subgroup
+
+#: Test hook, None in production: called with the step number as each dispatch starts (a test
+#: makes a rank stop answering there).
+STOP_FOR_TEST: Optional[Callable[[int], None]] = None
+
+
+class NodeUnreachableError(UniEPCommError):
+    """A peer did not answer an exchange of the two-level dispatch within ``uniep.overlap.timeout_s``
+    (or its connection broke); the message names the layer, the step, the exchange and the peer's node."""
+
+
+def exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: int, timeout_s: float,
+             fail: Callable[[int, BaseException], Exception]) -> None:
+    """Send ``sends[p]`` to group rank ``p`` of ``group`` and fill ``recvs[p]`` from it (``me``'s own
+    are copied; empty tensors do not travel, both sides know the sizes). Each transfer is waited
+    for until ``timeout_s`` after the start; one that fails or times out raises ``fail(p, error)``."""
+    for src, dst in zip(sends[me], recvs[me]):
+        dst.copy_(src)
+    ops, peers = [], []
+    for p in range(len(sends)):
+        if p == me:
+            continue
+        for t in sends[p]:
+            if t.numel():
+                ops.append(torch_dist.P2POp(torch_dist.isend, t.contiguous(), group=group, group_peer=p))
+                peers.append(p)
+        for t in recvs[p]:
+            if t.numel():
+                ops.append(torch_dist.P2POp(torch_dist.irecv, t, group=group, group_peer=p))
+                peers.append(p)
+    if not ops:
+        return
+    deadline = time.monotonic() + timeout_s
+    works = torch_dist.batch_isend_irecv(ops)
+    # One work per operation (gloo); a backend that coalesces the batch into one work cannot say
+    # which peer is late: the error then names the first peer of the batch.
+    for work, peer in zip(works, peers if len(works) == len(ops) else peers[:1]):
+        try:
+            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+        except Exception as err:  # noqa: BLE001 - re-raised with the names
+            raise fail(peer, err) from err
+
+
+class _Plan:
+    """One dispatch's routes through the two levels (see :meth:`TwoLevelDispatcher.dispatch`)."""
+
+    def __init__(self, step: int, T: int, k: int):
+        self.step, self.T, self.k = step, T, k
+        self.send_tok: List[Tensor] = []  #: per node: this rank's tokens with a slot there (token order)
+        self.send_pairs: List[Tensor] = []  #: per node: this rank's (token, slot) pair ids there, in order
+        self.recv_tok: List[int] = []  #: per source node: tokens its rank with this local rank sends here
+        self.recv_pairs: List[int] = []  #: per source node: its (token, slot) rows for this node
+        self.relay_tok: Optional[Tensor] = None  #: ``[P1]`` received token of each row this relay forwards
+        self.fwd_order: Optional[Tensor] = None  #: ``[P1]`` received pair of each row this relay forwards
+        self.intra_send: List[int] = []  #: rows this relay forwards to each rank of its node
+        self.intra_recv: List[int] = []  #: rows this rank receives from each relay of its node
+        self.rows: Optional[Tensor] = None  #: ``[R]`` expert-major row of each row received from the relays
+        self.order: Optional[Tensor] = None  #: ``[R]`` argsort of ``rows``
+
+
+class _TokensToExperts(torch.autograd.Function):
+    """Tokens to their experts' ranks through the relays; the gradient comes back as (token, slot)
+    rows and is summed per token in slot order in fp32 (as ``reference._GatherPairs``)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, d: "TwoLevelDispatcher", plan: _Plan, slot_rank: Optional[Tensor]) -> Tensor:
+        ctx.d, ctx.plan, ctx.slot_rank = d, plan, slot_rank
+        return d._tokens_to_experts(x, plan)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        plan = ctx.plan
+        per_pair = ctx.d._rows_to_sources(grad, plan, "backward").view(plan.T, plan.k, grad.shape[1])
+        if ctx.slot_rank is not None:
+            return rank_partial_sum(per_pair, None, ctx.slot_rank, grad.dtype), None, None, None
+        ones = grad.new_ones(plan.T, plan.k, dtype=torch.float32)
+        return weighted_slot_sum(per_pair, ones, grad.dtype), None, None, None
+
+
+class _RowsToSources(torch.autograd.Function):
+    """Expert-major rows back to their sources as ``[T * k, M]`` (zeros for dropped slots); the
+    gradient goes out as (token, slot) rows through the relays."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, d: "TwoLevelDispatcher", plan: _Plan) -> Tensor:
+        ctx.d, ctx.plan = d, plan
+        return d._rows_to_sources(y, plan, "forward")
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return ctx.d._pairs_to_experts(grad, ctx.plan), None, None
+
+
+class TwoLevelDispatcher(ReferenceDispatcher):
+    """The reference dispatcher's protocol and results over an expert-parallel group spanning nodes
+    (see the module's docstring). With a capacity, the rows travel without the padding (the
+    experts see the same rows). ``cross_node_bytes``: the group's bytes across nodes in the last
+    step, and what a flat all-to-all would send."""
+
+    def __init__(self, num_experts: int, ep_size: int, group, topology: GroupTopology, layer_name: str = "UniEPMoE",
+                 dispatch_dtype: str = "activation", combine: str = "slots", timeout_s: float = 100.0):
+        super().__init__(num_experts, ep_size, group, rank=topology.me, dispatch_dtype=dispatch_dtype,
+                         combine=combine, layer_name=layer_name)
+        if not topology.uniform or len(topology.ranks) != ep_size:
+            raise ValueError(f"{layer_name}: the two-level dispatch needs the same number of the group's ranks on "
+                             f"every node, got {topology.describe()}")
+        self.topology, self.timeout_s = topology, timeout_s
+        nodes = topology.nodes
+        self.num_nodes, self.ranks_per_node = len(nodes), len(nodes[0])
+        self.node, self.local = topology.node_of(self.rank), topology.local_of(self.rank)
+        node_of, local_of = [0] * ep_size, [0] * ep_size
+        for n, ranks in enumerate(nodes):
+            for l, g in enumerate(ranks):
+                node_of[g], local_of[g] = n, l
+        self._node_of, self._local_of = torch.tensor(node_of), torch.tensor(local_of)
+        self._nodes = nodes
+        glob = topology.ranks
+        intra = [glob[g] for g in nodes[self.node]]
+        cross = [glob[n[self.local]] for n in nodes]
+        self.intra_group, self.cross_group = subgroup(intra, timeout_s), subgroup(cross, timeout_s)
+        self._intra_peer = [self._group_rank(self.intra_group, r) for r in intra]  # local rank -> group rank
+        self._cross_peer = [self._group_rank(self.cross_group, r) for r in cross]  # node -> group rank
+        self.step = 0
+        self.cross_node_bytes = None
+        self._said_bytes = False
+
+    @staticmethod
+    def _group_rank(group, global_rank: int) -> int:
+        return 0 if group is None else torch_dist.get_group_rank(group, global_rank)
+
+    # ------------------------------------------------------------------ exchanges
+    def _exchange(self, level: str, sends, recvs, step: int, what: str) -> None:
+        """``sends[i]``/``recvs[i]`` for node ``i`` (``level`` "cross") or local rank ``i`` ("intra")."""
+        cross = level == "cross"
+        peer_of = self._cross_peer if cross else self._intra_peer
+        n = len(peer_of)
+        s, r = [None] * n, [None] * n
+        for i in range(n):
+            s[peer_of[i]], r[peer_of[i]] = sends[i], recvs[i]
+        me = peer_of[self.node if cross else self.local]
+        group = self.cross_group if cross else self.intra_group
+
+        def fail(peer: int, err: BaseException) -> Exception:
+            i = peer_of.index(peer)
+            g = self._nodes[i][self.local] if cross else self._nodes[self.node][i]
+            label = self.topology.node_label(self._node_of[g].item())
+            who = f"node {label} (rank {self.topology.ranks[g]})" if cross else \
+                f"rank {self.topology.ranks[g]} of this rank's node {label}"
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            return NodeUnreachableError(f"{self.layer_name}: step {step}: no answer from {who} in the {what} "
+                                        f"within {self.timeout_s:g} s ({first})")
+
+        exchange(s, r, group, me, self.timeout_s, fail)
+
+    def _gather_counts(self, vec: Tensor, step: int) -> Tensor:
+        """``[G, V]``: every rank's ``[V]`` vector, gathered inside the node, then across nodes."""
+        P, N = self.ranks_per_node, self.num_nodes
+        got = [[torch.empty_like(vec)] for _ in range(P)]
+        self._exchange("intra", [[vec]] * P, got, step, "counts exchange inside the node")
+        block = torch.stack([g[0] for g in got])  # [P, V]
+        blocks = [[torch.empty_like(block)] for _ in range(N)]
+        self._exchange("cross", [[block]] * N, blocks, step, "counts exchange across nodes")
+        order = torch.tensor([g for ranks in self._nodes for g in ranks], device=vec.device)
+        full = vec.new_empty(self.ep_size, vec.shape[0])
+        full[order] = torch.cat([b[0] for b in blocks])
+        return full
+
+    # ------------------------------------------------------------------ dispatch
+    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
+        self.step += 1
+        step = self.step
+        if STOP_FOR_TEST is not None:
+            STOP_FOR_TEST(step)
+        T, k = expert_idx.shape
+        E, N, L = self.num_experts, self.num_nodes, self.num_local_experts
+        dev = expert_idx.device
+        counts = expert_counts(expert_idx, E)
+        if capacity is not None and counts.numel() and int(counts.max()) > capacity:
+            raise RuntimeError(f"{int(counts.max())} rows routed to one expert exceed the capacity {capacity}")
+        node_of = self._node_of.to(dev)
+        flat = expert_idx.reshape(-1).long()
+        pair_node = torch.where(flat >= 0, node_of[flat.clamp_min(0) // L], -1)  # [T * k]
+        on_node = (pair_node.view(T, k, 1) == torch.arange(N, device=dev)).any(1)  # [T, N]
+        full = self._gather_counts(torch.cat([counts, on_node.sum(0)]), step)
+        counts_all, tok_all = full[:, :E], full[:, E:]
+        layout = build_layout(expert_idx, counts_all, self.rank)
+        handle = DispatchHandle(layout, expert_idx, capacity)
+        handle.plan = plan = self._plan(expert_idx, pair_node, on_node, counts_all, tok_all, layout, step)
+        self._count_bytes(counts_all, tok_all, x, k, step)
+        slot_rank = slot_ranks(expert_idx, L) if self.combine_mode == "rank_partials" else None
+        xs = _FP8Dispatch.apply(x) if self.fp8 else x
+        recv = _TokensToExperts.apply(xs, self, plan, slot_rank)
+        return recv, layout.local_expert_counts, handle
+
+    def _plan(self, expert_idx, pair_node, on_node, counts_all, tok_all, layout, step) -> _Plan:
+        T, k = expert_idx.shape
+        E, N, P, L = self.num_experts, self.num_nodes, self.ranks_per_node, self.num_local_experts
+        dev = expert_idx.device
+        plan = _Plan(step, T, k)
+        plan.send_tok = [on_node[:, n].nonzero().view(-1) for n in range(N)]
+        plan.send_pairs = [(pair_node == n).nonzero().view(-1) for n in range(N)]
+        relays = [self._nodes[n][self.local] for n in range(N)]  # the rank with this local rank on each node
+        plan.recv_tok = tok_all[relays, self.node].tolist()
+        mine = self._node_of.to(dev).repeat_interleave(L) == self.node  # [E] experts on this node
+        plan.recv_pairs = counts_all[relays][:, mine].sum(1).tolist()
+        # Routing: the [k] experts of every token this relay receives.
+        idx = expert_idx.long()
+        got = [[idx.new_empty(n_tok, k)] for n_tok in plan.recv_tok]
+        self._exchange("cross", [[idx.index_select(0, t)] for t in plan.send_tok], got, step, "routing exchange")
+        ridx = torch.cat([g[0] for g in got]).reshape(-1)  # [R1 * k], (source node, token, slot) order
+        node_of, local_of = self._node_of.to(dev), self._local_of.to(dev)
+        here = (ridx >= 0) & (node_of[ridx.clamp_min(0) // L] == self.node)
+        pairs = here.nonzero().view(-1)  # the received pairs for this node, in the pair buffers' order
+        src_node = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(plan.recv_tok, device=dev))
+        e = ridx[pairs]
+        dest_local = local_of[e // L]
+        # Forwarded rows by destination, then source node, expert and token: the layout's order.
+        key = (dest_local * N + src_node[pairs // k]) * E + e
+        plan.fwd_order = torch.sort(key, stable=True).indices
+        plan.relay_tok = (pairs // k)[plan.fwd_order]
+        plan.intra_send = torch.bincount(dest_local, minlength=P).tolist()
+        me = slice(self.rank * L, (self.rank + 1) * L)
+        from_rank = counts_all[:, me].sum(1)  # [G] rows of every source for this rank
+        plan.intra_recv = [int(from_rank[[self._nodes[n][p] for n in range(N)]].sum()) for p in range(P)]
+        # Rows arrive by relay, then source node; the flat arrival order is by source rank.
+        offs = torch.cumsum(layout.recv_counts, 0) - layout.recv_counts
+        sources = [self._nodes[n][p] for p in range(P) for n in range(N)]
+        cnt, off = layout.recv_counts.tolist(), offs.tolist()
+        perm = torch.cat([torch.arange(off[s], off[s] + cnt[s], device=dev) for s in sources])
+        plan.rows = layout.recv_rows[perm]
+        plan.order = torch.argsort(plan.rows)
+        return plan
+
+    # ------------------------------------------------------------------ row movement
+    def _cross(self, chunks: List[Tensor], sizes: List[int], like: Tensor, step: int, what: str) -> List[Tensor]:
+        got = [[like.new_empty((n, ) + tuple(like.shape[1:]))] for n in sizes]
+        self._exchange("cross", [[c] for c in chunks], got, step, what)
+        return [g[0] for g in got]
+
+    def _intra(self, rows: Tensor, send: List[int], recv: List[int], step: int, what: str) -> Tensor:
+        got = [[rows.new_empty((n, ) + tuple(rows.shape[1:]))] for n in recv]
+        self._exchange("intra", [[c] for c in rows.split(send)], got, step, what)
+        return torch.cat([g[0] for g in got])
+
+    def _tokens_to_experts(self, x: Tensor, plan: _Plan) -> Tensor:
+        got = self._cross([x.index_select(0, t) for t in plan.send_tok], plan.recv_tok, x, plan.step,
+                          "dispatch of token rows across nodes")
+        fwd = torch.cat(got).index_select(0, plan.relay_tok)
+        return self._intra(fwd, plan.intra_send, plan.intra_recv, plan.step,
+                           "dispatch inside the node").index_select(0, plan.order)
+
+    def _pairs_to_experts(self, per_pair: Tensor, plan: _Plan) -> Tensor:
+        step = f"{plan.step} (backward)"
+        got = self._cross([per_pair.index_select(0, p) for p in plan.send_pairs], plan.recv_pairs, per_pair, step,
+                          "combine gradient across nodes")
+        fwd = torch.cat(got).index_select(0, plan.fwd_order)
+        return self._intra(fwd, plan.intra_send, plan.intra_recv, step,
+                           "combine gradient inside the node").index_select(0, plan.order)
+
+    def _rows_to_sources(self, y: Tensor, plan: _Plan, direction: str) -> Tensor:
+        step = plan.step if direction == "forward" else f"{plan.step} (backward)"
+        what = "combine" if direction == "forward" else "dispatch gradient"
+        back = self._intra(y.index_select(0, plan.rows), plan.intra_recv, plan.intra_send, step,
+                           f"{what} inside the node")
+        pair_buf = back.new_zeros(back.shape).index_copy(0, plan.fwd_order, back)
+        got = self._cross(list(pair_buf.split(plan.recv_pairs)), [len(p) for p in plan.send_pairs], y, step,
+                          f"{what} across nodes")
+        out = y.new_zeros(plan.T * plan.k, y.shape[1])
+        return out.index_copy(0, torch.cat(plan.send_pairs), torch.cat(got))
+
+    # ------------------------------------------------------------------ combine
+    def combine(self, y: Tensor, gates: Tensor, handle: DispatchHandle) -> Tensor:
+        plan = handle.plan
+        pair_rows = _RowsToSources.apply(y, self, plan).view(plan.T, plan.k, y.shape[1])
+        if self.combine_mode == "rank_partials":
+            return rank_partial_sum(pair_rows, gates, slot_ranks(handle.expert_idx, self.num_local_experts), y.dtype)
+        return weighted_slot_sum(pair_rows, gates, y.dtype)
+
+    # ------------------------------------------------------------------ accounting
+    def _count_bytes(self, counts_all: Tensor, tok_all: Tensor, x: Tensor, k: int, step: int) -> None:
+        """The group's bytes across nodes in this step (forward and backward), two-level and flat;
+        logged once, by the group's first rank."""
+        G, E, N, P = self.ep_size, self.num_experts, self.num_nodes, self.ranks_per_node
+        node_of = self._node_of.to(counts_all.device)
+        remote = node_of.unsqueeze(1) != node_of.repeat_interleave(self.num_local_experts).unsqueeze(0)  # [G, E]
+        pairs = int(counts_all[remote].sum())
+        tokens = int((tok_all * (node_of.unsqueeze(1) != torch.arange(N, device=node_of.device))).sum())
+        row = x.shape[1] * x.element_size()
+        counts = G * (N - 1) * P * (E + N) * 8
+        b = {"dispatch_rows": tokens * row, "routing": tokens * k * 8 + counts, "combine_rows": pairs * row,
+             "backward_rows": 2 * pairs * row}
+        two_level = sum(b.values())
+        flat = 4 * pairs * row + G * (G - P) * E * 8  # rows both ways forward and backward, counts all-gather
+        self.cross_node_bytes = dict(b, two_level=two_level, flat=flat)
+        if self._said_bytes or self.rank != 0:
+            return
+        self._said_bytes = True
+        mb = lambda n: f"{n / 2**20:.3g} MiB"  # noqa: E731
+        logger.info(f"{self.layer_name}: two-level dispatch over {self.topology.describe()}; bytes across nodes in "
+                    f"step {step} (all ranks, forward and backward): {mb(two_level)} (token rows once per node "
+                    f"{mb(b['dispatch_rows'])}, routing and counts {mb(b['routing'])}, combine rows "
+                    f"{mb(b['combine_rows'])}, backward rows {mb(b['backward_rows'])}); a flat all-to-all sends "
+                    f"{mb(flat)}")
+
+
+def reference_dispatcher(layer, topology: GroupTopology) -> ReferenceDispatcher:
+    """The reference transport for ``layer`` (a ``UniEPMoE``) on its expert-parallel group: the
+    two-level dispatcher where the group spans nodes with the same number of its ranks on each,
+    else the flat one (said where the group spans nodes)."""
+    cfg = layer.uniep_config
+    kwargs = dict(dispatch_dtype=cfg.compression.dispatch_dtype, combine=cfg.compression.combine)
+    if topology.spans_nodes:
+        why = ("inter-site pacing emulates the slow links on the flat exchange" if layer._pacing is not None else
+               "" if topology.uniform else "its nodes hold different numbers of its ranks")
+        if not why:
+            logger.info(f"{layer.layer_name}: reference transport across {topology.describe()}: two-level (each "
+                        "token once per node across, then inside the node)")
+            return TwoLevelDispatcher(layer.num_experts, layer.ep_size, layer.ep_group, topology, layer.layer_name,
+                                      timeout_s=cfg.overlap.timeout_s, **kwargs)
+        logger.warning(f"{layer.layer_name}: the expert-parallel group spans {topology.describe()}; the flat "
+                       f"all-to-all runs ({why})")
+    return ReferenceDispatcher(layer.num_experts, layer.ep_size, layer.ep_group, pacing=layer._pacing,
+                               timeout_s=cfg.overlap.timeout_s, layer_name=layer.layer_name, **kwargs)
