@@ -66,7 +66,12 @@ def _rank_main(rank: int, world: int, port: int, backend: str) -> None:
         grad = step()
     except UniEPTimeoutError as err:
         print(json.dumps({"rank": rank, "error": str(err), "time": time.time()}), flush=True)
-        return  # the interpreter's own exit: it must not wait on the stopped peer
+        # Leave without C++ static destructors: gloo's threads can abort the process there
+        # ("terminate called without an active exception") once a peer is gone, as dist_utils notes
+        # after successful runs too. What is checked is that nothing waits on the stopped peer.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     print(json.dumps({"rank": rank, "ok": True, "grad": grad}), flush=True)
 
 
