@@ -73,6 +73,9 @@ def _rank_main(rank: int, world: int, port: int, backend: str) -> None:
         sys.stderr.flush()
         os._exit(0)
     print(json.dumps({"rank": rank, "ok": True, "grad": grad}), flush=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as above: no C++ static destructors (they can abort after a successful run too)
 
 
 def _start(tmp_path, world: int, stop=None, backend: str = "gloo") -> dict:
