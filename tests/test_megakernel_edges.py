@@ -11,6 +11,7 @@ import torch
 
 from conftest import needs_gpus
 from dist_utils import run_distributed
+from test_megakernel_layer import _make as make_layer
 
 M, F = 512, 256
 
@@ -32,22 +33,10 @@ def _tokens(world_size):
     return [0, 1, 300, 19][:world_size] if world_size > 2 else [0, 37]
 
 
-def _make(rank, world_size, k, backend, overlap, expert_gemm, max_tokens=512):
-    from ds_uniep import SwiGLUExpert, UniEPMoE
-    E = max(4 * world_size, 2 * k)
-    torch.manual_seed(11)
-    layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=k, min_capacity=0,
-                     drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
-                     config={"backend": backend, "max_tokens_per_rank": max_tokens, "expert_gemm": expert_gemm,
-                             "overlap": dict(timeout_s=10.0, **overlap)})
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(100 + rank)
-        for p in layer.deepspeed_moe.experts.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
-    layer = layer.to(device=torch.device("cuda", rank), dtype=torch.bfloat16)
-    layer.deepspeed_moe.gate.wg.float()
-    layer.set_deepspeed_parallelism()
-    return layer
+def _make(rank, world_size, k, backend, overlap, expert_gemm):
+    """test_megakernel_layer's layer (same weights for every call) at this file's sizes."""
+    return make_layer(rank, world_size, k, backend, overlap=overlap, expert_gemm=expert_gemm, M=M, F=F,
+                      max_tokens=512)
 
 
 def _step(layer, rank, T, routing, world_size):
