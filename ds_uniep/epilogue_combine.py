@@ -18,9 +18,9 @@ its gate gradients ``<grad_out[t], y row of (t, j)>`` from those rows, in the su
 uses under the sequential schedule (the same bits); ``grad_out``'s rows travel to the experts
 unweighted with the gates, as there, and the experts form ``grad_y = gate * row``; then the dgrad
 and wgrad GEMMs. The rows have to survive in the combine buffer until that backward: before any
-later op of the layer lets peers store there (a counts exchange or a barrier), the dispatcher
-copies them out for a backward still to come (``NVLinkDispatcher._keep_landed``: two forwards
-before a backward, or a graph kept). One backward per forward: a second one through the same
+later op of a layer sharing the buffers lets peers store there (a counts exchange or a barrier),
+they are copied out for a backward still to come (``BufferSet.keep_landed``: another layer's
+forward, two forwards before a backward, or a graph kept). One backward per forward: a second one through the same
 graph (``retain_graph``) after the rows were overwritten raises.
 
 The dispatch's backward is a combine without weights of the first expert GEMM's dgrad rows, so
@@ -41,14 +41,14 @@ class _Landed:
     """The rows one epilogue combine left in this rank's combine buffer (its ``pairs`` first rows),
     and, once the dispatcher had to reuse the buffer before the backward, a copy of them."""
 
-    def __init__(self, pairs: int):
-        self.pairs = pairs
+    def __init__(self, pairs: int, dispatcher):
+        self.pairs, self.dispatcher = pairs, dispatcher
         self.rows: Optional[Tensor] = None
         self.read = False  # a backward formed the gate gradients from them
 
-    def keep(self, dispatcher) -> None:
+    def keep(self) -> None:
         if self.rows is None and not self.read:
-            self.rows = dispatcher.comb_rows(self.pairs).clone()
+            self.rows = self.dispatcher.comb_rows(self.pairs).clone()
 
 
 def landing_tables(dispatcher, counts_all: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -102,7 +102,7 @@ class _GemmCombineFn(torch.autograd.Function):
         d.combine_stats["landed"] += 1
         ctx.landed = None
         if any(ctx.needs_input_grad[:3]):
-            ctx.landed = _Landed(idx.numel())
+            ctx.landed = _Landed(idx.numel(), d)
             d._landed = weakref.ref(ctx.landed)
         ctx.dispatcher, ctx.configs = d, configs
         ctx.save_for_backward(a, w, gates, offs, mirror_off, idx, handle.dest_row, handle.num_recv)

@@ -187,38 +187,40 @@ def test_epilogue_combine_runs_land_where_the_source_reads_them(G, T, k, E, skew
 
 
 def test_epilogue_rows_are_kept_for_a_pending_backward_only():
-    """Before peers may store into the combine buffer again (``NVLinkDispatcher._keep_landed``), the
-    rows of an epilogue combine whose backward may still come are copied out; rows a backward
-    already read, or whose forward record is gone (no graph kept), are not."""
+    """Before peers may store into a combine region again (``BufferSet.keep_landed``, run by any
+    layer of the set), the rows of an epilogue combine whose backward may still come are copied out,
+    in the shape of the layer that left them; rows a backward already read, or whose forward record
+    is gone (no graph kept), are not."""
     import gc
     import weakref
     from types import SimpleNamespace
 
     from ds_uniep.epilogue_combine import _Landed
-    from ds_uniep.megakernel import NVLinkDispatcher
-    comb = torch.arange(24, dtype=torch.float32).view(6, 4)
-    fake = SimpleNamespace(_landed=None, comb_rows=lambda n: comb[:n])
-    keep = NVLinkDispatcher._keep_landed
+    from ds_uniep.megakernel.buffers import BufferSet
+    comb = torch.arange(24, dtype=torch.float32)
+    layer_a = SimpleNamespace(comb_rows=lambda n: comb[:n * 4].view(n, 4))  # M = 4
+    bset = SimpleNamespace(landed=None)
+    keep = BufferSet.keep_landed
 
-    pending = _Landed(4)
-    fake._landed = weakref.ref(pending)
-    keep(fake)
-    assert fake._landed is None and torch.equal(pending.rows, comb[:4])
+    pending = _Landed(4, layer_a)
+    bset.landed = weakref.ref(pending)
+    keep(bset)  # e.g. from another layer's dispatch, whose rows are [*, 6]
+    assert bset.landed is None and torch.equal(pending.rows, comb[:16].view(4, 4))
     comb.add_(100)  # peers overwrite the buffer: the copy stays as it was
     assert torch.equal(pending.rows, torch.arange(16, dtype=torch.float32).view(4, 4))
 
-    read = _Landed(4)
+    read = _Landed(4, layer_a)
     read.read = True
-    fake._landed = weakref.ref(read)
-    keep(fake)
-    assert read.rows is None and fake._landed is None
+    bset.landed = weakref.ref(read)
+    keep(bset)
+    assert read.rows is None and bset.landed is None
 
-    gone = _Landed(4)
-    fake._landed = weakref.ref(gone)
+    gone = _Landed(4, layer_a)
+    bset.landed = weakref.ref(gone)
     del gone
     gc.collect()
-    keep(fake)  # nothing to keep, nothing raised
-    assert fake._landed is None
+    keep(bset)  # nothing to keep, nothing raised
+    assert bset.landed is None
 
 
 def test_segment_config_times_only_when_no_tile_is_set():

@@ -144,9 +144,7 @@ class _CombineSteps:
         """Before peers may store into this rank's combine buffer again (a counts exchange or a
         barrier follows): if an epilogue combine's rows there may still be read by a backward
         (two forwards before a backward, a graph kept), copy them out for it first."""
-        landed, self._landed = self._landed() if self._landed is not None else None, None
-        if landed is not None:
-            landed.keep(self)
+        self._set.keep_landed()
 
     # ------------------------------------------------------------------ the combine buffers
     def comb_bases(self):

@@ -16,8 +16,8 @@ from ..errors import UniEPTimeoutError
 from ..faults import stop_point
 from ..knobs import FUSED_COMM_SMS, Knobs
 from . import autograd
-from .buffers import (ERROR_RECORD_WORDS, FP8_GROUP, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K, NUM_PHASES, PHASE_ARRIVED,
-                      PHASE_COUNTS, PHASE_DISPATCH, PHASE_NAMES, _DirectRegion, _SymBuffers)
+from .buffers import (ERROR_RECORD_WORDS, FP8_GROUP, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K, PHASE_ARRIVED, PHASE_COUNTS,
+                      PHASE_DISPATCH, PHASE_NAMES, _DirectView, _LayerBuffers, buffer_set)
 from .combine import _CombineSteps
 
 
@@ -124,8 +124,12 @@ class NVLinkDispatcher(_CombineSteps):
             raise RuntimeError(f"{where}: the NVLink dispatcher cannot run here: {reason}")
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.ext = ext()
-        self.bufs = _SymBuffers(num_experts, ep_size, self.rank, self.max_tokens, k, hidden_size, dtype, self.fp8,
-                                group, self.device)
+        #: the buffer set this layer shares with the others of its group, device and dtypes
+        #: (:mod:`ds_uniep.megakernel.buffers`), and this layer's view of its symmetric buffer
+        self._set = buffer_set(num_experts, ep_size, self.max_tokens, k, hidden_size, dtype, self.fp8, group,
+                               self.device)
+        self.bufs = _LayerBuffers(self._set, num_experts, ep_size, self.rank, self.max_tokens, k, hidden_size)
+        self._use_direct = not self.fp8
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Test hooks (see the class doc); the defaults are what the layer runs.
         self.padded_recv = False
@@ -142,14 +146,8 @@ class NVLinkDispatcher(_CombineSteps):
         #: after another, before the GEMM (only the takes run in the GEMM's spare warps)
         self.interleaved_sends = False
         self.set_knobs(knobs)
-        # The rows the last epilogue combine left in this rank's combine buffer, while a backward
-        # may still read them (a weak reference to ds_uniep.epilogue_combine's record of them).
-        self._landed = None
         self._comb_bases_dev = None  # comb_bases_device(), made on first use
         self._queue = None  # the chunked combine's queue workspace, grown on demand
-        self.direct = None
-        if not self.fp8:
-            self.direct = _DirectRegion(self.bufs.recv_rows, hidden_size, dtype, self.bufs.group, self.device)
         #: forward dispatches whose rows were received in place / copied out of staging
         self.direct_stats = {"in_place": 0, "copied": 0}
         #: forward dispatches whose kernels dispatch_begin queued
@@ -163,11 +161,9 @@ class NVLinkDispatcher(_CombineSteps):
         # (expert_idx, its version, its first slot per rank) of the last rank-partials combine
         self._firsts = (None, -1, None)
         # rank partials: the local pair table ([G * pairs_per_rank] int64, made on first use) and its tag,
-        # the PHASE_GATES epoch of the gates now in the gates region (0: none, or overwritten since) and
-        # the one the next combine's handle brought
+        # and the PHASE_GATES epoch the next combine's handle brought
         self._pair_table = None
         self._table_epoch = 0
-        self._last_gates_epoch = 0
         self._next_gates = 0
         #: the pipelined schedule's copy kernels (one per chunk and destination on the copy engines,
         #: one per chunk by SM stores), forward and backward
@@ -194,7 +190,6 @@ class NVLinkDispatcher(_CombineSteps):
         #: forward dispatches that ran fused / asked to but ran sequential (direct region in use)
         self.fused_stats = {"fused": 0, "sequential": 0}
         self.layer_id = autograd.register(self)
-        self._epochs = [0] * NUM_PHASES
 
     @classmethod
     def from_config(cls, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
@@ -229,11 +224,42 @@ class NVLinkDispatcher(_CombineSteps):
         self.combine_chunks = knobs.combine_chunks
         self.combine_queue = knobs.combine_queue
 
-    # ------------------------------------------------------------------ bookkeeping
+    # ------------------------------------------------------------------ the shared buffers
+    @property
+    def direct(self) -> Optional[_DirectView]:
+        """This layer's rows of its set's direct receive region (None: FP8 dispatch, or set to None)."""
+        region = self._set.direct
+        if not self._use_direct or region is None:
+            return None
+        return _DirectView(region, self.bufs.recv_rows, self.hidden_size, self.dtype)
+
+    @direct.setter
+    def direct(self, value) -> None:
+        if value is not None:
+            raise ValueError("direct can only be set to None (every dispatch through the staging region)")
+        self._use_direct = False
+
+    @property
+    def _landed(self):
+        return self._set.landed
+
+    @_landed.setter
+    def _landed(self, value) -> None:
+        self._set.landed = value
+
+    @property
+    def _last_gates_epoch(self) -> int:
+        return self._set.last_gates_epoch
+
+    @_last_gates_epoch.setter
+    def _last_gates_epoch(self, value: int) -> None:
+        self._set.last_gates_epoch = value
+
     def _next_epoch(self, phase: int) -> int:
-        # Every rank calls the same ops in the same order, so epochs agree across ranks.
-        self._epochs[phase] = (self._epochs[phase] + 1) & 0xFFFFFFFF or 1
-        return self._epochs[phase]
+        # Every rank calls the same ops of the set's layers in the same order, so epochs agree.
+        return self._set.next_epoch(phase)
+
+    # ------------------------------------------------------------------ bookkeeping
 
     def direct_descriptor(self, use: bool, counts_epoch: int):
         """The DirectView of ops/csrc/types.h: direct-region bases, whether flags apply, their epoch."""

@@ -1,0 +1,119 @@
+"""Layers of one expert-parallel group share megakernel buffers, bit for bit.
+
+A stack of four megakernel layers (residual stream; the third has a larger ``max_tokens_per_rank``,
+so it makes a new set unless a set that large is alive already, and the fourth shares it) runs two
+forwards, then both backwards, on every schedule: with shared buffer sets and with a set per layer,
+outputs, input gradients and every parameter gradient are bitwise equal; the largest layer's set is
+the size of its per-layer set. The sizes' arithmetic is checked on the CPU.
+"""
+import pytest
+import torch
+
+from conftest import needs_gpus
+from dist_utils import run_distributed
+from test_megakernel_layer import _make as make_layer
+
+M, F, K = 256, 512, 2
+SCHEDULES = [
+    ("sequential", {"schedule": "sequential"}, "torch"),
+    ("pipelined", {"schedule": "pipelined", "num_chunks": 2}, "torch"),
+    ("fused", {"schedule": "fused", "roles": "interleaved"}, "uniep"),
+    ("fused-no-epilogue", {"schedule": "fused", "epilogue_combine": False}, "uniep"),
+]
+MAX_TOKENS = (512, 512, 1024, 512)  # the third layer makes a second set
+
+
+def _stack(rank, world_size, overlap, gemm):
+    layers = []
+    for i, max_tokens in enumerate(MAX_TOKENS):
+        layer = make_layer(rank, world_size, K, "megakernel", overlap=overlap, expert_gemm=gemm, M=M, F=F,
+                           max_tokens=max_tokens)
+        with torch.no_grad():  # layers differ from each other, the same in both stacks
+            for p in layer.deepspeed_moe.experts.parameters():
+                p.mul_(1.0 + 0.25 * i)
+        layers.append(layer)
+    return layers
+
+
+def _run_stack(layers, rank, shared):
+    """Two forwards of the stack (300 and 0 or 19 tokens), then both backwards, the first one's
+    last: [outputs, input gradients, every parameter's gradient]. A layer's dispatcher (and its
+    buffers) is made at its first forward: ``shared`` holds while the stack runs."""
+    from ds_uniep.megakernel import buffers
+    buffers.SHARED = shared
+    try:
+        return _forward_backward(layers, rank)
+    finally:
+        buffers.SHARED = True
+
+
+def _forward_backward(layers, rank):
+    device = torch.device("cuda", rank)
+    for layer in layers:
+        for p in layer.parameters():
+            p.grad = None
+    g = torch.Generator(device=device).manual_seed(70 + rank)
+    xs = [torch.randn(T, M, device=device, generator=g).to(torch.bfloat16).requires_grad_(True)
+          for T in (300, 19 if rank else 0)]
+    outs = []
+    for x in xs:
+        h = x
+        for layer in layers:
+            h = h + layer(h)[0]
+        outs.append(h)
+    gys = [torch.randn(o.shape, device=device, generator=g).to(torch.bfloat16) for o in outs]
+    outs[1].backward(gys[1])
+    outs[0].backward(gys[0])
+    return outs + [x.grad for x in xs] + [p.grad for layer in layers for p in layer.parameters()]
+
+
+def _body(rank, world_size):
+    for name, overlap, gemm in SCHEDULES:
+        shared, private = _stack(rank, world_size, overlap, gemm), _stack(rank, world_size, overlap, gemm)
+        got, want = _run_stack(shared, rank, True), _run_stack(private, rank, False)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a is not None and b is not None, f"{name}: tensor {i} missing"
+            assert torch.equal(a, b), f"rank {rank} {name}: tensor {i} differs between shared and per-layer buffers"
+        ds = [next(iter(layer._dispatchers.values())) for layer in shared]
+        dp = [next(iter(layer._dispatchers.values())) for layer in private]
+        sets = [d._set for d in ds]
+        # The first two share a set (a new one, or an earlier stack's larger one still alive), the
+        # last two the third layer's.
+        assert sets[0] is sets[1] and sets[2] is sets[3], f"{name}: sets {sets}"
+        assert len({id(d._set) for d in dp}) == len(dp), f"{name}: per-layer buffers were shared"
+        nbytes = lambda b: (b.sym.total_bytes, b.direct_bytes)
+        assert nbytes(sets[2]) == nbytes(dp[2]._set), name
+        assert sets[0] is sets[2] or nbytes(sets[0]) == nbytes(dp[0]._set), name
+        for d in ds + dp:
+            d.check(synchronize=True)
+        if rank == 0:
+            size = lambda bs: sum(b.sym.total_bytes + b.direct_bytes for b in {id(b): b for b in bs}.values())
+            print(f"shared buffers ep {world_size} {name}: bitwise per-layer buffers; "
+                  f"{size(sets) / 2**30:.4f} GiB in {len({id(b) for b in sets})} set(s) vs {size([d._set for d in dp]) / 2**30:.4f} GiB "
+                  "per layer", flush=True)
+        del shared, private, ds, dp, sets
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (1, 2, 4)])
+def test_layers_sharing_buffers_give_the_per_layer_bits(world_size):
+    run_distributed(_body, world_size, backend="nccl")
+
+
+def test_a_set_is_sized_by_its_largest_layer():
+    """The region sizes of a set are the largest of its layers', region by region, and the byte
+    count is the module doc's formula."""
+    from ds_uniep.megakernel.buffers import MAX_RANKS, _Dims
+    E, G, k, M = 64, 4, 6, 2048
+    a = _Dims(E, G, 4096, k, M, 2, False)
+    b = _Dims(2 * E, G, 2048, 8, M // 2, 2, False)
+    grown = {n: max(a.regions[n], b.regions[n]) for n in a.regions}
+    assert grown["recv"] == a.regions["recv"] and grown["counts"] == b.regions["counts"]
+    R = G * 4096 * min(k, E // G)
+    assert a.recv_rows == R and a.direct_bytes == R * M * 2
+    rows = (a.regions["recv"] + a.direct_bytes + a.regions["comb"]) // (M * 2)
+    assert rows == 2 * R + 4096 * k
+    assert a.regions["meta"] + a.regions["dup"] == 8 * R and a.regions["gates"] == 4 * 4096 * k
+    assert a.regions["counts"] == 4 * E * 2 * MAX_RANKS + 8 * MAX_RANKS
+    fp8 = _Dims(E, G, 4096, k, M, 2, True)
+    assert fp8.direct_bytes == 0 and fp8.regions["scales"] == 4 * R * M // 128
