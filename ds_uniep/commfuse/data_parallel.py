@@ -29,16 +29,20 @@ DeepSpeed reduces such a gradient over the expert-data-parallel group of that na
 expert-parallel size G (the whole data-parallel group) is each rank alone: no communication, only
 DeepSpeed's division by the data-parallel size that every other gradient gets too (so this one is
 the mean of the ranks' gradients, like theirs). :meth:`ShardedLinear.set_deepspeed_parallelism`,
-which ``deepspeed.initialize`` calls, creates those groups. DeepSpeed applies its MoE handling
-(ZeRO-0 and ZeRO-1/2) only to models with a MoE layer (``deepspeed.moe.layer.MoE`` or
-``ds_uniep.UniEPMoE``), and ZeRO-1/2 wants these parameters in a param group of their own
+which ``deepspeed.initialize`` calls, creates those groups. DeepSpeed applies that handling (ZeRO-0
+and ZeRO-1/2) only to a model it sees MoE layers in, so each ``ShardedLinear`` holds a
+parameter-less :class:`_DeepSpeedMoEMark` (a ``deepspeed.moe.layer.MoE`` with no experts): a model
+needs no MoE layer of its own. ZeRO-1/2 want these parameters in a param group of their own
 (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``), as for experts.
 
-Checkpoints: ``state_dict()`` holds the full weight and bias (gathered: every rank of the group
-must call it, as ``DeepSpeedEngine.save_checkpoint`` does); ``load_state_dict`` takes the full
-tensors and keeps this rank's rows.
+Checkpoints: ``state_dict()`` holds the full weight and bias, gathered: every rank of the group
+calls it (a collective), or DeepSpeed's ``save_checkpoint``, whose MoE path visits each MoE module
+(the mark, which gathers) on every rank and then takes the model's state on data-parallel rank 0
+alone (which finds the gathered tensors). ``load_state_dict`` takes the full tensors and keeps this
+rank's rows (DeepSpeed's ``load_checkpoint`` as well).
 """
 import math
+import weakref
 from typing import Optional
 
 import torch
@@ -102,6 +106,48 @@ class _ShardedLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _deepspeed_moe_class():
+    try:
+        from deepspeed.moe.layer import MoE
+    except ImportError:  # without DeepSpeed: nothing to mark
+        return None
+    return MoE
+
+
+class _DeepSpeedMoEMark(nn.Module):
+    """Made a ``deepspeed.moe.layer.MoE`` (with no experts, no gate, no parameters) when DeepSpeed is
+    there, so that the engine gives a model holding a :class:`ShardedLinear` its handling of
+    parameters marked ``allreduce = False`` (module doc). Its state is empty; asked for it alone (as
+    DeepSpeed asks each MoE module, on every rank, before it takes the model's state on rank 0), it
+    gathers its linear's full weight and bias for that linear's state dict; as part of a larger
+    state dict (its linear's), it does nothing."""
+
+    def __init__(self, owner: "ShardedLinear", G: int):
+        nn.Module.__init__(self)  # not MoE.__init__: no experts, no gate
+        self.num_experts, self.num_local_experts, self.ep_size = 0, 0, G
+        self.expert_group_name = f"ep_size_{G}"
+        self._owner = weakref.ref(owner)  # not a submodule
+
+    def set_deepspeed_parallelism(self, use_data_before_expert_parallel_: bool = False) -> None:
+        pass  # the linear's own call makes the groups
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        owner = self._owner()
+        if owner is not None and not prefix:
+            owner.gathered_state(fresh=True)
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("the DeepSpeed mark of a ShardedLinear is not a layer")
+
+
+def _mark(owner: "ShardedLinear", G: int) -> nn.Module:
+    moe = _deepspeed_moe_class()
+    if moe is None:
+        return _DeepSpeedMoEMark(owner, G)
+    cls = type("_DeepSpeedMoEMark", (_DeepSpeedMoEMark, moe), {"__doc__": _DeepSpeedMoEMark.__doc__})
+    return cls(owner, G)
+
+
 class ShardedLinear(nn.Module):
     """``y = x W^T + b`` with W and b split by output rows over the data-parallel group (module doc).
 
@@ -136,6 +182,8 @@ class ShardedLinear(nn.Module):
         for p in self.parameters():
             p.allreduce = False  # deepspeed.moe.utils.is_moe_param: not all-reduced over the DP group
             p.group_name = f"ep_size_{G}"
+        self._gathered = None  # (parameter versions, full weight, full bias) of the last gather
+        self.deepspeed_mark = _mark(self, G)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, config=None) -> "ShardedLinear":
@@ -168,14 +216,29 @@ class ShardedLinear(nn.Module):
             raise ValueError(f"ShardedLinear: input has shape {tuple(x.shape)}; expected [*, {self.in_features}]")
         if x.dtype != self.weight.dtype:
             raise TypeError(f"ShardedLinear: input is {x.dtype} but the weight is {self.weight.dtype}")
+        self._gathered = None
         y = _ShardedLinearFn.apply(x.reshape(-1, self.in_features).contiguous(), self.weight, self.bias, self.plan)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _versions(self):
+        return tuple(p._version for p in (self.weight, self.bias) if p is not None)
+
+    def gathered_state(self, fresh: bool = False):
+        """``(weight [N, K], bias [N] or None)``, the full tensors: gathered over the group (a
+        collective), or, unless ``fresh``, those of the last gather if the parameters have not been
+        written in place since (kept until the next forward)."""
+        if fresh or self._gathered is None or self._gathered[0] != self._versions():
+            with torch.no_grad():
+                w = _gather_full(self.weight.detach().contiguous(), self.plan)
+                b = None if self.bias is None else _gather_full(self.bias.detach().view(-1, 1), self.plan).view(-1)
+            self._gathered = (self._versions(), w, b)
+        return self._gathered[1:]
+
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        with torch.no_grad():
-            destination[prefix + "weight"] = _gather_full(self.weight.detach().contiguous(), self.plan)
-            if self.bias is not None:
-                destination[prefix + "bias"] = _gather_full(self.bias.detach().view(-1, 1), self.plan).view(-1)
+        w, b = self.gathered_state()
+        destination[prefix + "weight"] = w
+        if b is not None:
+            destination[prefix + "bias"] = b
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
