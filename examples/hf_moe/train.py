@@ -130,6 +130,7 @@ def init_distributed() -> None:
 
 
 def main(argv=None):
+    """Train as the command line says; returns the trained (converted) model."""
     args = get_args(argv)
     check_build_locks()
     cpu = get_accelerator().device_name() == "cpu"
@@ -219,6 +220,7 @@ def main(argv=None):
     dist.barrier()
     if started_here:
         torch.distributed.destroy_process_group()
+    return engine.module
 
 
 if __name__ == "__main__":
