@@ -1,6 +1,6 @@
 """One MoE layer, side by side: stock DeepSpeed MoE, ds_uniep's reference and megakernel backends, and bounds.
 
-    torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --shapes mixtral-like dsv2lite-like dsv3-like
+    torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --shapes mixtral-like dsv2lite-like dsv3-like small-like
 
 Every rank runs the same layer on its own tokens; a layer's time is the slowest
 rank's median over the runs (ranks are lined up by a barrier before each run; gradients are set to
@@ -130,7 +130,7 @@ MEGAKERNEL_CONFIGS = {
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=["mixtral-like", "dsv2lite-like", "dsv3-like"])
+    p.add_argument("--shapes", nargs="+", default=["mixtral-like", "dsv2lite-like", "dsv3-like", "small-like"])
     p.add_argument("--experts", type=int, default=None, help="override E (default: the shape's; dsv3-like: "
                    "32 up to ep 4, 256 from ep 8)")
     p.add_argument("--tokens", type=int, default=None, help="override T tokens per rank")

@@ -166,6 +166,9 @@ def run_model(shapes, nodes, gpus_per_node: int, network_gbps: float, nvlink_gbp
     for name in shapes:
         s = PRESETS[name]
         E = experts.get(name, s.num_experts)
+        if name not in compute_ms:
+            skipped.append(f"{name}: no compute time for it (give --compute-ms {name}=MS); skipped")
+            continue
         for N in nodes:
             G = N * gpus_per_node
             if E < G or E % G:
@@ -236,7 +239,7 @@ def plot(points, path: str, network_gbps: float) -> None:
 def main(argv: Optional[list] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    p.add_argument("--shapes", nargs="+", default=list(DEFAULT_COMPUTE_MS), choices=list(PRESETS))
     p.add_argument("--nodes", nargs="+", type=int, default=[2, 8])
     p.add_argument("--gpus-per-node", type=int, default=8)
     p.add_argument("--network-gbps", type=float, default=DEFAULT_NETWORK_GBPS,

@@ -106,8 +106,10 @@ PRESETS: Dict[str, MoEShape] = {
     "dsv2lite-like": MoEShape("dsv2lite-like", hidden=2048, ffn=1408, num_experts=64, top_k=6,
                               tokens_per_rank=8192),
     "dsv3-like": MoEShape("dsv3-like", hidden=7168, ffn=2048, num_experts=256, top_k=8, tokens_per_rank=4096),
+    # A layer small enough that its fixed costs (host work, synchronisations, launches) dominate.
+    "small-like": MoEShape("small-like", hidden=1024, ffn=2048, num_experts=16, top_k=2, tokens_per_rank=512),
 }
-"""The shapes of docs/benchmarks.md (dsv3-like with its 256 experts of EP 8 and wider)."""
+"""The shapes of docs/performance.md (dsv3-like with its 256 experts of EP 8 and wider)."""
 
 _SHAPE_KEYS = {"hidden": "hidden", "M": "hidden", "ffn": "ffn", "F": "ffn", "experts": "num_experts",
                "E": "num_experts", "topk": "top_k", "k": "top_k", "tokens": "tokens_per_rank", "T": "tokens_per_rank",
