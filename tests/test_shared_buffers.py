@@ -117,3 +117,27 @@ def test_a_set_is_sized_by_its_largest_layer():
     assert a.regions["counts"] == 4 * E * 2 * MAX_RANKS + 8 * MAX_RANKS
     fp8 = _Dims(E, G, 4096, k, M, 2, True)
     assert fp8.direct_bytes == 0 and fp8.regions["scales"] == 4 * R * M // 128
+
+
+def test_a_timeout_in_one_layer_stops_every_layer_sharing_its_buffers():
+    """The kernels' error record is the set's, as is the poison word that stops later kernels: every
+    layer of the set raises at its next check, naming the layer whose wait gave up."""
+    from ds_uniep.errors import UniEPTimeoutError
+    from ds_uniep.megakernel import NVLinkDispatcher, autograd
+
+    class Layer:  # what check() reads of a dispatcher (weakly referable, as the registry needs)
+        def __init__(self, name, record):
+            self.layer_name, self.error_record, self.timeout_ns = name, record, int(5e9)
+
+    record = torch.zeros(8, dtype=torch.int64)
+    a, b = Layer("UniEPMoE[0]", record), Layer("UniEPMoE[1]", record)
+    a_id = autograd.register(a)
+    check = NVLinkDispatcher.check
+    check(a), check(b)  # nothing recorded: nothing raised
+    record.copy_(torch.tensor([1, 1, 1, 7, 6, 0, a_id, 0]))  # as wait_until in ops/csrc/common.cuh fills it
+    with pytest.raises(UniEPTimeoutError, match=r"^UniEPMoE\[0\]: rank 0 timed out after 5 s waiting for the "
+                       r"'dispatch' signal of rank 1 \(epoch 7, saw 6\)"):
+        check(a)
+    with pytest.raises(UniEPTimeoutError, match=r"^UniEPMoE\[1\]: rank 0 timed out \(in UniEPMoE\[0\], which shares "
+                       r"its buffers\) after 5 s"):
+        check(b)

@@ -46,8 +46,8 @@ combine, the first expert GEMM's dgrad stores its rows into the sources' combine
 
 No step takes a row slot with an atomic; signals carry growing epochs, so no reset
 is ever needed. Every wait gives up after ``overlap.timeout_s``: the kernel records
-who waited for what in pinned host memory, the layer's later kernels do nothing,
-and the next call (or :meth:`NVLinkDispatcher.check`) raises
+who waited for what in pinned host memory, the later kernels of every layer sharing
+the buffers do nothing, and the next call of any of them (or :meth:`NVLinkDispatcher.check`) raises
 :class:`UniEPTimeoutError` naming the layer, the rank and the signal.
 
 With ``padded_recv`` set, dispatch returns ``recv [R_max, M]`` whose first R rows

@@ -24,6 +24,12 @@ def register(dispatcher) -> int:
     return layer_id
 
 
+def layer_name(ctx_id: int):
+    """The layer name of dispatcher ``ctx_id`` while it lives, else None."""
+    d = _REGISTRY.get(ctx_id)
+    return None if d is None else d.layer_name
+
+
 def _get(ctx_id: int):
     d = _REGISTRY.get(ctx_id)
     if d is None:

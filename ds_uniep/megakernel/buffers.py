@@ -143,6 +143,9 @@ class BufferSet:
         self.last_gates_epoch = 0
         #: weak reference to the epilogue combine's record of rows left in the combine region
         self.landed = None
+        #: who waited for what, from the first wait of any of the set's layers that gave up (the
+        #: kernels fill it; the poison word that stops every later kernel is the set's too)
+        self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
         rank = torch_dist.get_rank(group) if torch_dist.is_initialized() else 0
         if rank == 0:
             logger.info(f"ds_uniep: megakernel buffers of ep group {getattr(group, 'group_name', '?')} "

@@ -16,7 +16,7 @@ from ..errors import UniEPTimeoutError
 from ..faults import stop_point
 from ..knobs import FUSED_COMM_SMS, Knobs
 from . import autograd
-from .buffers import (ERROR_RECORD_WORDS, FP8_GROUP, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K, PHASE_ARRIVED, PHASE_COUNTS,
+from .buffers import (FP8_GROUP, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K, PHASE_ARRIVED, PHASE_COUNTS,
                       PHASE_DISPATCH, PHASE_NAMES, _DirectView, _LayerBuffers, buffer_set)
 from .combine import _CombineSteps
 
@@ -168,7 +168,7 @@ class NVLinkDispatcher(_CombineSteps):
         #: the pipelined schedule's copy kernels (one per chunk and destination on the copy engines,
         #: one per chunk by SM stores), forward and backward
         self.push_stats = {"copy_engines": 0, "sm_stores": 0}
-        self.error_record = torch.zeros(ERROR_RECORD_WORDS, dtype=torch.int64, pin_memory=True)
+        self.error_record = self._set.error_record  # the set's: a timeout stops every layer sharing it
         self._num_recv_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # R of the exact-R form
         # every rank's counts per expert, read with R (the pipelined schedule plans its copies by them)
         self._counts_host = torch.zeros(ep_size, num_experts, dtype=torch.int64, pin_memory=True)
@@ -270,16 +270,20 @@ class NVLinkDispatcher(_CombineSteps):
         return self.timeout_ns, self.error_record, self.layer_id
 
     def check(self, synchronize: bool = False) -> None:
-        """Raise :class:`UniEPTimeoutError` if a kernel of this layer gave up waiting."""
+        """Raise :class:`UniEPTimeoutError` if a kernel of this layer, or of another layer sharing its
+        buffers, gave up waiting."""
         if synchronize:
             torch.cuda.current_stream(self.device).synchronize()
         rec = self.error_record.tolist()
         if rec[0]:
             phase = PHASE_NAMES[rec[1]] if 0 <= rec[1] < len(PHASE_NAMES) else str(rec[1])
+            waited = autograd.layer_name(rec[6]) or f"layer {rec[6]}"
+            where = "" if waited == self.layer_name else f" (in {waited}, which shares its buffers)"
             raise UniEPTimeoutError(
-                f"{self.layer_name}: rank {rec[5]} timed out after {self.timeout_ns / 1e9:g} s waiting for the "
-                f"'{phase}' signal of rank {rec[2]} (epoch {rec[3]}, saw {rec[4]}); a peer did not reach the same "
-                "call, or died. The layer's buffers are unusable from here on.")
+                f"{self.layer_name}: rank {rec[5]} timed out{where} after {self.timeout_ns / 1e9:g} s waiting for "
+                f"the '{phase}' signal of rank {rec[2]} (epoch {rec[3]}, saw {rec[4]}); a peer did not reach the "
+                "same call, or died. The buffers of this layer and of the layers sharing them are unusable from "
+                "here on.")
 
     def _check_tokens(self, T: int, k: int) -> None:
         if T > self.max_tokens:
