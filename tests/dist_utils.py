@@ -148,9 +148,11 @@ PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm"]
 
 
 def _context(backend: str):
-    """CPU (gloo) ranks fork from a server that has imported :data:`PRELOAD`; GPU (NCCL) ranks are
-    spawned fresh."""
-    if backend == "nccl":
+    """Ranks fork from a server that has imported :data:`PRELOAD` on machines without CUDA; where
+    CUDA is (NCCL ranks, or gloo ranks that DeepSpeed binds to a GPU), they are spawned fresh: a
+    process that forks must not have touched the CUDA driver, which importing DeepSpeed does."""
+    import torch
+    if backend == "nccl" or torch.cuda.is_available():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
@@ -159,7 +161,7 @@ def _context(backend: str):
 
 def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 600.0):
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes (forked from a fork
-    server for gloo, spawned for NCCL: :func:`_context`), each with this process's environment.
+    server, or spawned: :func:`_context`), each with this process's environment.
 
     Fails (AssertionError) with the first failing rank's traceback as soon as one rank fails (the others are
     killed), with the exit codes when a rank died without a Python error (a signal), and, after ``timeout``
