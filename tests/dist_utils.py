@@ -147,6 +147,25 @@ def _stale_locks_note() -> str:
 PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm"]
 
 
+_OPS_BUILT = False
+
+
+def _build_cpu_comm_op() -> None:
+    """Build DeepSpeed's CPU communication op (``deepspeed.init_distributed`` loads it in every
+    gloo rank) here, once, before the first ranks start: a rank stopped by its time limit in the
+    middle of that build would leave torch's build lock behind, and every later load would wait on
+    it. Whatever fails here is left for the ranks to meet and report."""
+    global _OPS_BUILT
+    if _OPS_BUILT:
+        return
+    _OPS_BUILT = True
+    try:
+        from deepspeed.comm.torch import build_shm_op
+        build_shm_op()
+    except Exception:  # noqa: BLE001 - the ranks build (or fail to) as they would without this
+        pass
+
+
 def _context(backend: str):
     """Ranks fork from a server that has imported :data:`PRELOAD` on machines without CUDA; where
     CUDA is (NCCL ranks, or gloo ranks that DeepSpeed binds to a GPU), they are spawned fresh: a
@@ -167,6 +186,8 @@ def run_distributed(fn, world_size: int, *args, backend: str = "gloo", timeout: 
     killed), with the exit codes when a rank died without a Python error (a signal), and, after ``timeout``
     seconds, with the ranks still running and their Python stacks. Collectives time out after
     ``0.8 * timeout`` seconds, so a rank waiting on a peer that never comes reports its own traceback."""
+    if backend != "nccl":
+        _build_cpu_comm_op()
     ctx = _context(backend)
     report_dir = tempfile.mkdtemp(prefix="run_distributed_")
     # The rendezvous store lives here, on a port the OS picks and this process keeps bound until the
