@@ -103,7 +103,7 @@ class _GemmCombineFn(torch.autograd.Function):
         ctx.landed = None
         if any(ctx.needs_input_grad[:3]):
             ctx.landed = _Landed(idx.numel(), d)
-            d._landed = weakref.ref(ctx.landed)
+            d._set.landed = weakref.ref(ctx.landed)
         ctx.dispatcher, ctx.configs = d, configs
         ctx.save_for_backward(a, w, gates, offs, mirror_off, idx, handle.dest_row, handle.num_recv)
         return out
@@ -134,8 +134,8 @@ class _GemmCombineFn(torch.autograd.Function):
                                                                        else ()):
             t.record_stream(side)
         landed.read = True
-        if d._landed is not None and d._landed() is landed:
-            d._landed = None
+        if d._set.landed is not None and d._set.landed() is landed:
+            d._set.landed = None
         # grad_y = gate * grad_out row, on the experts' ranks (the sequential backward's bits).
         d._barrier()
         d.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))

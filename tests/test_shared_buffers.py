@@ -101,14 +101,21 @@ def test_layers_sharing_buffers_give_the_per_layer_bits(world_size):
 
 
 def test_a_set_is_sized_by_its_largest_layer():
-    """The region sizes of a set are the largest of its layers', region by region, and the byte
-    count is the module doc's formula."""
-    from ds_uniep.megakernel.buffers import MAX_RANKS, _Dims
+    """A set made for one layer does not fit a layer that needs more of any region; one sized by
+    the larger of both (as ``buffer_set`` makes it) fits both. The byte count is the module doc's
+    formula."""
+    from types import SimpleNamespace
+
+    from ds_uniep.megakernel.buffers import MAX_RANKS, BufferSet, _Dims
     E, G, k, M = 64, 4, 6, 2048
     a = _Dims(E, G, 4096, k, M, 2, False)
     b = _Dims(2 * E, G, 2048, 8, M // 2, 2, False)
-    grown = {n: max(a.regions[n], b.regions[n]) for n in a.regions}
-    assert grown["recv"] == a.regions["recv"] and grown["counts"] == b.regions["counts"]
+    made_for = lambda regions, direct: SimpleNamespace(regions=regions, direct_bytes=direct)  # noqa: E731
+    assert BufferSet.fits(made_for(a.regions, a.direct_bytes), a)
+    assert not BufferSet.fits(made_for(a.regions, a.direct_bytes), b)  # more experts: a larger counts region
+    assert not BufferSet.fits(made_for(b.regions, b.direct_bytes), a)  # more rows
+    both = made_for({n: max(a.regions[n], b.regions[n]) for n in a.regions}, max(a.direct_bytes, b.direct_bytes))
+    assert BufferSet.fits(both, a) and BufferSet.fits(both, b)
     R = G * 4096 * min(k, E // G)
     assert a.recv_rows == R and a.direct_bytes == R * M * 2
     rows = (a.regions["recv"] + a.direct_bytes + a.regions["comb"]) // (M * 2)

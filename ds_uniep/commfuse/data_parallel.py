@@ -41,6 +41,7 @@ calls it (a collective), or DeepSpeed's ``save_checkpoint``, whose MoE path visi
 alone (which finds the gathered tensors). ``load_state_dict`` takes the full tensors and keeps this
 rank's rows (DeepSpeed's ``load_checkpoint`` as well).
 """
+import functools
 import math
 import weakref
 from typing import Optional
@@ -106,17 +107,9 @@ class _ShardedLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def _deepspeed_moe_class():
-    try:
-        from deepspeed.moe.layer import MoE
-    except ImportError:  # without DeepSpeed: nothing to mark
-        return None
-    return MoE
-
-
 class _DeepSpeedMoEMark(nn.Module):
-    """Made a ``deepspeed.moe.layer.MoE`` (with no experts, no gate, no parameters) when DeepSpeed is
-    there, so that the engine gives a model holding a :class:`ShardedLinear` its handling of
+    """A ``deepspeed.moe.layer.MoE`` (:func:`_mark_class`; with no experts, no gate, no parameters),
+    so that the engine gives a model holding a :class:`ShardedLinear` its handling of
     parameters marked ``allreduce = False`` (module doc). Its state is empty; asked for it alone (as
     DeepSpeed asks each MoE module, on every rank, before it takes the model's state on rank 0), it
     gathers its linear's full weight and bias for that linear's state dict; as part of a larger
@@ -140,12 +133,12 @@ class _DeepSpeedMoEMark(nn.Module):
         raise RuntimeError("the DeepSpeed mark of a ShardedLinear is not a layer")
 
 
-def _mark(owner: "ShardedLinear", G: int) -> nn.Module:
-    moe = _deepspeed_moe_class()
-    if moe is None:
-        return _DeepSpeedMoEMark(owner, G)
-    cls = type("_DeepSpeedMoEMark", (_DeepSpeedMoEMark, moe), {"__doc__": _DeepSpeedMoEMark.__doc__})
-    return cls(owner, G)
+@functools.lru_cache(maxsize=None)
+def _mark_class() -> type:
+    """:class:`_DeepSpeedMoEMark` made a DeepSpeed ``MoE`` (imported here, when the first
+    ShardedLinear is built, not when ds_uniep is)."""
+    from deepspeed.moe.layer import MoE
+    return type("_DeepSpeedMoEMark", (_DeepSpeedMoEMark, MoE), {"__doc__": _DeepSpeedMoEMark.__doc__})
 
 
 class ShardedLinear(nn.Module):
@@ -183,7 +176,7 @@ class ShardedLinear(nn.Module):
             p.allreduce = False  # deepspeed.moe.utils.is_moe_param: not all-reduced over the DP group
             p.group_name = f"ep_size_{G}"
         self._gathered = None  # (parameter versions, full weight, full bias) of the last gather
-        self.deepspeed_mark = _mark(self, G)
+        self.deepspeed_mark = _mark_class()(self, G)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None, config=None) -> "ShardedLinear":

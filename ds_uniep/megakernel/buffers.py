@@ -84,7 +84,6 @@ class _SymBuffers:
 
     def __init__(self, regions: Dict[str, int], group, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.regions = dict(regions)
         self.offsets: Dict[str, int] = {}
         total = 0
         for name, nbytes in regions.items():
@@ -110,7 +109,6 @@ class _DirectRegion:
 
     def __init__(self, nbytes: int, group, device: torch.device):
         from torch.distributed import _symmetric_memory as symm_mem
-        self.nbytes = nbytes
         self.buffer = symm_mem.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
         self.handle = rendezvous(self.buffer, group)
         ptrs = list(self.handle.buffer_ptrs)
@@ -172,14 +170,12 @@ class BufferSet:
 _SETS: "weakref.WeakValueDictionary[tuple, BufferSet]" = weakref.WeakValueDictionary()
 
 
-def buffer_set(E: int, G: int, T_max: int, k: int, M: int, dtype: torch.dtype, fp8: bool, group,
-               device: torch.device) -> BufferSet:
+def buffer_set(dims: _Dims, dtype: torch.dtype, fp8: bool, group, device: torch.device) -> BufferSet:
     """The newest set of ``group`` (None: the world) on ``device`` for ``dtype`` rows (and FP8
-    dispatch or not) if a layer of these sizes fits it; else a new one, sized for both, that becomes
-    the newest (every rank builds its layers in the same order: collective over the group). With
-    :data:`SHARED` False, a new set of this layer's own."""
+    dispatch or not) if a layer of sizes ``dims`` fits it; else a new one, sized for both, that
+    becomes the newest (every rank builds its layers in the same order: collective over the group).
+    With :data:`SHARED` False, a new set of this layer's own."""
     pg = group if group is not None else torch_dist.group.WORLD
-    dims = _Dims(E, G, T_max, k, M, torch.empty(0, dtype=dtype).element_size(), fp8)
     key = (getattr(pg, "group_name", id(pg)), device.index, dtype, fp8)
     newest = _SETS.get(key) if SHARED else None
     if newest is not None and newest.fits(dims):
@@ -198,12 +194,11 @@ class _LayerBuffers:
     """One layer's view of its set's symmetric buffer: its sizes, the set's offsets, and the
     ``SymView`` descriptor (SymField order of ops/csrc/host_utils.h)."""
 
-    def __init__(self, bset: BufferSet, E: int, G: int, rank: int, T_max: int, k: int, M: int):
-        dims = _Dims(E, G, T_max, k, M, torch.empty(0, dtype=bset.dtype).element_size(), bset.fp8)
+    def __init__(self, bset: BufferSet, dims: _Dims, rank: int, G: int):
         sym = bset.sym
         self.recv_rows, self.pairs_per_rank = dims.recv_rows, dims.pairs_per_rank
         self.recv_row_bytes, self.comb_row_bytes = dims.recv_row_bytes, dims.comb_row_bytes
-        self.offsets, self.buffer, self.group, self.total_bytes = sym.offsets, sym.buffer, sym.group, sym.total_bytes
+        self.offsets, self.buffer = sym.offsets, sym.buffer
         o = self.offsets
         #: this rank's gates region, ``[pairs_per_rank]`` fp32
         self.gates = self.buffer[o["gates"]:o["gates"] + self.pairs_per_rank * 4].view(torch.float32)
@@ -228,14 +223,13 @@ class _DirectView:
 
     def __init__(self, region: _DirectRegion, rows: int, M: int, dtype: torch.dtype):
         self.region, self.ptrs, self.shape, self.dtype = region, region.ptrs, (rows, M), dtype
+        self.nbytes = rows * M * torch.empty(0, dtype=dtype).element_size()
 
     @property
     def rows(self) -> Tensor:
         """``[R_max, M]`` rows with no autograd history (a fresh view each time: an in-place write
         that autograd records, ``copy_`` of a tensor that requires grad, marks only that view)."""
-        rows, M = self.shape
-        n = rows * M * torch.empty(0, dtype=self.dtype).element_size()
-        return self.region.buffer[:n].view(self.dtype).view(rows, M)
+        return self.region.buffer[:self.nbytes].view(self.dtype).view(*self.shape)
 
     def free(self) -> bool:
         """True when no view of the region's rows is alive (of this layer or another of the set)."""

@@ -80,7 +80,7 @@ class _CombineSteps:
         self.bufs.gates[:gates.numel()].view(gates.shape).copy_(gates.detach())  # one copy: dtype and layout
         e = self._next_epoch(PHASE_GATES)
         self.ext.signal_raise(self.bufs.descriptor, PHASE_GATES, e, self.device.index)
-        self._last_gates_epoch = e
+        self._set.last_gates_epoch = e
         return e
 
     def _rank_partials(self, rows: Tensor, weights: Optional[Tensor], expert_idx: Tensor, recv_pair: Tensor,
@@ -136,15 +136,9 @@ class _CombineSteps:
     def _barrier(self) -> None:
         # Backward ops store into peers' buffers without a counts exchange first: the barrier
         # makes sure every peer has finished reading what the previous op left there.
-        self._keep_landed()
+        self._set.keep_landed()
         self.ext.barrier(self.bufs.descriptor, self._next_epoch(PHASE_BARRIER), *self._wait_args(),
                          self.device.index)
-
-    def _keep_landed(self) -> None:
-        """Before peers may store into this rank's combine buffer again (a counts exchange or a
-        barrier follows): if an epilogue combine's rows there may still be read by a backward
-        (two forwards before a backward, a graph kept), copy them out for it first."""
-        self._set.keep_landed()
 
     # ------------------------------------------------------------------ the combine buffers
     def comb_bases(self):
@@ -190,7 +184,7 @@ class _CombineSteps:
         # products, so y never travels back.
         T = expert_idx.shape[0]
         self.bufs.gates[:gates.numel()].copy_(gates.reshape(-1))
-        self._last_gates_epoch = 0  # what a dispatch staged there is gone
+        self._set.last_gates_epoch = 0  # what a dispatch staged there is gone
         e_disp = self._next_epoch(PHASE_DISPATCH)
         self.ext.dispatch_rows(grad_out, expert_idx, dest_row, None, False, self.num_experts, self.bufs.descriptor,
                                self.direct_descriptor(False, 0), e_disp, self.num_blocks, self.dedup, False)

@@ -17,7 +17,7 @@ from ..faults import stop_point
 from ..knobs import FUSED_COMM_SMS, Knobs
 from . import autograd
 from .buffers import (FP8_GROUP, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K, PHASE_ARRIVED, PHASE_COUNTS,
-                      PHASE_DISPATCH, PHASE_NAMES, _DirectView, _LayerBuffers, buffer_set)
+                      PHASE_DISPATCH, PHASE_NAMES, _Dims, _DirectView, _LayerBuffers, buffer_set)
 from .combine import _CombineSteps
 
 
@@ -126,10 +126,12 @@ class NVLinkDispatcher(_CombineSteps):
         self.ext = ext()
         #: the buffer set this layer shares with the others of its group, device and dtypes
         #: (:mod:`ds_uniep.megakernel.buffers`), and this layer's view of its symmetric buffer
-        self._set = buffer_set(num_experts, ep_size, self.max_tokens, k, hidden_size, dtype, self.fp8, group,
-                               self.device)
-        self.bufs = _LayerBuffers(self._set, num_experts, ep_size, self.rank, self.max_tokens, k, hidden_size)
-        self._use_direct = not self.fp8
+        dims = _Dims(num_experts, ep_size, self.max_tokens, k, hidden_size, elsize, self.fp8)
+        self._set = buffer_set(dims, dtype, self.fp8, group, self.device)
+        self.bufs = _LayerBuffers(self._set, dims, self.rank, ep_size)
+        #: this layer's rows of the set's direct receive region (None: FP8 dispatch; setting it to
+        #: None makes every dispatch use the staging region)
+        self.direct = None if self.fp8 else _DirectView(self._set.direct, dims.recv_rows, hidden_size, dtype)
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Test hooks (see the class doc); the defaults are what the layer runs.
         self.padded_recv = False
@@ -224,42 +226,10 @@ class NVLinkDispatcher(_CombineSteps):
         self.combine_chunks = knobs.combine_chunks
         self.combine_queue = knobs.combine_queue
 
-    # ------------------------------------------------------------------ the shared buffers
-    @property
-    def direct(self) -> Optional[_DirectView]:
-        """This layer's rows of its set's direct receive region (None: FP8 dispatch, or set to None)."""
-        region = self._set.direct
-        if not self._use_direct or region is None:
-            return None
-        return _DirectView(region, self.bufs.recv_rows, self.hidden_size, self.dtype)
-
-    @direct.setter
-    def direct(self, value) -> None:
-        if value is not None:
-            raise ValueError("direct can only be set to None (every dispatch through the staging region)")
-        self._use_direct = False
-
-    @property
-    def _landed(self):
-        return self._set.landed
-
-    @_landed.setter
-    def _landed(self, value) -> None:
-        self._set.landed = value
-
-    @property
-    def _last_gates_epoch(self) -> int:
-        return self._set.last_gates_epoch
-
-    @_last_gates_epoch.setter
-    def _last_gates_epoch(self, value: int) -> None:
-        self._set.last_gates_epoch = value
-
+    # ------------------------------------------------------------------ bookkeeping
     def _next_epoch(self, phase: int) -> int:
         # Every rank calls the same ops of the set's layers in the same order, so epochs agree.
         return self._set.next_epoch(phase)
-
-    # ------------------------------------------------------------------ bookkeeping
 
     def direct_descriptor(self, use: bool, counts_epoch: int):
         """The DirectView of ops/csrc/types.h: direct-region bases, whether flags apply, their epoch."""
@@ -333,7 +303,7 @@ class NVLinkDispatcher(_CombineSteps):
     def _dispatch_launch(self, x: Tensor, expert_idx: Tensor, host_counts: bool) -> dict:
         """The dispatch's kernels, up to where the host needs the row count (see _dispatch_collect)."""
         self.check()
-        self._keep_landed()  # peers may store into this rank's combine buffer once the counts are out
+        self._set.keep_landed()  # peers may store into this rank's combine buffer once the counts are out
         e_counts = self._next_epoch(PHASE_COUNTS)
         in_place = self.direct is not None and self.direct.free()
         asked, self._fuse_next = self._fuse_next, False
@@ -610,6 +580,6 @@ class NVLinkDispatcher(_CombineSteps):
         # Rank partials: the gates this handle's dispatch staged, if the region still holds them (the
         # same on every rank: every rank stages and overwrites in the same order).
         staged = handle.gates_epoch
-        self._next_gates = staged if staged and staged == self._last_gates_epoch else 0
+        self._next_gates = staged if staged and staged == self._set.last_gates_epoch else 0
         return autograd.combine(y.contiguous(), gates.float().contiguous(), handle.expert_idx, handle.dest_row,
                                 handle.recv_pair, handle.num_recv, self.layer_id)
