@@ -39,6 +39,11 @@ Baselines and bounds are measured in the same run:
   rank sums its rows of a token before they travel back (one row per token and rank, one more rounding:
   not the slot-order bits, within bf16 tolerance); timed again alternately with megakernel
   (``--schedule-rounds``): what the fewer bytes gain;
+- megakernel-sync-free: megakernel-torch-gemm with ``"sync_free": true`` (no host read of counts; expert rows
+  sized by ``max_tokens_per_rank``), run eagerly;
+- megakernel-graph: megakernel-sync-free's step (forward, or forward and backward) captured once in a CUDA
+  graph and replayed, the input and output gradient copied into the graph's tensors first (timed with it);
+  its outputs and gradients are the eager layer's bits (``tests/test_cuda_graph.py``);
 - megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
@@ -96,7 +101,7 @@ from timing import bench, rotating  # noqa: E402
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
             "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
             "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-late-route",
-            "autoep"]
+            "megakernel-sync-free", "megakernel-graph", "autoep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -126,6 +131,10 @@ MEGAKERNEL_CONFIGS = {
     # megakernel-torch-gemm with its dispatch queued after the whole gate and the experts' stacking
     # (UniEPMoE.route_early = False), as before the dispatch was queued between them
     "megakernel-late-route": {"backend": "megakernel", "expert_gemm": "torch"},
+    # megakernel-torch-gemm with no host read of counts ("sync_free": true), run eagerly
+    "megakernel-sync-free": {"backend": "megakernel", "expert_gemm": "torch", "sync_free": True},
+    # the same layer's step captured in a CUDA graph and replayed (GraphedLayer)
+    "megakernel-graph": {"backend": "megakernel", "expert_gemm": "torch", "sync_free": True},
 }
 
 def parse_args(argv=None):
@@ -249,13 +258,59 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
         layer = layer.cuda().to(torch.bfloat16)
         layer.deepspeed_moe.gate.wg.float()  # DeepSpeed computes the gate in fp32 either way
         layer.set_deepspeed_parallelism()
-        layers[name] = layer
+        layers[name] = GraphedLayer(layer) if name == "megakernel-graph" else layer
     return layers
+
+
+class GraphedLayer:
+    """A sync-free layer's step captured in a CUDA graph per (input shape, mode) and replayed: the input
+    and the output gradient are copied into the graph's own tensors first. The captured backward writes
+    fresh gradients at each replay, as a step after ``zero_grad(set_to_none=True)``."""
+
+    def __init__(self, layer):
+        self.layer, self.graphs = layer, {}
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+    def step(self, x, g, mode):
+        key = (tuple(x.shape), mode)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(x, g, mode)
+        static_x, static_g, graph = self.graphs[key]
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_g.copy_(g)
+        graph.replay()
+
+    def _capture(self, x, g, mode):
+        static_x, static_g = x.detach().clone().requires_grad_(mode == "fwdbwd"), g.clone()
+
+        def run():
+            out, l_aux, _ = self.layer(static_x)
+            if mode == "fwdbwd":
+                torch.autograd.backward([out, l_aux], [static_g, torch.ones_like(l_aux)])
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: caches and workspaces made outside the graph
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.layer.zero_grad(set_to_none=True)
+        static_x.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return static_x, static_g, graph
 
 
 def _step_fns(layer, inputs, mode):
     """``(fwd(x, g), setup(run) -> (x, g))``: one step of ``layer`` and its inputs for run ``run``."""
     def fwd(x, g):
+        if isinstance(layer, GraphedLayer):
+            layer.step(x, g, mode)
+            return
         out, l_aux, _ = layer(x)
         if mode == "fwdbwd":
             if l_aux is None:  # AutoEP: no auxiliary loss
@@ -542,7 +597,8 @@ def main(argv=None):
                     ("megakernel", "megakernel-fused-epilogue", "epilogue_only", args.schedule_rounds),
                     ("megakernel", "megakernel-fused-interleaved", "schedule_interleaved", args.schedule_rounds),
                     ("megakernel", "megakernel-rank-partials", "rank_partials", args.schedule_rounds),
-                    ("megakernel-late-route", "megakernel-torch-gemm", "route_early", args.schedule_rounds)):
+                    ("megakernel-late-route", "megakernel-torch-gemm", "route_early", args.schedule_rounds),
+                    ("megakernel-torch-gemm", "megakernel-graph", "graph", args.schedule_rounds)):
                 pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
                     times = {b: [] for b in pair}
@@ -556,6 +612,8 @@ def main(argv=None):
                         row[key]["fused_ms"] = times[pair[1]]
                     elif key == "route_early":
                         row[key]["early_ms"] = times[pair[1]]
+                    elif key == "graph":
+                        row[key]["graph_ms"] = times[pair[1]]
                     else:
                         row[key].update(pipelined_ms=times[pair[1]], num_chunks=args.pipeline_chunks)
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
@@ -594,7 +652,8 @@ def main(argv=None):
 
 _TIMED = ("stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
           "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
-          "megakernel-fused-interleaved", "megakernel-rank-partials", "autoep")
+          "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-sync-free", "megakernel-graph",
+          "autoep")
 _OURS = tuple(b for b in _TIMED if b not in ("stock", "autoep"))  # the ds_uniep layers
 
 
@@ -665,12 +724,15 @@ def print_table(results):
         return "/".join(f"{x:.2f}" for x in v)
     # the alternating timings of two megakernel layers
     for key in ("schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
-                "schedule_interleaved", "rank_partials", "route_early"):
+                "schedule_interleaved", "rank_partials", "route_early", "graph"):
         for r in results["rows"]:
             d = r.get(key)
             if d is None:
                 continue
-            if key == "route_early":
+            if key == "graph":
+                what = (f"CUDA graph replay (sync_free) vs eager (torch's GEMM), {r['shape']} {r['mode']}: "
+                        f"{d['speedup']:.3f}x (eager {times(d['sequential_ms'])} ms, graph {times(d['graph_ms'])} ms")
+            elif key == "route_early":
                 what = (f"dispatch queued after the routes vs after the whole gate (torch's GEMM), {r['shape']} "
                         f"{r['mode']}: {d['speedup']:.3f}x (late {times(d['sequential_ms'])} ms, early "
                         f"{times(d['early_ms'])} ms")

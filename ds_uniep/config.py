@@ -287,6 +287,11 @@ class UniEPConfig(_Block):
         "(Hopper GPUs with NVLink peers); auto: megakernel where possible, else reference, logged once.")
     max_tokens_per_rank: int = Field(
         8192, ge=1, description="Largest token count one rank feeds a layer; sizes the symmetric buffers.")
+    sync_free: bool = Field(
+        False, description="Megakernel backend: no host read of counts in forward or backward, so the layer can "
+        "be captured in a CUDA graph and replayed with new tokens and routing. Expert rows are sized by "
+        "max_tokens_per_rank; sequential schedule; grouped bias-free experts; DeepSpeed's dropless top-2/top-k "
+        "gate or a ds_uniep router.")
     expert_gemm: Literal[EXPERT_GEMMS] = Field(
         "torch",
         description="Grouped GEMM of recognised bf16 MLP experts (SwiGLU, GeLU): torch (torch._grouped_mm) or uniep "

@@ -290,6 +290,7 @@ class UniEPMoE(MoE):
             self._uniep_gemm_ok.add(device)
         return "uniep"
 
+    @torch.compiler.disable  # collective buffer set-up, pinned records: never traced
     def _dispatcher(self, x: Tensor):
         key = x.device
         d = self._dispatchers.get(key)

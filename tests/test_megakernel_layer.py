@@ -20,7 +20,7 @@ from dist_utils import run_distributed
 
 
 def _make(rank, world_size, k, backend, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False,
-          max_tokens=4096, compression=None):
+          max_tokens=4096, compression=None, extra=None):
     """A layer with the same weights on every call (bf16 experts, fp32 gate); SwiGLU experts, or
     GeLU ones with biases (``gelu``); buffers for ``max_tokens`` tokens per rank. At least 2k
     experts, so that with every token's first choice on one expert that expert is crowded."""
@@ -32,7 +32,7 @@ def _make(rank, world_size, k, backend, overlap=None, expert_gemm="torch", M=256
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                      config={"backend": backend, "max_tokens_per_rank": max_tokens,
                              "expert_gemm": expert_gemm, "compression": compression or {},
-                             "overlap": dict(timeout_s=5.0, **(overlap or {}))})
+                             "overlap": dict(timeout_s=5.0, **(overlap or {})), **(extra or {})})
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + rank)
         for p in layer.deepspeed_moe.experts.parameters():

@@ -82,6 +82,8 @@ def test_limits_agree_with_python():
     phases = dict(re.findall(r"^\s*kPhase(\w+) = (\d+),", text, re.M))
     assert phases == {"Counts": "0", "Dispatch": "1", "Combine": "2", "Barrier": "3", "Arrived": "4", "Gates": "5"}
     assert "kNumPhases = 6" in text and py("NUM_PHASES") == 6
+    types = open(os.path.join(CSRC, "types.h")).read()
+    assert re.search(r"constexpr int kEpochBaseWord = (\d+);", types).group(1) == str(int(py("EPOCH_BASE_WORD")))
     for name, value in phases.items():
         assert py("PHASE_" + name.upper()) == int(value), f"PHASE_{name.upper()} differs from kPhase{name}"
 

@@ -53,7 +53,10 @@ the buffers do nothing, and the next call of any of them (or :meth:`NVLinkDispat
 With ``padded_recv`` set, dispatch returns ``recv [R_max, M]`` whose first R rows
 are valid (R = ``local_expert_counts.sum()``), with no host synchronisation at all;
 by default it reads R once on the host and returns ``recv [R, M]`` exactly as the
-reference does. Not capturable in CUDA graphs (epochs are kernel arguments).
+reference does. A ``sync_free`` dispatcher also keeps its epochs on the device (each op's
+kernels count from 1 above per-phase bases that the op advances on the stream, see
+``kEpochBaseWord`` in ops/csrc/types.h), so its ops can be captured in a CUDA graph and
+replayed; the host-counted epochs of the other dispatchers are kernel arguments.
 
 Modules: :mod:`.buffers` (the symmetric buffers and the kernel limits),
 :mod:`.dispatcher` (the dispatcher and its dispatch side), :mod:`.combine` (its combine

@@ -36,6 +36,8 @@ FP8_GROUP = 128
 NUM_PHASES = 6
 MAX_COMBINE_CHUNKS = 64
 ERROR_RECORD_WORDS = 8
+EPOCH_BASE_WORD = 24  # status word of the first phase's epoch base (kEpochBaseWord)
+_ADVANCE_ROWS = 16  # distinct per-op epoch advances kept on the device (ops use four)
 
 # Signal phases (SignalPhase in ops/csrc/configs.cuh): one row of MAX_RANKS words each in the
 # signals region, and one epoch counter each in the buffer set.
@@ -130,13 +132,23 @@ class BufferSet:
     combine left in the combine region for a backward still to come. Collective over ``group``."""
 
     def __init__(self, regions: Dict[str, int], direct_bytes: int, group, device: torch.device,
-                 dtype: torch.dtype, fp8: bool):
+                 dtype: torch.dtype, fp8: bool, device_epochs: bool = False):
         self.group, self.device, self.dtype, self.fp8 = group, device, dtype, fp8
         self.regions, self.direct_bytes = dict(regions), direct_bytes
         self.sym = _SymBuffers(self.regions, group, device)
         self.direct = _DirectRegion(direct_bytes, group, device) if direct_bytes else None
         #: one counter per signal phase; every rank runs the same ops in the same order, so they agree
         self.epochs = [0] * NUM_PHASES
+        #: device epochs (sync-free layers): the host counts each op's epochs from 1 and the kernels add
+        #: the per-phase bases in the status words (``epoch_bases``), which :meth:`end_op` advances on
+        #: the stream, so a captured CUDA graph replays with growing epochs
+        self.device_epochs = device_epochs
+        at = self.sym.offsets["status"] + EPOCH_BASE_WORD * 4
+        self.epoch_bases = self.sym.buffer[at:at + NUM_PHASES * 4].view(torch.int32)
+        # An op's advance is one add of a row of this table, each row filled at its first use (made
+        # here, so that no later call allocates: CUDA graph pools keep nothing of the set's)
+        self._advance_rows = torch.zeros(_ADVANCE_ROWS, NUM_PHASES, dtype=torch.int32, device=device)
+        self._advances: Dict[tuple, int] = {}
         #: PHASE_GATES epoch of the gates now in the gates region (0: none, or overwritten since)
         self.last_gates_epoch = 0
         #: weak reference to the epilogue combine's record of rows left in the combine region
@@ -159,6 +171,23 @@ class BufferSet:
         self.epochs[phase] = (self.epochs[phase] + 1) & 0xFFFFFFFF or 1
         return self.epochs[phase]
 
+    def end_op(self) -> None:
+        """After an op's kernels are queued: with device epochs, add the op's epochs to the bases on
+        the current stream (its next op counts from 1 again); else nothing."""
+        if not self.device_epochs or not any(self.epochs):
+            return
+        used, self.epochs = tuple(self.epochs), [0] * NUM_PHASES
+        row = self._advances.get(used)
+        if row is None and len(self._advances) < _ADVANCE_ROWS and not torch.cuda.is_current_stream_capturing():
+            row = self._advances[used] = len(self._advances)
+            self._advance_rows[row].copy_(torch.tensor(used, dtype=torch.int32))
+        if row is not None:
+            self.epoch_bases.add_(self._advance_rows[row])
+        else:  # first met under capture (no host-to-device copy there): one add per phase
+            for phase, n in enumerate(used):
+                if n:
+                    self.epoch_bases[phase:phase + 1].add_(n)
+
     def keep_landed(self) -> None:
         """Before peers may store into this rank's combine region again: if an epilogue combine's
         rows there may still be read by a backward, copy them out for it first."""
@@ -170,13 +199,14 @@ class BufferSet:
 _SETS: "weakref.WeakValueDictionary[tuple, BufferSet]" = weakref.WeakValueDictionary()
 
 
-def buffer_set(dims: _Dims, dtype: torch.dtype, fp8: bool, group, device: torch.device) -> BufferSet:
-    """The newest set of ``group`` (None: the world) on ``device`` for ``dtype`` rows (and FP8
-    dispatch or not) if a layer of sizes ``dims`` fits it; else a new one, sized for both, that
-    becomes the newest (every rank builds its layers in the same order: collective over the group).
-    With :data:`SHARED` False, a new set of this layer's own."""
+def buffer_set(dims: _Dims, dtype: torch.dtype, fp8: bool, group, device: torch.device,
+               device_epochs: bool = False) -> BufferSet:
+    """The newest set of ``group`` (None: the world) on ``device`` for ``dtype`` rows (FP8 dispatch or
+    not, device epochs or not) if a layer of sizes ``dims`` fits it; else a new one, sized for both,
+    that becomes the newest (every rank builds its layers in the same order: collective over the
+    group). With :data:`SHARED` False, a new set of this layer's own."""
     pg = group if group is not None else torch_dist.group.WORLD
-    key = (getattr(pg, "group_name", id(pg)), device.index, dtype, fp8)
+    key = (getattr(pg, "group_name", id(pg)), device.index, dtype, fp8, device_epochs)
     newest = _SETS.get(key) if SHARED else None
     if newest is not None and newest.fits(dims):
         return newest
@@ -184,7 +214,7 @@ def buffer_set(dims: _Dims, dtype: torch.dtype, fp8: bool, group, device: torch.
     if newest is not None:
         regions = {n: max(b, newest.regions[n]) for n, b in regions.items()}
         direct = max(direct, newest.direct_bytes)
-    made = BufferSet(regions, direct, pg, device, dtype, fp8)
+    made = BufferSet(regions, direct, pg, device, dtype, fp8, device_epochs)
     if SHARED:
         _SETS[key] = made
     return made

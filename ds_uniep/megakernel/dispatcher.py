@@ -62,6 +62,11 @@ class NVLinkDispatcher(_CombineSteps):
         timeout_s: how long a kernel waits on a peer before it records an error.
         rank_partials: compression.combine "rank_partials": each rank sums its rows of a token
             before they travel back (:meth:`_rank_partials`).
+        sync_free: no host read of counts and no host-held epochs in any op (``"uniep": {"sync_free":
+            true}``): dispatch returns ``recv [R_max, M]`` (``padded_recv``), rows land in the staging
+            region, and the buffer set's epochs live on the device, so the ops can be captured in a
+            CUDA graph and replayed. A timeout under a replay is raised by the next eager call (or
+            :meth:`check`).
 
     :meth:`from_config` builds one from a ``uniep`` block.
 
@@ -89,7 +94,7 @@ class NVLinkDispatcher(_CombineSteps):
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                  dtype: torch.dtype, group, max_tokens: int, knobs: Knobs, timeout_s: float = 100.0,
-                 rank_partials: bool = False):
+                 rank_partials: bool = False, sync_free: bool = False):
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
         self.dtype = dtype
@@ -114,6 +119,10 @@ class NVLinkDispatcher(_CombineSteps):
         #: compression.combine "rank_partials": each rank sums its rows of a token before they travel
         #: (see _rank_partials)
         self.rank_partials = rank_partials
+        if sync_free and rank_partials:
+            raise ValueError(f"{where}: sync_free does not run compression.combine 'rank_partials' (its gates "
+                             "staging is tagged on the host)")
+        self.sync_free = sync_free
         elsize = torch.empty(0, dtype=dtype).element_size()
         if hidden_size * elsize % 16:
             raise ValueError(f"{where}: rows of {hidden_size} x {dtype} are not a multiple of 16 bytes")
@@ -127,14 +136,16 @@ class NVLinkDispatcher(_CombineSteps):
         #: the buffer set this layer shares with the others of its group, device and dtypes
         #: (:mod:`ds_uniep.megakernel.buffers`), and this layer's view of its symmetric buffer
         dims = _Dims(num_experts, ep_size, self.max_tokens, k, hidden_size, elsize, self.fp8)
-        self._set = buffer_set(dims, dtype, self.fp8, group, self.device)
+        self._set = buffer_set(dims, dtype, self.fp8, group, self.device, device_epochs=sync_free)
         self.bufs = _LayerBuffers(self._set, dims, self.rank, ep_size)
-        #: this layer's rows of the set's direct receive region (None: FP8 dispatch; setting it to
-        #: None makes every dispatch use the staging region)
-        self.direct = None if self.fp8 else _DirectView(self._set.direct, dims.recv_rows, hidden_size, dtype)
+        #: this layer's rows of the set's direct receive region (None: FP8 dispatch, or sync-free, whose
+        #: captured calls cannot ask whether the region is free; setting it to None makes every
+        #: dispatch use the staging region)
+        self.direct = (None if self.fp8 or sync_free else
+                       _DirectView(self._set.direct, dims.recv_rows, hidden_size, dtype))
         self.sm_count = torch.cuda.get_device_properties(self.device).multi_processor_count
         # Test hooks (see the class doc); the defaults are what the layer runs.
-        self.padded_recv = False
+        self.padded_recv = sync_free
         self.dedup = not self.fp8
         self.gate_grad_on_experts = True
         self.combine_min_chunk_tokens = 256
@@ -150,6 +161,8 @@ class NVLinkDispatcher(_CombineSteps):
         self.set_knobs(knobs)
         self._comb_bases_dev = None  # comb_bases_device(), made on first use
         self._queue = None  # the chunked combine's queue workspace, grown on demand
+        if sync_free and self.combine_chunks and self.combine_queue:
+            self._queue_workspace(self.bufs.recv_rows)  # every call's rows: made now, outside any graph
         #: forward dispatches whose rows were received in place / copied out of staging
         self.direct_stats = {"in_place": 0, "copied": 0}
         #: forward dispatches whose kernels dispatch_begin queued
@@ -202,7 +215,8 @@ class NVLinkDispatcher(_CombineSteps):
         from ..config import UniEPConfig
         config = UniEPConfig.coerce(config)
         return cls(layer_name, num_experts, ep_size, hidden_size, k, dtype, group, config.max_tokens_per_rank,
-                   config.knobs(), config.overlap.timeout_s, config.compression.combine == "rank_partials")
+                   config.knobs(), config.overlap.timeout_s, config.compression.combine == "rank_partials",
+                   config.sync_free)
 
     def set_knobs(self, knobs: Knobs) -> None:
         """Run the next calls under ``knobs`` (in place: the buffers stay). ``num_comm_sms`` is the
@@ -269,7 +283,9 @@ class NVLinkDispatcher(_CombineSteps):
         # host_counts: also bring every rank's counts to the host (``_counts_host``) with R.
         pending, self._pending = self._pending, None
         if pending is None:
-            return self._dispatch_collect(self._dispatch_launch(x, expert_idx, host_counts))
+            out = self._dispatch_collect(self._dispatch_launch(x, expert_idx, host_counts))
+            self._set.end_op()
+            return out
         # dispatch_begin queued this dispatch's kernels already: only the row count is left to read.
         px, pidx, launched = pending
         same = (px.data_ptr(), px.shape, pidx.data_ptr(), pidx.shape) == (
@@ -277,7 +293,9 @@ class NVLinkDispatcher(_CombineSteps):
         if not same or host_counts:
             raise RuntimeError(f"{self.layer_name}: dispatch() got other inputs than the dispatch_begin() before "
                                "it; call dispatch() next with the same x and expert_idx")
-        return self._dispatch_collect(launched)
+        out = self._dispatch_collect(launched)
+        self._set.end_op()
+        return out
 
     def dispatch_begin(self, x: Tensor, expert_idx: Tensor) -> bool:
         """Queue the next :meth:`dispatch`'s kernels now (counts exchange, layout, the rows' stores),
@@ -443,7 +461,7 @@ class NVLinkDispatcher(_CombineSteps):
         direct receive region is still in use runs the sequential dispatch instead; fused_stats
         counts both.)"""
         if self.padded_recv:
-            return "padded_recv: the host does not read the row count"
+            return ("sync_free: " if self.sync_free else "padded_recv: ") + "the host does not read the row count"
         if self.fp8:
             return "FP8 dispatch (rows are dequantized on arrival)"
         if self.direct is None:
@@ -525,7 +543,7 @@ class NVLinkDispatcher(_CombineSteps):
     def pipelines(self) -> str:
         """Why this dispatcher cannot run the pipelined schedule (``ds_uniep.pipelined``), or ""."""
         if self.padded_recv:
-            return "padded_recv: the host does not read the counts"
+            return ("sync_free: " if self.sync_free else "padded_recv: ") + "the host does not read the counts"
         if not self.gate_grad_on_experts:
             return "gate_grad_on_experts=False"
         return ""

@@ -13,6 +13,7 @@ schedule cannot run where it cannot (the sequential one then runs, with the same
 :func:`check_combine_mode` refuses ``compression.combine`` "rank_partials" where nothing builds it.
 """
 
+import torch
 from torch import Tensor
 
 from .. import gating
@@ -24,8 +25,8 @@ from .fused import Fused
 from .pipelined import Pipelined
 from .sequential import EarlySequential, Sequential
 
-__all__ = ["Step", "Sequential", "EarlySequential", "Pipelined", "Fused", "resolve", "say_unread_knobs",
-           "check_combine_mode", "comm_blocks", "gemm_configs"]
+__all__ = ["Step", "Sequential", "EarlySequential", "Pipelined", "Fused", "resolve", "check_sync_free",
+           "say_unread_knobs", "check_combine_mode", "comm_blocks", "gemm_configs"]
 
 NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
                "expert tensor parallelism)")
@@ -39,14 +40,17 @@ def resolve(layer, x: Tensor, d):
     cfg, hybrid = layer.uniep_config, layer._hybrid
     schedule = cfg.overlap.schedule
     tp = tp_context()[1]
+    if cfg.sync_free:
+        check_sync_free(layer, x, d, tp)
     tp_sharded = tp > 1 and layer.enable_expert_tensor_parallelism
     megakernel = not isinstance(d, ReferenceDispatcher)
     grouped = schedule != "sequential" and hybrid is None and not tp_sharded and stack(layer, x) is not None
     # The dispatch is queued between the gate's routes and the rest of the gate where the megakernel
     # moves one rank's tokens routed by DeepSpeed's dropless top-2/top-k gate (see EarlySequential);
-    # a pending "replan_after_steps" counts the routes of the whole gate.
+    # a pending "replan_after_steps" counts the routes of the whole gate. Not sync-free: no host wait
+    # to hide there, and its dispatch is then one custom op, which torch.compile does not trace into.
     early = (megakernel and hybrid is None and tp == 1 and layer.route_early and layer.hybrid.replan is None
-             and gating.splits(layer.deepspeed_moe.gate))
+             and gating.splits(layer.deepspeed_moe.gate) and not cfg.sync_free)
     if schedule == "pipelined" and (megakernel or hybrid is not None):  # (the reference backend: say_unread_knobs)
         why = ("HybridEP moves tokens on the reference transport" if hybrid is not None else
                NOT_GROUPED if not grouped else d.pipelines())
@@ -67,6 +71,26 @@ def resolve(layer, x: Tensor, d):
             o = cfg.overlap
             return Fused(early, o.fused_dispatch, o.epilogue_combine, layer._gemm_configs())
     return EarlySequential() if early else Sequential(tp_sharded)
+
+
+def check_sync_free(layer, x: Tensor, d, tp: int) -> None:
+    """``"sync_free": true`` runs where no step reads counts on the host: the megakernel's sequential
+    schedule with grouped bias-free experts and a gate that routes on the device (DeepSpeed's dropless
+    top-2/top-k gate, a ds_uniep router), without HybridEP or tensor parallelism; anything else raises,
+    naming what reads the counts. (A pipelined or fused schedule runs sequential, said once.)"""
+    gate = layer.deepspeed_moe.gate
+    experts = layer.deepspeed_moe.experts.deepspeed_experts
+    why = ("the reference backend exchanges row counts on the host" if isinstance(d, ReferenceDispatcher) else
+           "HybridEP plans on the host" if layer._hybrid is not None else
+           "tensor parallelism cuts the tokens on the host" if tp > 1 else
+           "the gate reads counts on the host (DeepSpeed's top-1 gate, token dropping, or a gate of its own "
+           "without route_split)" if not gating.splits(gate) else
+           NOT_GROUPED if stack(layer, x) is None else
+           "the experts have biases (their gradient sums each expert's rows by a count read on the host)"
+           if any(getattr(m, "bias", None) is not None for e in experts for m in e.modules()
+                  if isinstance(m, torch.nn.Linear)) else "")
+    if why:
+        raise ValueError(f'{layer.layer_name}: "uniep": {{"sync_free": true}} cannot run here: {why}')
 
 
 def _runs(layer_name: str, schedule: str, why: str) -> bool:

@@ -89,6 +89,14 @@ __device__ __forceinline__ uint32_t* status_words(const SymView& s) {
   return reinterpret_cast<uint32_t*>(s.ptrs[s.rank] + s.status_off);
 }
 
+// The epoch of `phase` a kernel given `epoch` works at: its argument plus the phase's epoch base
+// (status word kEpochBaseWord + phase; see types.h). Read once at a kernel's entry; the base moves
+// only between ops, on the stream.
+__device__ __forceinline__ uint32_t device_epoch(const SymView& s, int phase, uint32_t epoch) {
+  static_assert(kEpochBaseWord + kNumPhases <= 32, "the epoch bases must fit the status words");
+  return epoch + __ldcg(status_words(s) + kEpochBaseWord + phase);
+}
+
 __device__ __forceinline__ bool poisoned(const SymView& s) {
   return *reinterpret_cast<volatile uint32_t*>(status_words(s)) != 0;
 }

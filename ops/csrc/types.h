@@ -19,7 +19,8 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 //   status   [32] uint32               local only: [0] poisoned flag, [1..3] done counters, [4..12) the
 //                                      fused dispatch's send rounds' counters, [12..20) its arrival
 //                                      rounds' counters, [20] its start counter, [21] the
-//                                      interleaved dispatch's item counter
+//                                      interleaved dispatch's item counter, [24..24 + kNumPhases)
+//                                      the epoch base of each signal phase (kEpochBaseWord)
 //   meta     [R_max] int32             source pair of each received row: src * pairs_per_rank + t * k + j
 //   dup      [R_max] int32             deduplicated dispatch: the row already holding the same token
 //            (its first slot on this rank), or -1 when the row itself was stored
@@ -125,5 +126,12 @@ struct InterleavedDispatch {
 
 // Status word of the interleaved dispatch's item counter (see InterleavedDispatch).
 constexpr int kInterleavedClaimWord = 21;
+
+// Status words [kEpochBaseWord, kEpochBaseWord + kNumPhases): one epoch base per signal phase. A kernel's
+// epoch of a phase is its epoch argument plus that base (device_epoch in common.cuh). Layers whose host
+// counts the epochs leave the bases at 0; sync-free layers pass epochs relative to one op (1, 2, ...)
+// and add the op's epochs to the bases on the stream after the op, so a captured CUDA graph replays
+// with growing epochs.
+constexpr int kEpochBaseWord = 24;
 
 }  // namespace uniep

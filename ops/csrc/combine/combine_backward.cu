@@ -16,7 +16,8 @@ __global__ void __launch_bounds__(kCopyThreads) gate_grad_kernel(SymView s, uint
                                                                  int k, int hidden, int num_experts,
                                                                  float* __restrict__ grad_gates) {
   constexpr int kElems = Vec<T>::kElems;
-  if (wait && !block_wait_all(s, w, kPhaseCombine, epoch)) return;
+  // (Without `wait`, s is unused: launch_gate_grad_mirror passes an empty view.)
+  if (wait && !block_wait_all(s, w, kPhaseCombine, device_epoch(s, kPhaseCombine, epoch))) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -55,6 +56,8 @@ __global__ void __launch_bounds__(kCopyThreads) combine_bwd_rows_kernel(
     int row_begin, int y_rows, int hidden, const T* __restrict__ y, T* __restrict__ grad_y, bool dedup,
     bool raise) {
   constexpr int kElems = Vec<T>::kElems;
+  dispatch_epoch = device_epoch(s, kPhaseDispatch, dispatch_epoch);
+  epoch = device_epoch(s, kPhaseCombine, epoch);
   if (!block_wait_all(s, w, kPhaseDispatch, dispatch_epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
@@ -131,6 +134,7 @@ __global__ void __launch_bounds__(kCopyThreads) gate_collect_kernel(SymView s, u
                                                                     const int* __restrict__ expert_idx,
                                                                     int num_pairs, int num_experts,
                                                                     float* __restrict__ grad_gates) {
+  epoch = device_epoch(s, kPhaseCombine, epoch);
   if (!block_wait_all(s, w, kPhaseCombine, epoch)) return;
   const float* gates = reinterpret_cast<const float*>(s.ptrs[s.rank] + s.gates_off);
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < num_pairs; p += gridDim.x * blockDim.x) {

@@ -295,6 +295,7 @@ __global__ void __launch_bounds__(kCopyThreads, kMinBlocks) combine_chunked_kern
     int num_tokens, int k, int hidden, int num_experts, int reduce_blocks, int chunk_tokens, int num_chunks,
     int list_cap, int* __restrict__ queue, bool queue_gpu_fence, T* __restrict__ out) {
   constexpr int kElems = Vec<T>::kElems;
+  epoch = device_epoch(s, kPhaseCombine, epoch);
   constexpr int kPushWarps = kWarpsPerCopyBlock - 1;
   constexpr int kPushThreads = kPushWarps * 32;
   static_assert(kMaxCombineChunks <= 64, "the chunk scan takes two counts per lane");

@@ -14,6 +14,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_push_kernel(const T* __r
                                                                     const int* __restrict__ num_recv, int y_rows,
                                                                     int hidden, SymView s, uint32_t epoch) {
   if (poisoned(s)) return;
+  epoch = device_epoch(s, kPhaseCombine, epoch);
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -52,6 +53,8 @@ __global__ void __launch_bounds__(kCopyThreads) combine_partials_push_kernel(
     const T* __restrict__ y, const int* __restrict__ recv_pair, const int* __restrict__ num_recv, int y_rows,
     const uint64_t* __restrict__ table, uint32_t epoch, int k, int hidden, SymView s, uint32_t combine_epoch,
     WaitPolicy w, uint32_t gates_epoch) {
+  combine_epoch = device_epoch(s, kPhaseCombine, combine_epoch);
+  gates_epoch = device_epoch(s, kPhaseGates, gates_epoch);
   if (kWeighted) {
     if (!block_wait_all(s, w, kPhaseGates, gates_epoch)) return;
   } else if (poisoned(s)) {

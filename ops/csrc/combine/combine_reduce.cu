@@ -15,6 +15,7 @@ __global__ void __launch_bounds__(kCopyThreads) combine_reduce_kernel(SymView s,
                                                                       const float* __restrict__ weights,
                                                                       int num_tokens, int k, int hidden,
                                                                       int num_experts, T* __restrict__ out) {
+  epoch = device_epoch(s, kPhaseCombine, epoch);
   if (!block_wait_all(s, w, kPhaseCombine, epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;

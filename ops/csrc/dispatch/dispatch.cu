@@ -67,6 +67,8 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_kernel(
   // Announced even when poisoned: the stream that queues the GEMM waits for this word.
   if (by_destination && fused.started != nullptr) announce_start(s, fused.started, epoch);
   if (poisoned(s)) return;
+  epoch = device_epoch(s, kPhaseDispatch, epoch);
+  dv.counts_epoch = device_epoch(s, kPhaseCounts, dv.counts_epoch);
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -156,6 +158,8 @@ __global__ void __launch_bounds__(kCopyThreads) dispatch_fp8_kernel(
   static_assert(kFp8GroupSize == 8 * 16, "8 lanes of 16 elements make one scale group");
   constexpr int kLoads = 16 / Vec<T>::kElems;  // 16-byte loads per 16 elements
   if (poisoned(s)) return;
+  epoch = device_epoch(s, kPhaseDispatch, epoch);
+  dv.counts_epoch = device_epoch(s, kPhaseCounts, dv.counts_epoch);
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int num_warps = gridDim.x * blockDim.x / 32;
@@ -221,6 +225,7 @@ __global__ void __launch_bounds__(kCopyThreads) recv_copyout_kernel(SymView s, u
                                                                     int hidden, T* __restrict__ out,
                                                                     int* __restrict__ recv_pair, bool copy_rows,
                                                                     bool dedup) {
+  epoch = device_epoch(s, kPhaseDispatch, epoch);
   if (!block_wait_all(s, w, kPhaseDispatch, epoch)) return;
   const int lane = threadIdx.x % 32;
   const int warp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;

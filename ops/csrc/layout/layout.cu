@@ -14,6 +14,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_counts_kernel(
   __shared__ int mine[kMaxExperts];
   __shared__ int all[kMaxRanks * kMaxExperts];
   if (poisoned(s)) return;
+  epoch = device_epoch(s, kPhaseCounts, epoch);
   const int E = num_experts, G = s.num_ranks, L = E / G;
   for (int e = threadIdx.x; e < E; e += blockDim.x) mine[e] = 0;
   __syncthreads();

@@ -6,6 +6,7 @@ namespace {
 
 __global__ void barrier_kernel(SymView s, uint32_t epoch, WaitPolicy w) {
   if (poisoned(s)) return;
+  epoch = device_epoch(s, kPhaseBarrier, epoch);
   __threadfence_system();
   if (threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, kPhaseBarrier, epoch);
   block_wait_all(s, w, kPhaseBarrier, epoch);
@@ -13,6 +14,7 @@ __global__ void barrier_kernel(SymView s, uint32_t epoch, WaitPolicy w) {
 
 __global__ void raise_kernel(SymView s, int phase, uint32_t epoch) {
   if (poisoned(s)) return;
+  epoch = device_epoch(s, phase, epoch);
   __threadfence_system();
   if (threadIdx.x < s.num_ranks) raise_signal(s, threadIdx.x, phase, epoch);
 }

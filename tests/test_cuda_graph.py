@@ -1,0 +1,152 @@
+"""The sync-free megakernel layer (``"uniep": {"sync_free": true}``) under CUDA graphs.
+
+No op of a sync-free layer reads a count on the host and its signal epochs live on the device,
+so one forward and backward is captured in a ``torch.cuda.CUDAGraph`` and replayed with new
+tokens and new routing (the gate's weights changed in place, one case sending every token's
+first choice to one expert). Each replay must give the bits of the same step run eagerly by the
+default (host-synchronised) layer: output, input gradient and every parameter gradient; eager
+sync-free calls before and after the replays must too (the epoch bases carry on). On the CPU:
+what ``sync_free`` refuses, by name.
+"""
+import pytest
+import torch
+
+from conftest import needs_gpus
+from dist_utils import run_distributed
+from test_megakernel_layer import _make as make_layer
+
+M, F, K, T_MAX = 256, 512, 2, 512
+
+
+def _tokens(rank):
+    return 300 if rank == 0 else 77 * rank  # ranks see different counts
+
+
+def _inputs(layer, rank, case):
+    device = torch.device("cuda", rank)
+    g = torch.Generator(device=device).manual_seed(1000 * case + rank)
+    x = torch.randn(_tokens(rank), M, device=device, generator=g).to(torch.bfloat16)
+    gy = torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16)
+    wg = torch.randn(layer.deepspeed_moe.gate.wg.weight.shape, device=device,
+                     generator=torch.Generator(device=device).manual_seed(case)) * M**-0.5
+    if case % 3 == 2:  # every token's first choice on the last expert
+        wg[-1] += 50.0
+    return x, gy, wg
+
+
+def _eager(layer, x, gy, wg):
+    """[output, x.grad, every parameter's gradient] of one eager step from cleared gradients."""
+    with torch.no_grad():
+        layer.deepspeed_moe.gate.wg.weight.copy_(wg)
+    for p in layer.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    out, l_aux, _ = layer(x)
+    torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
+    return [out.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+
+class _Graphed:
+    """One forward and backward of ``layer`` captured on static tensors, on ``stream`` (where the
+    layer ran before: the gate's weight keeps its gradient accumulator, and that accumulator's stream,
+    while the layer holds its last auxiliary loss, as DeepSpeed's MoE does)."""
+
+    def __init__(self, layer, rank, stream):
+        self.layer, self.stream = layer, stream
+        device = torch.device("cuda", rank)
+        self.x = torch.zeros(_tokens(rank), M, device=device, dtype=torch.bfloat16, requires_grad=True)
+        self.gy = torch.zeros(_tokens(rank), M, device=device, dtype=torch.bfloat16)
+        for _ in range(2):  # warm-up: caches, workspaces, the epoch advances' constants
+            self._step()
+        for p in list(layer.parameters()) + [self.x]:
+            p.grad = None
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream):
+            self.out = self._step()
+        # The gradients the captured backward writes (an eager step in between gives the parameters new ones).
+        self.grads = [self.x.grad] + [p.grad for p in layer.parameters()]
+
+    def _step(self):
+        out, l_aux, _ = self.layer(self.x)
+        torch.autograd.backward([out, l_aux], [self.gy, torch.ones_like(l_aux)])
+        return out
+
+    def replay(self, x, gy, wg):
+        with torch.no_grad():
+            self.x.copy_(x)
+            self.gy.copy_(gy)
+            self.layer.deepspeed_moe.gate.wg.weight.copy_(wg)
+        self.graph.replay()
+        return [self.out.clone()] + [g.clone() for g in self.grads]
+
+
+def _body(rank, world_size):
+    for gemm in ("torch", "uniep"):
+        default = make_layer(rank, world_size, K, "megakernel", expert_gemm=gemm, M=M, F=F, max_tokens=T_MAX)
+        sync_free = make_layer(rank, world_size, K, "megakernel", expert_gemm=gemm, M=M, F=F, max_tokens=T_MAX,
+                               extra={"sync_free": True})
+        cases = range(6)
+        want = [_eager(default, *_inputs(default, rank, c)) for c in cases]
+        side = torch.cuda.Stream(torch.device("cuda", rank))  # not the legacy default stream, which capture refuses
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            before = _eager(sync_free, *_inputs(sync_free, rank, 0))
+            graphed = _Graphed(sync_free, rank, side)
+            got = [graphed.replay(*_inputs(sync_free, rank, c)) for c in cases]
+            after = _eager(sync_free, *_inputs(sync_free, rank, 1))
+            again = graphed.replay(*_inputs(sync_free, rank, 2))
+        torch.cuda.current_stream().wait_stream(side)
+        for name, a_list, b_list in [("eager before", before, want[0]), ("eager after", after, want[1]),
+                                     ("replay after eager", again, want[2])] + [
+                                         (f"replay {c}", got[c], want[c]) for c in cases]:
+            assert len(a_list) == len(b_list)
+            for i, (a, b) in enumerate(zip(a_list, b_list)):
+                assert torch.equal(a, b), f"rank {rank} {gemm} {name}: tensor {i} differs from the eager default layer"
+        d = next(iter(sync_free._dispatchers.values()))
+        assert d.sync_free and d.padded_recv and d.direct is None
+        d.check(synchronize=True)
+        if rank == 0:
+            print(f"cuda graph ep {world_size} {gemm}: {len(cases)} replays with new tokens and routing, eager "
+                  "before and after: bitwise the default layer", flush=True)
+        del graphed, default, sync_free, d
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (1, 2, 4)])
+def test_a_captured_step_replays_with_the_eager_bits(world_size):
+    run_distributed(_body, world_size, backend="nccl")
+
+
+def _refused(rank, world_size):
+    import ds_uniep
+    from ds_uniep import GeLUExpert, SwiGLUExpert, UniEPMoE
+    from ds_uniep.schedules import check_sync_free
+    said = r'^UniEPMoE\[\d+\]: "uniep": \{"sync_free": true\} cannot run here: '
+    layer = UniEPMoE(16, SwiGLUExpert(16, 32), num_experts=4, ep_size=1, k=2, drop_tokens=False,
+                     config={"sync_free": True, "backend": "reference"})
+    with pytest.raises(ValueError, match=said + "the reference backend exchanges row counts on the host"):
+        layer(torch.randn(8, 16))
+    # What the megakernel's dispatcher meets (a stand-in: the check reads only its class).
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    cases = [(SwiGLUExpert(16, 32), 1, False, "the gate reads counts on the host"),
+             (SwiGLUExpert(16, 32), 2, True, "the gate reads counts on the host"),
+             (GeLUExpert(16, 32), 2, False, "the experts have biases"),
+             (torch.nn.Linear(16, 16), 2, False, "the experts do not run as grouped GEMMs"),
+             (SwiGLUExpert(16, 32), 2, False, None), (GeLUExpert(16, 32, bias=False), 3, False, None)]
+    for expert, k, drop, words in cases:
+        layer = UniEPMoE(16, expert, num_experts=4, ep_size=1, k=k, drop_tokens=drop, min_capacity=0,
+                         config={"sync_free": True}).to(torch.bfloat16)
+        if words is None:
+            check_sync_free(layer, x, object(), 1)
+            continue
+        with pytest.raises(ValueError, match=said + words):
+            check_sync_free(layer, x, object(), 1)
+    with pytest.raises(ValueError, match=said + "tensor parallelism"):
+        check_sync_free(layer, x, object(), 2)
+    assert ds_uniep.UniEPConfig.from_dict({"sync_free": True}).sync_free
+    with pytest.raises(ds_uniep.config.UniEPConfigError, match="sync_free"):
+        ds_uniep.UniEPConfig.from_dict({"sync_free": "yes"})
+
+
+def test_sync_free_refuses_what_reads_counts_on_the_host():
+    run_distributed(_refused, 1, backend="gloo")
