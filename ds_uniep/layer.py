@@ -290,12 +290,13 @@ class UniEPMoE(MoE):
             self._uniep_gemm_ok.add(device)
         return "uniep"
 
-    @torch.compiler.disable  # collective buffer set-up, pinned records: never traced
     def _dispatcher(self, x: Tensor):
+        d = self._dispatchers.get(x.device)
+        return d if d is not None else self._make_dispatcher(x)
+
+    @torch.compiler.disable  # collective buffer set-up, pinned records: never traced
+    def _make_dispatcher(self, x: Tensor):
         key = x.device
-        d = self._dispatchers.get(key)
-        if d is not None:
-            return d
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")

@@ -150,3 +150,44 @@ def _refused(rank, world_size):
 
 def test_sync_free_refuses_what_reads_counts_on_the_host():
     run_distributed(_refused, 1, backend="gloo")
+
+
+def _device_epoch_set(device_epochs):
+    """A BufferSet's epoch bookkeeping alone (no symmetric memory), its bases in CPU tensors."""
+    from ds_uniep.megakernel.buffers import _ADVANCE_ROWS, NUM_PHASES, BufferSet
+    s = BufferSet.__new__(BufferSet)
+    s.epochs, s.device_epochs, s.device = [0] * NUM_PHASES, device_epochs, torch.device("cpu")
+    s.epoch_bases = torch.zeros(NUM_PHASES, dtype=torch.int32)
+    s._advance_rows, s._advances = torch.zeros(_ADVANCE_ROWS, NUM_PHASES, dtype=torch.int32), {}
+    return s
+
+
+def test_device_epochs_are_the_host_counted_ones(monkeypatch):
+    """The epoch a kernel works at (its argument plus the phase's base, ``device_epoch`` in
+    ops/csrc/common.cuh) runs through 1, 2, 3, ... in every phase, as a host-counted set's epochs
+    do (the counts' double buffer alternates by parity), over a random sequence of ops, some of them
+    first met while a graph is captured; a host-counted set leaves its bases at 0."""
+    import random
+
+    from ds_uniep.megakernel.buffers import NUM_PHASES
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    ops = [(0, 1), (2,), (3, 1, 2, 2), (3, 2), (5, 2), (3, 3, 3, 1)]  # the phases each op's kernels use
+    device, host = _device_epoch_set(True), _device_epoch_set(False)
+    seen = {p: [] for p in range(NUM_PHASES)}
+    rng = random.Random(5)
+    for step in range(200):
+        op = rng.choice(ops)
+        capturing[0] = step % 7 == 3
+        bases = device.epoch_bases.tolist()
+        for phase in op:
+            rel, absolute = device.next_epoch(phase), host.next_epoch(phase)
+            assert bases[phase] + rel == absolute, f"step {step} phase {phase}"
+            seen[phase].append(absolute)
+        device.end_op()
+        host.end_op()
+        assert device.epochs == [0] * NUM_PHASES  # the next op counts from 1 again
+    for phase, epochs in seen.items():
+        assert epochs == list(range(1, len(epochs) + 1)), phase
+    assert device.epoch_bases.tolist() == host.epochs and host.epoch_bases.tolist() == [0] * NUM_PHASES
+    assert len(device._advances) == len(set(tuple(op.count(p) for p in range(NUM_PHASES)) for op in ops))
