@@ -23,12 +23,16 @@ combine of the pipelined schedule in one chunk (each (expert, source) segment co
 source's combine buffer by cudaMemcpyAsync, one stream per destination, then the slot-order
 sum; it needs the exact-R dispatch, whose host sync comes before it and is not timed), each
 checked bitwise against the default; the script exits non-zero after its table when one is not).
+At each SM budget of ``--sms`` (default 24, DeepEP's test budget, and every SM) ds_uniep's bf16
+dispatch and combine are timed beside DeepEP's intranode ones (``deep_ep.Buffer``, built from its
+source: benchmarks/README.md; left out, saying why, where it is not importable).
 """
 import argparse
 import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -134,6 +138,65 @@ def peer_copy_gbps(nbytes, iters, device):
     return float(out[0])
 
 
+def sm_budget_rows(a, x, idx, gates, E, G, M, k, dev, put, results):
+    """ds_uniep's bf16 dispatch (in place) and combine, and DeepEP's intranode dispatch and combine (its V1
+    line, cached handle as its own test times them, and the dispatch with its layout), at each SM budget of
+    ``--sms``. Returns ``(label, key, deduplicated bytes)`` per row; without DeepEP its rows are left out
+    and ``results["deepep_why_not"]`` says why."""
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.megakernel import NVLinkDispatcher
+    all_sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rows = []
+    for sms in a.sms:
+        n = sms or all_sms
+        cfg = UniEPConfig.from_dict({"max_tokens_per_rank": x.shape[0], "overlap": {"num_comm_sms": n}})
+        disp = NVLinkDispatcher.from_config(f"bench.sms{n}", E, G, M, k, torch.bfloat16, cfg)
+        disp.padded_recv = True
+        state = {}
+
+        def dispatch():
+            state.pop("recv", None)
+            state["recv"], _, state["handle"] = disp.dispatch(x, idx)
+
+        put(f"uniep_sms{n}_dispatch", dispatch)
+        dispatch()
+        recv, h = state["recv"], state["handle"]
+        put(f"uniep_sms{n}_combine", lambda: disp.combine(recv, gates, h))
+        rows += [(f"dispatch bf16, {n} SMs (ds_uniep, layout+stores)", f"uniep_sms{n}_dispatch", True),
+                 (f"combine bf16, {n} SMs (ds_uniep)", f"uniep_sms{n}_combine", False)]
+        disp.check(synchronize=True)
+        disp = state = recv = h = None
+    try:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from deepep_layer import import_deep_ep, make_buffer
+        deep_ep = import_deep_ep()
+        buf = make_buffer(deep_ep, dist.group.WORLD, M * 2)
+    except Exception as e:  # noqa: BLE001 - the table says why
+        results["deepep_why_not"] = f"{type(e).__name__}: {e}"
+        return rows
+    topk_idx, weights = idx.long(), gates.float().contiguous()
+    for sms in a.sms:
+        n = (sms or all_sms) // 2 * 2
+        deep_ep.Buffer.set_num_sms(n)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+        recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                  num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                  topk_weights=weights)
+
+        def with_layout():
+            pr, _, pe, ir, _ = buf.get_dispatch_layout(topk_idx, E)
+            buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe, topk_idx=topk_idx,
+                         topk_weights=weights)
+
+        put(f"deepep_sms{n}_dispatch", lambda: buf.dispatch(x, handle=handle))
+        put(f"deepep_sms{n}_dispatch_layout", with_layout)
+        put(f"deepep_sms{n}_combine", lambda: buf.combine(recv_x, handle))
+        rows += [(f"dispatch bf16, {n} SMs (DeepEP, cached handle)", f"deepep_sms{n}_dispatch", True),
+                 (f"dispatch bf16, {n} SMs (DeepEP, with layout)", f"deepep_sms{n}_dispatch_layout", True),
+                 (f"combine bf16, {n} SMs (DeepEP, a row per token and rank)", f"deepep_sms{n}_combine", True)]
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--tokens", type=int, default=4096)
@@ -145,6 +208,9 @@ def main():
                    help="combine variants to time instead of the built-in list: chunks/reduce blocks (0: one per "
                         "SM)/pushing blocks as a share of num_blocks (0: the default half), and /q for the pushing "
                         "warps' shared queue (/q/s: its warps fence at system scope), e.g. 16/0/0.4 or 16/0/0.5/q")
+    p.add_argument("--sms", type=int, nargs="+", default=[24, 0],
+                   help="SM budgets at which ds_uniep's bf16 dispatch and combine and DeepEP's are timed side by side "
+                        "(0: every SM; DeepEP takes even counts; default 24 0)")
     p.add_argument("--out", default="bench_dispatch.json")
     a = p.parse_args()
     variants = ([v + (False,) for v in COMBINE_VARIANTS] if not a.combine_variants
@@ -221,7 +287,7 @@ def main():
         def stores_only():
             # The NVLink stores alone: no counts exchange and no copy-out (nobody waits on them).
             disp.ext.dispatch_rows(x, h.expert_idx, h.dest_row, None, disp.fp8, E, disp.bufs.descriptor,
-                                   disp.direct_descriptor(True, disp._epochs[0]), disp._next_epoch(1),
+                                   disp.direct_descriptor(True, disp._set.epochs[0]), disp._next_epoch(1),
                                    disp.num_blocks, disp.dedup, own_whole)
 
         put(f"{name}_dispatch_stores", stores_only)
@@ -258,6 +324,8 @@ def main():
         disp.check(synchronize=True)
         disp = state = None  # frees them; the closures above ran already
         torch.cuda.empty_cache()
+
+    budget_rows = sm_budget_rows(a, x, idx, gates, E, G, M, k, dev, put, results)
 
     # The copy-engine combine: an exact-R dispatch (its counts read on the host), then the segments of
     # the received rows copied back into their sources' combine buffers and summed in slot order.
@@ -303,6 +371,8 @@ def main():
               f"{', one queue' if v['push_queue'] else ''}{', system fences' if v.get('queue_sys_fence') else ''})"
               if v["chunks"] else "combine bf16 (push, then reduce)", v["ms"], v["queued_ms"], off_rank)
              for v in results["combine_variants"].values()]
+    rows += [(label, results[f"{key}_ms"], results[f"{key}_queued_ms"], dedup_off_rank if dedup else off_rank)
+             for label, key, dedup in budget_rows]
     table = []
     nccl, nccl_q = results["nccl_a2a_ms"], results["nccl_a2a_queued_ms"]
     peer = results["peer_copy_GBps"] or None  # 0 where rank 0 sees a single GPU: no ceiling measured
@@ -323,6 +393,8 @@ def main():
               all(v["bitwise_equal"] for v in results["combine_variants"].values()), results["combine_stats"],
               "; copy-engine combine:", results["combine_ce_bitwise_equal"],
               f"({results['combine_ce_segments']} segment copies)")
+        if "deepep_why_not" in results:
+            print("DeepEP rows left out:", results["deepep_why_not"])
         print("forward dispatches received in place / copied out:",
               {n: results[f"{n}_direct_stats"] for n in ("bf16", "bf16_staging", "fp8")})
         print("launched: timing starts with the first launch (host launch time included); queued: the "

@@ -48,6 +48,11 @@ Baselines and bounds are measured in the same run:
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
   queueing the dispatch early gains, the same bits;
+- deepep: DeepEP's intranode dispatch and combine (``deep_ep.Buffer``, its V1 line) around torch's grouped
+  GEMM experts, as Megatron-Core's flex dispatcher runs them (``deepep_layer.py``; DeepEP is built from its
+  source, benchmarks/README.md; where it is not importable the row says why);
+- autoep-deepep: AutoEP on its DeepEP transport (``comm_backend: "deepep"``, DeepEP's V2 line with its
+  ``ElasticBuffer``; the row says why where that is not built);
 - autoep: DeepSpeed's own AutoEP layer (``deepspeed.module_inject.auto_ep_layer.AutoEPMoELayer``: router,
   sort, NCCL ``all_to_all_single`` both ways, ``torch._grouped_mm`` experts) built from the same gate and
   experts (see ``build_autoep``; where it cannot be built or run, the row says why);
@@ -94,14 +99,15 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_rows import (AUTOEP_NOTE, build_autoep, fixed_plan_order, fixed_plans, print_autotune,  # noqa: E402,F401
-                        summarize_autotune)
+from bench_rows import (AUTOEP_NOTE, GraphedLayer, build_autoep, fixed_plan_order, fixed_plans,  # noqa: E402,F401
+                        print_autotune, summarize_autotune)
+from bench_tables import _PEERS, print_profiles, print_table  # noqa: E402,F401
 from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
             "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
             "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-late-route",
-            "megakernel-sync-free", "megakernel-graph", "autoep"]
+            "megakernel-sync-free", "megakernel-graph", "autoep", "autoep-deepep", "deepep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -145,6 +151,8 @@ def parse_args(argv=None):
     p.add_argument("--tokens", type=int, default=None, help="override T tokens per rank")
     p.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--deepep-sms", type=int, default=None,
+                   help="SMs of the deepep row's dispatch and combine (even; default: DeepEP's own, 20)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--pipeline-chunks", type=int, default=4,
@@ -218,7 +226,7 @@ def slowest(ms, dist):
     return float(t.item())
 
 
-def build_layers(shape, E, ep, backends, status, why_not=None):
+def build_layers(shape, E, ep, backends, status, why_not=None, deepep_sms=None):
     """The layers named in ``backends``; a layer that cannot be built is left out with its reason in
     ``why_not`` (megakernel rows that cannot run are left out silently: ``status`` says why)."""
     from deepspeed.moe.layer import MoE
@@ -234,11 +242,16 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
         for p in proto.deepspeed_moe.experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
     layers = {}
+    device = torch.device("cuda", torch.cuda.current_device())
     for name in backends:
-        if name == "autoep":
+        if name in _PEERS:
             try:
-                layers[name] = build_autoep(proto, ep, torch.device("cuda", torch.cuda.current_device()),
-                                            torch.bfloat16)
+                if name == "deepep":
+                    from deepep_layer import DeepEPLayer
+                    layers[name] = DeepEPLayer(proto, device, torch.bfloat16, deepep_sms)
+                else:  # AutoEP on NCCL, or on its DeepEP transport (DeepEP's V2 line, ElasticBuffer)
+                    layers[name] = build_autoep(proto, ep, device, torch.bfloat16,
+                                                comm_backend="deepep" if name == "autoep-deepep" else "comm")
             except Exception as e:  # noqa: BLE001 - the row reports it
                 if why_not is not None:
                     why_not[name] = f"{type(e).__name__}: {e}"
@@ -260,49 +273,6 @@ def build_layers(shape, E, ep, backends, status, why_not=None):
         layer.set_deepspeed_parallelism()
         layers[name] = GraphedLayer(layer) if name == "megakernel-graph" else layer
     return layers
-
-
-class GraphedLayer:
-    """A sync-free layer's step captured in a CUDA graph per (input shape, mode) and replayed: the input
-    and the output gradient are copied into the graph's own tensors first. The captured backward writes
-    fresh gradients at each replay, as a step after ``zero_grad(set_to_none=True)``."""
-
-    def __init__(self, layer):
-        self.layer, self.graphs = layer, {}
-
-    def zero_grad(self, set_to_none=True):
-        pass
-
-    def step(self, x, g, mode):
-        key = (tuple(x.shape), mode)
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(x, g, mode)
-        static_x, static_g, graph = self.graphs[key]
-        with torch.no_grad():
-            static_x.copy_(x)
-            static_g.copy_(g)
-        graph.replay()
-
-    def _capture(self, x, g, mode):
-        static_x, static_g = x.detach().clone().requires_grad_(mode == "fwdbwd"), g.clone()
-
-        def run():
-            out, l_aux, _ = self.layer(static_x)
-            if mode == "fwdbwd":
-                torch.autograd.backward([out, l_aux], [static_g, torch.ones_like(l_aux)])
-
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: caches and workspaces made outside the graph
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream().wait_stream(side)
-        self.layer.zero_grad(set_to_none=True)
-        static_x.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        return static_x, static_g, graph
 
 
 def _step_fns(layer, inputs, mode):
@@ -559,7 +529,7 @@ def main(argv=None):
         T = args.tokens or shape.tokens_per_rank
         E = experts_for(shape, ep, args.experts)
         why_not = {}
-        layers = build_layers(shape, E, ep, args.backends, status, why_not)
+        layers = build_layers(shape, E, ep, args.backends, status, why_not, args.deepep_sms)
         inputs = rotating(lambda i: (torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda",
                                                  generator=torch.Generator("cuda").manual_seed(100 * rank + i)),
                                      torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda")), 3)
@@ -579,8 +549,8 @@ def main(argv=None):
                         row[bname + "_streamed_ms"] = time_layer_streamed(layer, inputs, mode, args, dist)
                     if args.profile_steps > 0:
                         row[bname + "_profile"] = profile_layer(layer, inputs, mode, args, dist)
-                except Exception as e:  # noqa: BLE001 - the row reports it; only AutoEP's is not ours
-                    if bname != "autoep":
+                except Exception as e:  # noqa: BLE001 - the row reports it; only the peers' are not ours
+                    if bname not in _PEERS:
                         raise
                     row[bname + "_why_not"] = why_not[bname] = f"{type(e).__name__} while running: {e}"
                     row.pop(bname + "_ms", None)
@@ -649,120 +619,6 @@ def main(argv=None):
             print_autotune(results["autotune"])
     dist.barrier()
 
-
-_TIMED = ("stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
-          "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
-          "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-sync-free", "megakernel-graph",
-          "autoep")
-_OURS = tuple(b for b in _TIMED if b not in ("stock", "autoep"))  # the ds_uniep layers
-
-
-def print_times(results, suffix="_ms"):
-    """The table of one timing (``suffix`` "_ms": runs started from a barrier; "_streamed_ms": per step of
-    back-to-back steps) with the bounds and the best ds_uniep layer's ratios."""
-    head = ["shape", "mode", "stock", "reference", "megakernel", "mk torch gemm", "mk pipelined", "mk pipelined sm",
-            "mk fused", "mk fused push", "mk fused epilogue", "mk fused interleaved", "mk rank partials", "autoep",
-            "gemm alone",
-            "experts alone", "practical", "physical", "vs stock", "vs autoep", "best/practical"]
-    print(" | ".join(head))
-    notes = {}
-    for r in results["rows"]:
-        cells = [r["shape"], r["mode"]]
-        for k in [b + suffix for b in _TIMED] + ["gemm_alone_ms", "experts_alone_ms", "practical_bound_ms",
-                                                  "physical_bound_ms"]:
-            cells.append(f"{r[k]:.2f}" if k in r else "n/a*" if k == "autoep" + suffix and "autoep_why_not" in r
-                         else "-")
-        if "autoep_why_not" in r:
-            notes.setdefault(r["autoep_why_not"], []).append(f"{r['shape']} {r['mode']}")
-        ours = [r[b + suffix] for b in _OURS if b + suffix in r]
-        best = min(ours) if ours else None
-        cells.append(f"{r['stock' + suffix] / best:.2f}x" if best and "stock" + suffix in r else "-")
-        cells.append(f"{r['autoep' + suffix] / best:.2f}x" if best and "autoep" + suffix in r else "-")
-        cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
-        print(" | ".join(cells))
-    return notes
-
-
-def print_profiles(results):
-    """Per layer profiled (``--profile-steps``): rank 0's GPU time per step by kind of kernel."""
-    lines = []
-    for r in results["rows"]:
-        for b in _TIMED:
-            p = r.get(b + "_profile")
-            if p is None:
-                continue
-            cats = ", ".join(f"{c} {v:.2f}" for c, v in p["categories"].items())
-            lines.append(f"{r['shape']} {r['mode']} {b}: {p['window_ms']:.2f} ms from the first kernel to the "
-                         f"last, busy {p['busy_ms']:.2f}, idle {p['idle_ms']:.2f}, concurrent "
-                         f"{p['concurrent_ms']:.2f}; {cats}")
-            ranks = p.get("ranks") or []
-            if len(ranks) > 1:
-                spread = {c: [q["categories"].get(c, 0.0) for q in ranks] for c in list(p["categories"])[:4]}
-                lines.append("  over the ranks (min-max): " + ", ".join(
-                    [f"busy {min(q['busy_ms'] for q in ranks):.2f}-{max(q['busy_ms'] for q in ranks):.2f}"]
-                    + [f"{c} {min(v):.2f}-{max(v):.2f}" for c, v in spread.items()]))
-            idlest = max(range(len(ranks)), key=lambda i: ranks[i]["idle_ms"]) if len(ranks) > 1 else 0
-            for who, q in [("", p)] + ([(f"rank {idlest}, the most idle: ", ranks[idlest])] if idlest else []):
-                for g in q.get("top_gaps", [])[:4]:
-                    if g["ms"] >= 0.01:
-                        lines.append(f"  {who}idle {g['ms']:.2f} ({g['count']:g} per step, longest "
-                                     f"{g['longest_us']:.0f} us) after {g['after']} | before {g['before']}")
-    if lines:
-        print("\nwhere the GPU time goes, ms per step (profiled, rank 0; kernels by kind, summed over streams)")
-        print("\n".join(lines))
-
-
-def print_table(results):
-    print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
-          f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
-    notes = print_times(results)
-    if "streamed" in results:
-        print(f"\nstreamed: ms per step of {results['streamed']['steps']} back-to-back steps (median of "
-              f"{results['streamed']['rounds']} bursts, slowest rank); bounds as above")
-        print_times(results, "_streamed_ms")
-    def times(v):
-        return "/".join(f"{x:.2f}" for x in v)
-    # the alternating timings of two megakernel layers
-    for key in ("schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
-                "schedule_interleaved", "rank_partials", "route_early", "graph"):
-        for r in results["rows"]:
-            d = r.get(key)
-            if d is None:
-                continue
-            if key == "graph":
-                what = (f"CUDA graph replay (sync_free) vs eager (torch's GEMM), {r['shape']} {r['mode']}: "
-                        f"{d['speedup']:.3f}x (eager {times(d['sequential_ms'])} ms, graph {times(d['graph_ms'])} ms")
-            elif key == "route_early":
-                what = (f"dispatch queued after the routes vs after the whole gate (torch's GEMM), {r['shape']} "
-                        f"{r['mode']}: {d['speedup']:.3f}x (late {times(d['sequential_ms'])} ms, early "
-                        f"{times(d['early_ms'])} ms")
-            elif key == "epilogue_combine":
-                what = (f"fused: epilogue combines vs rows pushed by the combine kernels, {r['shape']} "
-                        f"{r['mode']}: {d['speedup']:.3f}x (pushed {times(d['sequential_ms'])} ms, epilogue "
-                        f"{times(d['fused_ms'])} ms")
-            elif key == "rank_partials":
-                what = (f"combine of rank partials vs slot rows (ds_uniep's GEMM, sequential), {r['shape']} "
-                        f"{r['mode']}: {d['speedup']:.3f}x (slots {times(d['sequential_ms'])} ms, rank partials "
-                        f"{times(d['fused_ms'])} ms")
-            elif key == "epilogue_only":
-                what = (f"sequential dispatch + epilogue combines vs sequential (ds_uniep's "
-                        f"GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x (sequential "
-                        f"{times(d['sequential_ms'])} ms, epilogue {times(d['fused_ms'])} ms")
-            elif key in ("schedule_fused", "schedule_interleaved"):
-                roles = " (interleaved roles)" if key == "schedule_interleaved" else ""
-                what = (f"fused{roles} vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: "
-                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, fused "
-                        f"{times(d['fused_ms'])} ms")
-            else:
-                gemm = "ds_uniep's GEMM, SM copies" if key == "schedule_sm" else "torch's GEMM, copy engines"
-                what = (f"pipelined ({d['num_chunks']} chunks; {gemm}) vs sequential, {r['shape']} {r['mode']}: "
-                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, pipelined "
-                        f"{times(d['pipelined_ms'])} ms")
-            print(what + "; medians, alternating)")
-    for reason, where in notes.items():
-        print(f"* autoep could not run ({', '.join(where)}): {reason}")
-    if "autoep_note" in results:
-        print(f"autoep: {results['autoep_note']}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Rows of ``bench_moe_layer.py`` that stand apart from its timing loop: DeepSpeed's AutoEP layer built
-from the benchmark's stock layer (``build_autoep``), and the fixed plans and summary of ``--autotune``."""
+from the benchmark's stock layer (``build_autoep``), the sync-free layer replayed from a CUDA graph
+(``GraphedLayer``), and the fixed plans and summary of ``--autotune``."""
 
 import copy
 import math
@@ -52,7 +53,7 @@ class AutoEPRow(torch.nn.Module):
         return self.autoep(x.unsqueeze(0)).squeeze(0), None, None
 
 
-def build_autoep(proto, ep, device, dtype, use_grouped_mm=True):
+def build_autoep(proto, ep, device, dtype, use_grouped_mm=True, comm_backend="comm"):
     """DeepSpeed's ``AutoEPMoELayer`` with ``proto``'s gate weight and experts (``proto``: a stock
     ``deepspeed.moe.layer.MoE`` with SwiGLU experts ``w1``/``w3``/``w2``, this rank's experts local).
 
@@ -91,7 +92,7 @@ def build_autoep(proto, ep, device, dtype, use_grouped_mm=True):
         raise RuntimeError(f"AutoEP's mixtral preset changed (score_func {spec.score_func!r}, score_apply "
                            f"{spec.score_apply!r}): its routing would no longer match stock DeepSpeed's")
     config = AutoEPConfig(enabled=True, autoep_size=ep, preset_model="mixtral", use_grouped_mm=use_grouped_mm,
-                          route_norm=k > 1, load_balance_coeff=None, comm_backend="comm")
+                          route_norm=k > 1, load_balance_coeff=None, comm_backend=comm_backend)
     gate = torch.nn.Linear(M, E, bias=False, device=device, dtype=torch.float32)
     experts = torch.nn.ModuleList()
     with torch.no_grad():
@@ -186,3 +187,46 @@ def print_autotune(auto):
                                   f"{m[f'speedup{t}_vs_config_default']:.3f}x", f"{here} {m[f'fixed{t}_ms'][here]:.2f}"
                                   + (f" (of {len(m[f'fixed{t}_ms'])} timed)" if r.get("fixed_not_timed") else ""),
                                   f"{r['tune_wall_s']:.1f}"]))
+
+
+class GraphedLayer:
+    """A sync-free layer's step captured in a CUDA graph per (input shape, mode) and replayed: the input
+    and the output gradient are copied into the graph's own tensors first. The captured backward writes
+    fresh gradients at each replay, as a step after ``zero_grad(set_to_none=True)``."""
+
+    def __init__(self, layer):
+        self.layer, self.graphs = layer, {}
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+    def step(self, x, g, mode):
+        key = (tuple(x.shape), mode)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(x, g, mode)
+        static_x, static_g, graph = self.graphs[key]
+        with torch.no_grad():
+            static_x.copy_(x)
+            static_g.copy_(g)
+        graph.replay()
+
+    def _capture(self, x, g, mode):
+        static_x, static_g = x.detach().clone().requires_grad_(mode == "fwdbwd"), g.clone()
+
+        def run():
+            out, l_aux, _ = self.layer(static_x)
+            if mode == "fwdbwd":
+                torch.autograd.backward([out, l_aux], [static_g, torch.ones_like(l_aux)])
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: caches and workspaces made outside the graph
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.layer.zero_grad(set_to_none=True)
+        static_x.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        return static_x, static_g, graph

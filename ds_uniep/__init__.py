@@ -12,7 +12,9 @@ from .layer import UniEPMoE
 from .convert import convert_moe_layers
 from .routers import Router, RouterOptions, update_expert_biases
 from .hf import convert_hf_model, hf_state_dict, save_hf_pretrained
+from .cuda_graphs import graph_moe
 
 __all__ = ["UniEPMoE", "SwiGLUExpert", "GeLUExpert", "convert_moe_layers", "UniEPConfig", "UniEPConfigError",
            "UniEPBackendError", "UniEPCommError", "UniEPTimeoutError", "Router", "RouterOptions",
-           "update_expert_biases", "convert_hf_model", "hf_state_dict", "save_hf_pretrained", "__version__"]
+           "update_expert_biases", "convert_hf_model", "hf_state_dict", "save_hf_pretrained", "graph_moe",
+           "__version__"]

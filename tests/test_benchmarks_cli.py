@@ -8,7 +8,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("script", ["bench_moe_layer.py", "bench_host.py", "bench_dispatcher_settings.py"])
+@pytest.mark.parametrize("script", ["bench_moe_layer.py", "bench_host.py", "bench_dispatcher_settings.py",
+                                    "bench_dispatch.py", "bench_hf_model.py"])
 def test_help(script):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--help"], capture_output=True,
                          text=True, timeout=120)
@@ -147,3 +148,20 @@ def test_autotune_summary_compares_the_tuned_plan_with_the_best_single_and_the_d
     print_autotune(part)
     out = capsys.readouterr().out
     assert "config default (x) 1.00 (of 2 timed)" in out and out.count("timed)") == 1
+
+
+def test_bench_hf_model_runs_both_engines_on_cpu(tmp_path):
+    """``bench_hf_model.py --cpu`` on 2 gloo ranks: a tiny Qwen3-MoE trains a step on AutoEP and on ds_uniep
+    (times on a CPU mean nothing; the GPU run is in docs/performance.md's commands)."""
+    import json
+    out = tmp_path / "hf.json"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          "29561", os.path.join(ROOT, "benchmarks", "bench_hf_model.py"), "--cpu", "--families",
+                          "qwen3_moe", "--hidden", "32", "--layers", "1", "--heads", "4", "--experts", "4", "--topk",
+                          "2", "--expert-ffn", "32", "--seq", "16", "--micro-batch", "2", "--steps", "1", "--rounds",
+                          "1", "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["family"] == "qwen3_moe" and row["autoep_ms"] > 0 and row["ds_uniep_ms"] > 0, row
+    assert "qwen3_moe |" in run.stdout

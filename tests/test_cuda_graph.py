@@ -35,9 +35,10 @@ def _inputs(layer, rank, case):
 
 
 def _eager(layer, x, gy, wg):
-    """[output, x.grad, every parameter's gradient] of one eager step from cleared gradients."""
+    """[output, x.grad, every parameter's gradient] of one eager step from cleared gradients (``layer``: a
+    UniEPMoE, or graph_moe's module around one)."""
     with torch.no_grad():
-        layer.deepspeed_moe.gate.wg.weight.copy_(wg)
+        getattr(layer, "layer", layer).deepspeed_moe.gate.wg.weight.copy_(wg)
     for p in layer.parameters():
         p.grad = None
     x = x.clone().requires_grad_(True)
@@ -115,6 +116,37 @@ def _body(rank, world_size):
 @pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (1, 2, 4)])
 def test_a_captured_step_replays_with_the_eager_bits(world_size):
     run_distributed(_body, world_size, backend="nccl")
+
+
+def _graphed_body(rank, world_size):
+    """``ds_uniep.graph_moe``: the layer's forward and backward graphs replayed inside eager steps (the
+    parameters' gradients accumulated outside them) give the default layer's eager bits; another shape runs
+    the layer eagerly."""
+    from ds_uniep import graph_moe
+    default = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX)
+    layer = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX, extra={"sync_free": True})
+    sample = torch.zeros(_tokens(rank), M, device=torch.device("cuda", rank), dtype=torch.bfloat16,
+                         requires_grad=True)
+    graphed = graph_moe(layer, sample)
+    for c in range(6):
+        x, gy, wg = _inputs(default, rank, c)
+        want = _eager(default, x, gy, wg)
+        got = _eager(graphed, x, gy, wg) if c != 4 else _eager(graphed, x[:-1], gy[:-1], wg)  # eager fallback
+        if c == 4:
+            want = _eager(default, x[:-1], gy[:-1], wg)
+        assert len(got) == len(want)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"rank {rank} graph_moe case {c}: tensor {i} differs from the eager default layer"
+    assert [n for n, _ in graphed.named_parameters()] == ["layer." + n for n, _ in layer.named_parameters()]
+    next(iter(layer._dispatchers.values())).check(synchronize=True)
+    if rank == 0:
+        print(f"graph_moe ep {world_size}: 5 replays inside eager steps and an eager fallback: bitwise the default "
+              "layer", flush=True)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (1, 2, 4)])
+def test_graph_moe_replays_inside_eager_steps(world_size):
+    run_distributed(_graphed_body, world_size, backend="nccl")
 
 
 def _refused(rank, world_size):

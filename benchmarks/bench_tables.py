@@ -1,0 +1,122 @@
+"""The tables ``bench_moe_layer.py`` prints: the layer times with the bounds and the ratios, the
+profiles, the alternating A/B timings."""
+
+# Every timed row and its column label, in table order.
+_LABELS = {"stock": "stock", "autoep": "autoep", "autoep-deepep": "autoep deepep", "deepep": "deepep",
+           "reference": "reference", "megakernel": "megakernel", "megakernel-torch-gemm": "mk torch gemm",
+           "megakernel-pipelined": "mk pipelined", "megakernel-pipelined-sm": "mk pipelined sm",
+           "megakernel-fused": "mk fused", "megakernel-fused-push": "mk fused push",
+           "megakernel-fused-epilogue": "mk fused epilogue", "megakernel-fused-interleaved": "mk fused interleaved",
+           "megakernel-rank-partials": "mk rank partials", "megakernel-sync-free": "mk sync free",
+           "megakernel-graph": "mk graph"}
+_TIMED = tuple(_LABELS)
+_PEERS = ("autoep", "autoep-deepep", "deepep")  # the other stacks' layers (stock aside)
+_OURS = tuple(b for b in _TIMED if b not in _PEERS + ("stock", ))  # the ds_uniep layers
+
+
+def print_times(results, suffix="_ms"):
+    """The table of one timing (``suffix`` "_ms": runs started from a barrier; "_streamed_ms": per step of
+    back-to-back steps) with the bounds and the best ds_uniep layer's ratios."""
+    shown = [b for b in _TIMED if any(b + suffix in r or b + "_why_not" in r for r in results["rows"])]
+    head = (["shape", "mode"] + [_LABELS[b] for b in shown] +
+            ["gemm alone", "experts alone", "practical", "physical", "vs stock", "vs fastest peer", "best/practical"])
+    print(" | ".join(head))
+    notes = {}
+    for r in results["rows"]:
+        cells = [r["shape"], r["mode"]]
+        for b in shown:
+            cells.append(f"{r[b + suffix]:.2f}" if b + suffix in r else "n/a*" if b + "_why_not" in r else "-")
+            if b + "_why_not" in r:
+                notes.setdefault((b, r[b + "_why_not"]), []).append(f"{r['shape']} {r['mode']}")
+        for k in ("gemm_alone_ms", "experts_alone_ms", "practical_bound_ms", "physical_bound_ms"):
+            cells.append(f"{r[k]:.2f}" if k in r else "-")
+        ours = [r[b + suffix] for b in _OURS if b + suffix in r]
+        peers = [r[b + suffix] for b in _PEERS if b + suffix in r]
+        best = min(ours) if ours else None
+        cells.append(f"{r['stock' + suffix] / best:.2f}x" if best and "stock" + suffix in r else "-")
+        cells.append(f"{min(peers) / best:.2f}x" if best and peers else "-")
+        cells.append(f"{best / r['practical_bound_ms']:.2f}" if best else "-")
+        print(" | ".join(cells))
+    return notes
+
+
+def print_profiles(results):
+    """Per layer profiled (``--profile-steps``): rank 0's GPU time per step by kind of kernel."""
+    lines = []
+    for r in results["rows"]:
+        for b in _TIMED:
+            p = r.get(b + "_profile")
+            if p is None:
+                continue
+            cats = ", ".join(f"{c} {v:.2f}" for c, v in p["categories"].items())
+            lines.append(f"{r['shape']} {r['mode']} {b}: {p['window_ms']:.2f} ms from the first kernel to the "
+                         f"last, busy {p['busy_ms']:.2f}, idle {p['idle_ms']:.2f}, concurrent "
+                         f"{p['concurrent_ms']:.2f}; {cats}")
+            ranks = p.get("ranks") or []
+            if len(ranks) > 1:
+                spread = {c: [q["categories"].get(c, 0.0) for q in ranks] for c in list(p["categories"])[:4]}
+                lines.append("  over the ranks (min-max): " + ", ".join(
+                    [f"busy {min(q['busy_ms'] for q in ranks):.2f}-{max(q['busy_ms'] for q in ranks):.2f}"]
+                    + [f"{c} {min(v):.2f}-{max(v):.2f}" for c, v in spread.items()]))
+            idlest = max(range(len(ranks)), key=lambda i: ranks[i]["idle_ms"]) if len(ranks) > 1 else 0
+            for who, q in [("", p)] + ([(f"rank {idlest}, the most idle: ", ranks[idlest])] if idlest else []):
+                for g in q.get("top_gaps", [])[:4]:
+                    if g["ms"] >= 0.01:
+                        lines.append(f"  {who}idle {g['ms']:.2f} ({g['count']:g} per step, longest "
+                                     f"{g['longest_us']:.0f} us) after {g['after']} | before {g['before']}")
+    if lines:
+        print("\nwhere the GPU time goes, ms per step (profiled, rank 0; kernels by kind, summed over streams)")
+        print("\n".join(lines))
+
+
+def print_table(results):
+    print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
+          f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
+    notes = print_times(results)
+    if "streamed" in results:
+        print(f"\nstreamed: ms per step of {results['streamed']['steps']} back-to-back steps (median of "
+              f"{results['streamed']['rounds']} bursts, slowest rank); bounds as above")
+        print_times(results, "_streamed_ms")
+    def times(v):
+        return "/".join(f"{x:.2f}" for x in v)
+    # the alternating timings of two megakernel layers
+    for key in ("schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
+                "schedule_interleaved", "rank_partials", "route_early", "graph"):
+        for r in results["rows"]:
+            d = r.get(key)
+            if d is None:
+                continue
+            if key == "graph":
+                what = (f"CUDA graph replay (sync_free) vs eager (torch's GEMM), {r['shape']} {r['mode']}: "
+                        f"{d['speedup']:.3f}x (eager {times(d['sequential_ms'])} ms, graph {times(d['graph_ms'])} ms")
+            elif key == "route_early":
+                what = (f"dispatch queued after the routes vs after the whole gate (torch's GEMM), {r['shape']} "
+                        f"{r['mode']}: {d['speedup']:.3f}x (late {times(d['sequential_ms'])} ms, early "
+                        f"{times(d['early_ms'])} ms")
+            elif key == "epilogue_combine":
+                what = (f"fused: epilogue combines vs rows pushed by the combine kernels, {r['shape']} "
+                        f"{r['mode']}: {d['speedup']:.3f}x (pushed {times(d['sequential_ms'])} ms, epilogue "
+                        f"{times(d['fused_ms'])} ms")
+            elif key == "rank_partials":
+                what = (f"combine of rank partials vs slot rows (ds_uniep's GEMM, sequential), {r['shape']} "
+                        f"{r['mode']}: {d['speedup']:.3f}x (slots {times(d['sequential_ms'])} ms, rank partials "
+                        f"{times(d['fused_ms'])} ms")
+            elif key == "epilogue_only":
+                what = (f"sequential dispatch + epilogue combines vs sequential (ds_uniep's "
+                        f"GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x (sequential "
+                        f"{times(d['sequential_ms'])} ms, epilogue {times(d['fused_ms'])} ms")
+            elif key in ("schedule_fused", "schedule_interleaved"):
+                roles = " (interleaved roles)" if key == "schedule_interleaved" else ""
+                what = (f"fused{roles} vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: "
+                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, fused "
+                        f"{times(d['fused_ms'])} ms")
+            else:
+                gemm = "ds_uniep's GEMM, SM copies" if key == "schedule_sm" else "torch's GEMM, copy engines"
+                what = (f"pipelined ({d['num_chunks']} chunks; {gemm}) vs sequential, {r['shape']} {r['mode']}: "
+                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, pipelined "
+                        f"{times(d['pipelined_ms'])} ms")
+            print(what + "; medians, alternating)")
+    for (name, reason), where in notes.items():
+        print(f"* {name} could not run ({', '.join(where)}): {reason}")
+    if "autoep_note" in results:
+        print(f"autoep: {results['autoep_note']}")
