@@ -242,10 +242,10 @@ def build_layers(shape, E, ep, backends, status, why_not=None, deepep_sms=None):
         for p in proto.deepspeed_moe.experts.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1]**-0.5)
     layers = {}
-    device = torch.device("cuda", torch.cuda.current_device())
     for name in backends:
         if name in _PEERS:
             try:
+                device = torch.device("cuda", torch.cuda.current_device())
                 if name == "deepep":
                     from deepep_layer import DeepEPLayer
                     layers[name] = DeepEPLayer(proto, device, torch.bfloat16, deepep_sms)

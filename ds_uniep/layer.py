@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from . import backend as backend_mod
-from . import autotune_layer, schedules
+from . import autotune_layer, cuda_graphs, schedules
 from .config import UniEPConfig
 from .env import logger
 from .hybrid.layer_state import HybridLayer
@@ -204,7 +204,15 @@ class UniEPMoE(MoE):
         their ``.grad``, the RNG states and the caller's autograd graph as they were, and never
         changes the numbers (every plan it may choose gives bitwise the same results; FP8 dispatch
         only with ``allow_numerics_change``). Every rank of the group must see the same T on that
-        forward, as with a fixed micro-batch."""
+        forward, as with a fixed micro-batch. After :func:`ds_uniep.graph_moe`, inputs like its sample
+        replay the captured forward and backward."""
+        replayed = cuda_graphs.replay(self, hidden_states, used_token)
+        if replayed is not None:
+            return replayed
+        return self.forward_eager(hidden_states, used_token)
+
+    def forward_eager(self, hidden_states: Tensor, used_token: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+        """The forward without captured graphs (see :meth:`forward`)."""
         if not self.uniep_config.enabled:
             return super().forward(hidden_states, used_token)
         if used_token is not None:

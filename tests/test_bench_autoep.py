@@ -179,7 +179,7 @@ def test_table_prints_autoep_and_why_not(capsys):
     bench.print_table(results)
     out = capsys.readouterr().out
     head = next(line for line in out.splitlines() if line.startswith("shape |"))
-    assert "autoep" in head and "vs autoep" in head and "| 3.00 |" in out and "3.00x" in out
+    assert "autoep" in head and "vs fastest peer" in head and "| 3.00 |" in out and "3.00x" in out
     assert "n/a*" in out and "* autoep could not run (s fwdbwd): RuntimeError while running: boom" in out
     assert "autoep: AutoEPMoELayer" in out
 
@@ -199,8 +199,9 @@ def test_table_prints_streamed_times_and_their_ratios(capsys):
     bench.print_table(results)
     out = capsys.readouterr().out
     launched, streamed = out.split("streamed: ms per step of 8 back-to-back steps")
-    assert "| 2.00x | 3.00x | 2.00" in launched  # vs stock (stock / best), vs autoep (autoep / best), best / practical
-    assert "| 6.00 | 1.50 |" in streamed and "| 4.00x | 1.50x | 3.00" in streamed
+    # vs stock (stock / best), vs the fastest peer (autoep / best), best / practical
+    assert "| 2.00 | 3.00 | 1.00 |" in launched and "| 2.00x | 3.00x | 2.00" in launched
+    assert "| 6.00 | 2.25 | 1.50 |" in streamed and "| 4.00x | 1.50x | 3.00" in streamed
 
 
 class _CountingLayer(torch.nn.Module):
@@ -256,3 +257,19 @@ def test_streamed_timing_runs_every_step_back_to_back(mode):
 
 def test_streamed_timing_is_off_by_default():
     assert _bench().parse_args([]).streamed_steps == 0
+
+
+def test_table_compares_with_the_fastest_peer(capsys):
+    """Peers (AutoEP on NCCL or DeepEP, DeepEP + grouped GEMM) get a column each where timed; the ratio is
+    the fastest peer's time over the best ds_uniep layer's; a peer that could not be built says why."""
+    bench = _bench()
+    row = {"shape": "s", "T": 1, "M": 1, "F": 1, "E": 2, "k": 1, "mode": "fwd", "stock_ms": 4.0, "autoep_ms": 3.0,
+           "deepep_ms": 1.5, "megakernel_ms": 1.0, "autoep-deepep_why_not": "ImportError: no ElasticBuffer",
+           "gemm_alone_ms": 0.5, "practical_bound_ms": 0.5, "physical_bound_ms": 0.25}
+    bench.print_table({"ep": 2, "peer_copy_GBps": 100.0, "dense_bf16_TFLOPs": 500.0, "megakernel": [True, ""],
+                       "rows": [row]})
+    out = capsys.readouterr().out
+    head = next(line for line in out.splitlines() if line.startswith("shape |"))
+    assert head.startswith("shape | mode | stock | autoep | autoep deepep | deepep | megakernel |"), head
+    assert "| 4.00 | 3.00 | n/a* | 1.50 | 1.00 |" in out and "| 4.00x | 1.50x | 2.00" in out
+    assert "* autoep-deepep could not run (s fwd): ImportError: no ElasticBuffer" in out

@@ -35,10 +35,9 @@ def _inputs(layer, rank, case):
 
 
 def _eager(layer, x, gy, wg):
-    """[output, x.grad, every parameter's gradient] of one eager step from cleared gradients (``layer``: a
-    UniEPMoE, or graph_moe's module around one)."""
+    """[output, x.grad, every parameter's gradient] of one eager step from cleared gradients."""
     with torch.no_grad():
-        getattr(layer, "layer", layer).deepspeed_moe.gate.wg.weight.copy_(wg)
+        layer.deepspeed_moe.gate.wg.weight.copy_(wg)
     for p in layer.parameters():
         p.grad = None
     x = x.clone().requires_grad_(True)
@@ -121,13 +120,14 @@ def test_a_captured_step_replays_with_the_eager_bits(world_size):
 def _graphed_body(rank, world_size):
     """``ds_uniep.graph_moe``: the layer's forward and backward graphs replayed inside eager steps (the
     parameters' gradients accumulated outside them) give the default layer's eager bits; another shape runs
-    the layer eagerly."""
+    the layer eagerly; the layer keeps its parameter names."""
     from ds_uniep import graph_moe
     default = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX)
     layer = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX, extra={"sync_free": True})
     sample = torch.zeros(_tokens(rank), M, device=torch.device("cuda", rank), dtype=torch.bfloat16,
                          requires_grad=True)
     graphed = graph_moe(layer, sample)
+    assert graphed is layer
     for c in range(6):
         x, gy, wg = _inputs(default, rank, c)
         want = _eager(default, x, gy, wg)
@@ -137,7 +137,7 @@ def _graphed_body(rank, world_size):
         assert len(got) == len(want)
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"rank {rank} graph_moe case {c}: tensor {i} differs from the eager default layer"
-    assert [n for n, _ in graphed.named_parameters()] == ["layer." + n for n, _ in layer.named_parameters()]
+    assert [n for n, _ in graphed.named_parameters()] == [n for n, _ in default.named_parameters()]
     next(iter(layer._dispatchers.values())).check(synchronize=True)
     if rank == 0:
         print(f"graph_moe ep {world_size}: 5 replays inside eager steps and an eager fallback: bitwise the default "

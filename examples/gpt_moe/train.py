@@ -79,6 +79,9 @@ def get_args(argv=None):
                    'backend, set over the ds_config\'s "uniep" block (default: UniEPMoE with the block\'s backend)')
     g.add_argument("--expert-gemm", choices=["torch", "uniep"], default=None,
                    help='sets "uniep": {"expert_gemm": ...} over the ds_config (default: the config\'s)')
+    g.add_argument("--cuda-graph", action="store_true",
+                   help='GPUs: sets "uniep": {"sync_free": true} and replays each MoE layer\'s forward and backward '
+                        "from CUDA graphs (ds_uniep.graph_moe; SwiGLU experts, dropless top-2/top-k)")
     g = p.add_argument_group("training")
     g.add_argument("--train-iters", type=int, default=200)
     g.add_argument("--lr", type=float, default=3e-3)
@@ -102,6 +105,8 @@ def get_args(argv=None):
     if args.expert_gemm is not None and args.backend == "deepspeed":
         p.error("--expert-gemm picks ds_uniep's expert GEMM; --backend deepspeed runs stock DeepSpeed MoE, which "
                 "has none")
+    if args.cuda_graph and (args.backend == "deepspeed" or get_accelerator().device_name() == "cpu"):
+        p.error("--cuda-graph replays ds_uniep's layers on GPUs (not --backend deepspeed, not on a CPU)")
     if args.save_interval is not None and not args.save:
         p.error("--save-interval needs --save (the checkpoint directory)")
     if args.ffn_hidden_size is None:
@@ -113,7 +118,7 @@ def get_args(argv=None):
     return args
 
 
-def uniep_config_for(backend, ds_config_path: str, expert_gemm=None):
+def uniep_config_for(backend, ds_config_path: str, expert_gemm=None, sync_free=False):
     """The ds_config's ``"uniep"`` block with the flags that were given set over it, validated (a flag left
     out leaves the block's value; ``--backend deepspeed`` sets nothing, the block is still checked)."""
     from ds_uniep import UniEPConfig
@@ -125,13 +130,15 @@ def uniep_config_for(backend, ds_config_path: str, expert_gemm=None):
             block["backend"] = backend
         if expert_gemm is not None:
             block["expert_gemm"] = expert_gemm
+        if sync_free:
+            block["sync_free"] = True
     return UniEPConfig.from_dict(block)
 
 
-def moe_class_for(backend, ds_config_path: str, expert_gemm=None):
-    """``(MoE class, backend name)`` the model is built with, from ``--backend``, ``--expert-gemm`` and the
-    ds_config's ``"uniep"`` block (validated here, whichever class is returned)."""
-    config = uniep_config_for(backend, ds_config_path, expert_gemm)
+def moe_class_for(backend, ds_config_path: str, expert_gemm=None, sync_free=False):
+    """``(MoE class, backend name)`` the model is built with, from ``--backend``, ``--expert-gemm``,
+    ``--cuda-graph`` and the ds_config's ``"uniep"`` block (validated here, whichever class is returned)."""
+    config = uniep_config_for(backend, ds_config_path, expert_gemm, sync_free)
     if backend == "deepspeed":
         return MoE, backend
     from ds_uniep import UniEPMoE
@@ -153,7 +160,7 @@ def main(argv=None):
     args = get_args(argv)
     # Before any rank starts torch.distributed: these stop every rank alike, and none waits on another.
     check_build_locks()
-    moe_class, args.backend = moe_class_for(args.backend, args.deepspeed_config, args.expert_gemm)
+    moe_class, args.backend = moe_class_for(args.backend, args.deepspeed_config, args.expert_gemm, args.cuda_graph)
     init_distributed()
     # Under mpirun, LOCAL_RANK exists only once init_distributed has read it from MPI.
     args.local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank))
@@ -205,6 +212,13 @@ def main(argv=None):
         start = int(client["iteration"])
         if rank == 0:
             print(f"[gpt_moe] resumed from {load_path} at step {start}", flush=True)
+    if args.cuda_graph:  # after the engine gave the parameters their dtype (and a checkpoint its values)
+        import ds_uniep
+        dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+        sample = torch.zeros(micro, args.seq_length, args.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        graphed = [ds_uniep.graph_moe(m, sample) for m in model.modules() if isinstance(m, ds_uniep.UniEPMoE)]
+        if rank == 0:
+            print(f"[gpt_moe] {len(graphed)} MoE layers replay CUDA graphs", flush=True)
 
     def save(step):
         engine.save_checkpoint(args.save, tag=f"global_step{step}", client_state={"iteration": step})
