@@ -227,6 +227,6 @@ class GraphedLayer:
         self.layer.zero_grad(set_to_none=True)
         static_x.grad = None
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):  # where the warm-up made the gate's gradient accumulator
             run()
         return static_x, static_g, graph
