@@ -176,6 +176,10 @@ def _refused(rank, world_size):
     with pytest.raises(ValueError, match=said + "tensor parallelism"):
         check_sync_free(layer, x, object(), 2)
     assert ds_uniep.UniEPConfig.from_dict({"sync_free": True}).sync_free
+    from ds_uniep.megakernel import NVLinkDispatcher
+    with pytest.raises(ValueError, match=r"^t \(rank 0\): sync_free does not run compression.combine 'rank_partials'"):
+        NVLinkDispatcher.from_config("t", 4, 1, 16, 2, torch.bfloat16,
+                                     {"sync_free": True, "compression": {"combine": "rank_partials"}})
     with pytest.raises(ds_uniep.config.UniEPConfigError, match="sync_free"):
         ds_uniep.UniEPConfig.from_dict({"sync_free": "yes"})
 

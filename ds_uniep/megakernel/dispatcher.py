@@ -52,21 +52,20 @@ class NVLinkDispatcher(_CombineSteps):
         layer_name: names the layer in every error.
         num_experts: E; ep_size: G (the size of ``group``); hidden_size: M; k: slots per token.
         dtype: activation dtype (bf16, fp16 or fp32) of x and y.
+        config: the layer's ``uniep`` block (a :class:`ds_uniep.config.UniEPConfig`, or anything
+            ``UniEPConfig.coerce`` takes). Read once: ``max_tokens_per_rank`` (T_max, the buffers'
+            size); its knobs (:meth:`set_knobs` takes new ones later): ``schedule`` and
+            ``num_comm_sms`` (the copy kernels' blocks), ``roles`` and ``signal_granularity`` (the
+            fused dispatch), ``combine_chunks`` and ``combine_queue`` (the combine kernels) and
+            ``dispatch_dtype`` (fixed for the dispatcher's life: FP8 rows size the buffers);
+            ``overlap.timeout_s`` (how long a kernel waits on a peer before it records an error);
+            ``compression.combine`` "rank_partials" (each rank sums its rows of a token before they
+            travel back, :meth:`_rank_partials`); ``sync_free`` (no host read of counts and no
+            host-held epochs in any op: dispatch returns ``recv [R_max, M]`` (``padded_recv``), rows
+            land in the staging region and the buffer set's epochs live on the device, so the ops can
+            be captured in a CUDA graph and replayed; a timeout under a replay is raised by the next
+            eager call, or :meth:`check`).
         group: the expert-parallel process group (None: the world).
-        max_tokens: T_max, the most tokens one rank passes in a call (the buffers' size).
-        knobs: a :class:`ds_uniep.knobs.Knobs`; the dispatcher reads ``schedule`` and
-            ``num_comm_sms`` (its copy kernels' blocks, see :meth:`set_knobs`), ``roles`` and
-            ``signal_granularity`` (the fused dispatch), ``combine_chunks`` and ``combine_queue``
-            (the combine kernels) and ``dispatch_dtype`` (fixed for the dispatcher's life: FP8 rows
-            size the buffers).
-        timeout_s: how long a kernel waits on a peer before it records an error.
-        rank_partials: compression.combine "rank_partials": each rank sums its rows of a token
-            before they travel back (:meth:`_rank_partials`).
-        sync_free: no host read of counts and no host-held epochs in any op (``"uniep": {"sync_free":
-            true}``): dispatch returns ``recv [R_max, M]`` (``padded_recv``), rows land in the staging
-            region, and the buffer set's epochs live on the device, so the ops can be captured in a
-            CUDA graph and replayed. A timeout under a replay is raised by the next eager call (or
-            :meth:`check`).
 
     :meth:`from_config` builds one from a ``uniep`` block.
 
@@ -93,8 +92,11 @@ class NVLinkDispatcher(_CombineSteps):
     """
 
     def __init__(self, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
-                 dtype: torch.dtype, group, max_tokens: int, knobs: Knobs, timeout_s: float = 100.0,
-                 rank_partials: bool = False, sync_free: bool = False):
+                 dtype: torch.dtype, config, group=None):
+        from ..config import UniEPConfig
+        config = UniEPConfig.coerce(config)
+        knobs, max_tokens, timeout_s = config.knobs(), config.max_tokens_per_rank, config.overlap.timeout_s
+        rank_partials, sync_free = config.compression.combine == "rank_partials", config.sync_free
         self.layer_name = layer_name
         self.num_experts, self.ep_size, self.hidden_size, self.k = num_experts, ep_size, hidden_size, k
         self.dtype = dtype
@@ -209,14 +211,8 @@ class NVLinkDispatcher(_CombineSteps):
     @classmethod
     def from_config(cls, layer_name: str, num_experts: int, ep_size: int, hidden_size: int, k: int,
                     dtype: torch.dtype, config, group=None) -> "NVLinkDispatcher":
-        """One built from a ``uniep`` block (a :class:`ds_uniep.config.UniEPConfig`, or anything
-        ``UniEPConfig.coerce`` takes): ``max_tokens_per_rank``, its knobs, ``overlap.timeout_s`` and
-        ``compression.combine``."""
-        from ..config import UniEPConfig
-        config = UniEPConfig.coerce(config)
-        return cls(layer_name, num_experts, ep_size, hidden_size, k, dtype, group, config.max_tokens_per_rank,
-                   config.knobs(), config.overlap.timeout_s, config.compression.combine == "rank_partials",
-                   config.sync_free)
+        """The same as the constructor (the name the layer, the tests and the benchmarks use)."""
+        return cls(layer_name, num_experts, ep_size, hidden_size, k, dtype, config, group)
 
     def set_knobs(self, knobs: Knobs) -> None:
         """Run the next calls under ``knobs`` (in place: the buffers stay). ``num_comm_sms`` is the
