@@ -69,6 +69,28 @@ def print_profiles(results):
         print("\n".join(lines))
 
 
+# The alternating timings of two layers: row key -> (what is compared, the first layer's name, the second's
+# name and its times' key); the first layer's times are under "sequential_ms".
+_ALTERNATING = {
+    "schedule": ("pipelined ({chunks} chunks; torch's GEMM, copy engines) vs sequential", "sequential", "pipelined",
+                 "pipelined_ms"),
+    "schedule_sm": ("pipelined ({chunks} chunks; ds_uniep's GEMM, SM copies) vs sequential", "sequential",
+                    "pipelined", "pipelined_ms"),
+    "schedule_fused": ("fused vs sequential (ds_uniep's GEMM)", "sequential", "fused", "fused_ms"),
+    "epilogue_combine": ("fused: epilogue combines vs rows pushed by the combine kernels", "pushed", "epilogue",
+                         "fused_ms"),
+    "epilogue_only": ("sequential dispatch + epilogue combines vs sequential (ds_uniep's GEMM)", "sequential",
+                      "epilogue", "fused_ms"),
+    "schedule_interleaved": ("fused (interleaved roles) vs sequential (ds_uniep's GEMM)", "sequential", "fused",
+                             "fused_ms"),
+    "rank_partials": ("combine of rank partials vs slot rows (ds_uniep's GEMM, sequential)", "slots", "rank partials",
+                      "fused_ms"),
+    "route_early": ("dispatch queued after the routes vs after the whole gate (torch's GEMM)", "late", "early",
+                    "early_ms"),
+    "graph": ("CUDA graph replay (sync_free) vs eager (torch's GEMM)", "eager", "graph", "graph_ms"),
+}
+
+
 def print_table(results):
     print(f"\nep={results['ep']}  peer copy {results['peer_copy_GBps'] or 0:.0f} GB/s  "
           f"dense bf16 {results['dense_bf16_TFLOPs']:.0f} TFLOP/s  megakernel: {results['megakernel']}")
@@ -79,43 +101,13 @@ def print_table(results):
         print_times(results, "_streamed_ms")
     def times(v):
         return "/".join(f"{x:.2f}" for x in v)
-    # the alternating timings of two megakernel layers
-    for key in ("schedule", "schedule_sm", "schedule_fused", "epilogue_combine", "epilogue_only",
-                "schedule_interleaved", "rank_partials", "route_early", "graph"):
+    for key, (what, first, second, second_key) in _ALTERNATING.items():
         for r in results["rows"]:
             d = r.get(key)
-            if d is None:
-                continue
-            if key == "graph":
-                what = (f"CUDA graph replay (sync_free) vs eager (torch's GEMM), {r['shape']} {r['mode']}: "
-                        f"{d['speedup']:.3f}x (eager {times(d['sequential_ms'])} ms, graph {times(d['graph_ms'])} ms")
-            elif key == "route_early":
-                what = (f"dispatch queued after the routes vs after the whole gate (torch's GEMM), {r['shape']} "
-                        f"{r['mode']}: {d['speedup']:.3f}x (late {times(d['sequential_ms'])} ms, early "
-                        f"{times(d['early_ms'])} ms")
-            elif key == "epilogue_combine":
-                what = (f"fused: epilogue combines vs rows pushed by the combine kernels, {r['shape']} "
-                        f"{r['mode']}: {d['speedup']:.3f}x (pushed {times(d['sequential_ms'])} ms, epilogue "
-                        f"{times(d['fused_ms'])} ms")
-            elif key == "rank_partials":
-                what = (f"combine of rank partials vs slot rows (ds_uniep's GEMM, sequential), {r['shape']} "
-                        f"{r['mode']}: {d['speedup']:.3f}x (slots {times(d['sequential_ms'])} ms, rank partials "
-                        f"{times(d['fused_ms'])} ms")
-            elif key == "epilogue_only":
-                what = (f"sequential dispatch + epilogue combines vs sequential (ds_uniep's "
-                        f"GEMM), {r['shape']} {r['mode']}: {d['speedup']:.3f}x (sequential "
-                        f"{times(d['sequential_ms'])} ms, epilogue {times(d['fused_ms'])} ms")
-            elif key in ("schedule_fused", "schedule_interleaved"):
-                roles = " (interleaved roles)" if key == "schedule_interleaved" else ""
-                what = (f"fused{roles} vs sequential (ds_uniep's GEMM), {r['shape']} {r['mode']}: "
-                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, fused "
-                        f"{times(d['fused_ms'])} ms")
-            else:
-                gemm = "ds_uniep's GEMM, SM copies" if key == "schedule_sm" else "torch's GEMM, copy engines"
-                what = (f"pipelined ({d['num_chunks']} chunks; {gemm}) vs sequential, {r['shape']} {r['mode']}: "
-                        f"{d['speedup']:.3f}x (sequential {times(d['sequential_ms'])} ms, pipelined "
-                        f"{times(d['pipelined_ms'])} ms")
-            print(what + "; medians, alternating)")
+            if d is not None:
+                print(f"{what.format(chunks=d.get('num_chunks'))}, {r['shape']} {r['mode']}: {d['speedup']:.3f}x "
+                      f"({first} {times(d['sequential_ms'])} ms, {second} {times(d[second_key])} ms; medians, "
+                      "alternating)")
     for (name, reason), where in notes.items():
         print(f"* {name} could not run ({', '.join(where)}): {reason}")
     if "autoep_note" in results:
