@@ -18,6 +18,7 @@ hold ``R_max`` rows each; with FP8 dispatch there is no direct region and ``4 * 
 bytes of scales are added).
 """
 
+import functools
 import weakref
 from typing import Dict
 
@@ -194,6 +195,17 @@ class BufferSet:
         landed, self.landed = self.landed() if self.landed is not None else None, None
         if landed is not None:
             landed.keep()
+
+
+def one_op(step):
+    """A dispatcher's raw step (``_dispatch_fwd``, ``_combine_fwd``, ``_dispatch_bwd``, ``_combine_bwd``) is one
+    op of its buffer set: :meth:`BufferSet.end_op` follows it."""
+    @functools.wraps(step)
+    def run(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        self._set.end_op()
+        return out
+    return run
 
 
 _SETS: "weakref.WeakValueDictionary[tuple, BufferSet]" = weakref.WeakValueDictionary()

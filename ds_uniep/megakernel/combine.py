@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..faults import stop_point
-from .buffers import PHASE_BARRIER, PHASE_COMBINE, PHASE_DISPATCH, PHASE_GATES
+from .buffers import PHASE_BARRIER, PHASE_COMBINE, PHASE_DISPATCH, PHASE_GATES, one_op
 
 
 class _CombineSteps:
@@ -157,23 +157,22 @@ class _CombineSteps:
         return self.bufs.buffer[o:o + rows * self.bufs.comb_row_bytes].view(self.dtype).view(rows, self.hidden_size)
 
     # ------------------------------------------------------------------ raw steps (no autograd)
+    @one_op
     def _combine_fwd(self, y, gates, expert_idx, recv_pair, num_recv):
         stop_point("combine")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
         self._join_fused()
         self.check()
         self.combine_stats["pushed"] += 1
-        out = self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
-        self._set.end_op()
-        return out
+        return self._push_and_reduce(y, gates, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
 
+    @one_op
     def _dispatch_bwd(self, grad_recv, expert_idx, recv_pair, num_recv):
         # Gradient of dispatch: each token's k row gradients summed in slot order (fp32, cast once).
         self.check()
         self._barrier()
-        out = self._push_and_reduce(grad_recv, None, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
-        self._set.end_op()
-        return out
+        return self._push_and_reduce(grad_recv, None, expert_idx, recv_pair, num_recv, expert_idx.shape[0])
 
+    @one_op
     def _combine_bwd(self, grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv):
         # grad_y is a dispatch of grad_out weighted by the gates, in the same layout;
         # grad_gates[t, j] = <grad_out[t], y row of (t, j)>. y: [R, M], or the pipelined
@@ -182,9 +181,7 @@ class _CombineSteps:
         self.check()
         self._barrier()
         if not self.gate_grad_on_experts:
-            out = self._combine_bwd_at_sources(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv)
-            self._set.end_op()
-            return out
+            return self._combine_bwd_at_sources(grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv)
         # Unweighted grad_out rows travel to the experts, with the gates in this rank's gates
         # region; the expert rank scales each row by its gate and sends back only the dot
         # products, so y never travels back.
@@ -208,7 +205,6 @@ class _CombineSteps:
         grad_gates = torch.empty(T, self.k, dtype=torch.float32, device=grad_out.device)
         self.ext.gate_collect(expert_idx, self.num_experts, grad_gates, self.bufs.descriptor, e, *self._wait_args(),
                               min(self.num_blocks, max(1, -(-gates.numel() // 1024))))
-        self._set.end_op()
         return grad_y, grad_gates
 
     def _combine_bwd_at_sources(self, grad_out, y, gates, expert_idx, dest_row, recv_pair, num_recv):

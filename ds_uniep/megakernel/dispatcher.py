@@ -17,7 +17,7 @@ from ..faults import stop_point
 from ..knobs import FUSED_COMM_SMS, Knobs
 from . import autograd
 from .buffers import (FP8_GROUP, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K, PHASE_ARRIVED, PHASE_COUNTS,
-                      PHASE_DISPATCH, PHASE_NAMES, _Dims, _DirectView, _LayerBuffers, buffer_set)
+                      PHASE_DISPATCH, PHASE_NAMES, _Dims, _DirectView, _LayerBuffers, buffer_set, one_op)
 from .combine import _CombineSteps
 
 
@@ -275,13 +275,12 @@ class NVLinkDispatcher(_CombineSteps):
                                      f"buffers were sized for k = {self.k}")
 
     # ------------------------------------------------------------------ raw steps (no autograd)
+    @one_op
     def _dispatch_fwd(self, x: Tensor, expert_idx: Tensor, host_counts: bool = False):
         # host_counts: also bring every rank's counts to the host (``_counts_host``) with R.
         pending, self._pending = self._pending, None
         if pending is None:
-            out = self._dispatch_collect(self._dispatch_launch(x, expert_idx, host_counts))
-            self._set.end_op()
-            return out
+            return self._dispatch_collect(self._dispatch_launch(x, expert_idx, host_counts))
         # dispatch_begin queued this dispatch's kernels already: only the row count is left to read.
         px, pidx, launched = pending
         same = (px.data_ptr(), px.shape, pidx.data_ptr(), pidx.shape) == (
@@ -289,9 +288,7 @@ class NVLinkDispatcher(_CombineSteps):
         if not same or host_counts:
             raise RuntimeError(f"{self.layer_name}: dispatch() got other inputs than the dispatch_begin() before "
                                "it; call dispatch() next with the same x and expert_idx")
-        out = self._dispatch_collect(launched)
-        self._set.end_op()
-        return out
+        return self._dispatch_collect(launched)
 
     def dispatch_begin(self, x: Tensor, expert_idx: Tensor) -> bool:
         """Queue the next :meth:`dispatch`'s kernels now (counts exchange, layout, the rows' stores),
