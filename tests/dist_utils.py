@@ -21,6 +21,19 @@ import traceback
 import torch.multiprocessing as mp
 
 
+def shared_gpus() -> bool:
+    """``UNIEP_TEST_SHARED_GPUS=1``: the GPU tests' ranks share the visible GPUs round-robin (ranks on
+    one GPU run time-sliced) and talk over gloo instead of NCCL. Checks correctness with more ranks
+    than GPUs; timings taken this way mean nothing."""
+    return os.environ.get("UNIEP_TEST_SHARED_GPUS", "0") == "1"
+
+
+def rank_gpu(rank: int):
+    """The GPU of ``rank`` in a GPU test (``cuda:rank``, or round-robin under :func:`shared_gpus`)."""
+    import torch
+    return torch.device("cuda", rank % torch.cuda.device_count() if shared_gpus() else rank)
+
+
 def free_port() -> int:
     """A port free now, for launchers that bind it themselves (``deepspeed --master_port``,
     ``torchrun``); another process can take it before they do, which run_distributed avoids and
@@ -72,7 +85,12 @@ def _entry(rank, world_size, port, backend, fn, args, report_dir, collective_tim
         if threads and threads.isdigit() and int(threads) > 0:  # torch may be imported already (this module)
             torch.set_num_threads(int(threads))
         timeout = datetime.timedelta(seconds=collective_timeout)
-        if backend == "nccl":
+        if backend == "nccl" and shared_gpus():
+            # Ranks time-share the visible GPUs (see shared_gpus); NCCL refuses two ranks on one GPU.
+            torch.cuda.set_device(rank_gpu(rank))
+            backend = "gloo"
+            torch.distributed.init_process_group(backend, timeout=timeout)
+        elif backend == "nccl":
             torch.cuda.set_device(rank)
         else:
             # DeepSpeed binds a CUDA device whenever one is visible, and torch then builds every

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import run_distributed
+from dist_utils import rank_gpu, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M, F, E, K, T = 256, 512, 8, 2, 300
@@ -22,7 +22,7 @@ def _body(rank, world_size):
     from deepspeed.moe.layer import MoE
 
     from ds_uniep import SwiGLUExpert
-    device = torch.device("cuda", rank)
+    device = rank_gpu(rank)
     torch.manual_seed(0)
     proto = MoE(M, SwiGLUExpert(M, F), num_experts=E, ep_size=world_size, k=K, min_capacity=0, drop_tokens=False,
                 use_rts=False, top2_2nd_expert_sampling=False)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import run_distributed
+from dist_utils import rank_gpu, run_distributed
 from test_megakernel_layer import _make as make_layer
 
 M, F, K, T_MAX = 256, 512, 2, 512
@@ -23,7 +23,7 @@ def _tokens(rank):
 
 
 def _inputs(layer, rank, case):
-    device = torch.device("cuda", rank)
+    device = rank_gpu(rank)
     g = torch.Generator(device=device).manual_seed(1000 * case + rank)
     x = torch.randn(_tokens(rank), M, device=device, generator=g).to(torch.bfloat16)
     gy = torch.randn(x.shape, device=device, generator=g).to(torch.bfloat16)
@@ -53,7 +53,7 @@ class _Graphed:
 
     def __init__(self, layer, rank, stream):
         self.layer, self.stream = layer, stream
-        device = torch.device("cuda", rank)
+        device = rank_gpu(rank)
         self.x = torch.zeros(_tokens(rank), M, device=device, dtype=torch.bfloat16, requires_grad=True)
         self.gy = torch.zeros(_tokens(rank), M, device=device, dtype=torch.bfloat16)
         for _ in range(2):  # warm-up: caches, workspaces, the epoch advances' constants
@@ -87,7 +87,7 @@ def _body(rank, world_size):
                                extra={"sync_free": True})
         cases = range(6)
         want = [_eager(default, *_inputs(default, rank, c)) for c in cases]
-        side = torch.cuda.Stream(torch.device("cuda", rank))  # not the legacy default stream, which capture refuses
+        side = torch.cuda.Stream(rank_gpu(rank))  # not the legacy default stream, which capture refuses
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             before = _eager(sync_free, *_inputs(sync_free, rank, 0))
@@ -124,7 +124,7 @@ def _graphed_body(rank, world_size):
     from ds_uniep import graph_moe
     default = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX)
     layer = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX, extra={"sync_free": True})
-    sample = torch.zeros(_tokens(rank), M, device=torch.device("cuda", rank), dtype=torch.bfloat16,
+    sample = torch.zeros(_tokens(rank), M, device=rank_gpu(rank), dtype=torch.bfloat16,
                          requires_grad=True)
     graphed = graph_moe(layer, sample)
     assert graphed is layer

@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from conftest import needs_gpus  # noqa: E402
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import rank_gpu, run_distributed  # noqa: E402
 from test_hf_convert import _fp32_routers  # noqa: E402
 
 FAMILIES = ("mixtral", "qwen3_moe", "deepseek_v3")
@@ -30,7 +30,7 @@ def _parity(rank, world):
     import torch
     import ds_uniep
     from hf_moe_models import VOCAB, tiny_model
-    device = torch.device("cuda", rank)
+    device = rank_gpu(rank)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + rank)).to(device)
     probe = torch.randn(2, 16, VOCAB, generator=torch.Generator().manual_seed(7 + rank)).to(device)
     for family in FAMILIES:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import run_distributed
+from dist_utils import rank_gpu, run_distributed
 from test_megakernel_layer import _make as make_layer
 
 M, F = 512, 256
@@ -43,7 +43,7 @@ def _step(layer, rank, T, routing, world_size):
     """One forward and backward: [output, x.grad, every parameter's grad]. ``routing``: "random",
     "one_expert" (every token's first choice the last expert) or "one_rank" (every token's choices
     among the experts of the last rank)."""
-    device = torch.device("cuda", rank)
+    device = rank_gpu(rank)
     wg = layer.deepspeed_moe.gate.wg.weight
     saved = wg.detach().clone()
     E = wg.shape[0]
@@ -71,7 +71,11 @@ def _rel(got, want):
     return 0.0 if d == 0 else (d / n.clamp_min(1e-30)).item()
 
 
-def _edges(rank, world_size):
+def _edges(rank, world_size, copied=False):
+    if copied:  # every dispatch finds the direct region busy (an earlier layer's rows wait there for
+        # their backward) and copies its rows out of the staging region
+        from ds_uniep.megakernel import buffers
+        buffers._DirectRegion.free = lambda region: False
     T = _tokens(world_size)[rank]
     checked = 0
     for k in (1, 2, 6):
@@ -96,12 +100,15 @@ def _edges(rank, world_size):
                 checked += 1
     torch.distributed.barrier()
     if rank == 0:
-        print(f"edges ep {world_size}: {checked} schedule cases bitwise the sequential schedule", flush=True)
+        print(f"edges ep {world_size}{' (rows copied out)' if copied else ''}: {checked} schedule cases bitwise "
+              "the sequential schedule", flush=True)
 
 
+@pytest.mark.parametrize("copied", [False, True], ids=["in-place", "copied"])
 @pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (2, 4)])
-def test_every_schedule_with_an_empty_rank_and_skewed_routing(world_size):
+def test_every_schedule_with_an_empty_rank_and_skewed_routing(world_size, copied):
     """A rank with no tokens, a rank with one, all tokens to one expert, all tokens to one rank's
     experts: every schedule and roles value gives the sequential schedule's bits, forward and
-    backward, at k 1, 2 and 6."""
-    run_distributed(_edges, world_size, backend="nccl")
+    backward, at k 1, 2 and 6; with the rows received in place, and copied out of the staging
+    region (the direct region busy, as layers sharing a buffer set find it)."""
+    run_distributed(_edges, world_size, copied, backend="nccl")

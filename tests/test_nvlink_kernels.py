@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import run_distributed
+from dist_utils import rank_gpu, run_distributed
 
 M = 256
 T_MAX = 4096
@@ -69,7 +69,7 @@ def _body(rank, G, dtype_name):
     from ds_uniep.reference import fp8_roundtrip, weighted_slot_sum
 
     dtype = getattr(torch, dtype_name)
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu(rank)
     E = 4 * G
     L = E // G
     cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T_MAX, "overlap": {"timeout_s": 30.0}})
@@ -266,7 +266,7 @@ def _direct_body(rank, G):
     staging and copy-out, its held rows stay as they were, and both paths give the same rows."""
     from ds_uniep.config import UniEPConfig
 
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu(rank)
     E, k, T = 4 * G, 2, 257
     cfg = UniEPConfig.from_dict({"max_tokens_per_rank": T, "overlap": {"timeout_s": 30.0}})
     disp = _disp("test.direct", E, G, k, torch.bfloat16, cfg)

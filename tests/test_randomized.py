@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import run_distributed
+from dist_utils import rank_gpu, run_distributed
 from randomized_cases import SCHEDULES, Case, draw_case, expert_class, reference_pair
 
 CPU_SEEDS = {2: range(50), 4: range(20)}
@@ -169,7 +169,7 @@ def check_case(case: Case, rank: int, device) -> None:
 def run_cases(rank, world_size, cases, device_kind, report=None):
     """Every case on this rank, each in its own layer; the mismatches of all cases are raised
     together at the end (a case's collectives are complete before its comparisons)."""
-    device = torch.device("cuda", rank) if device_kind == "cuda" else torch.device("cpu")
+    device = rank_gpu(rank) if device_kind == "cuda" else torch.device("cpu")
     cannot = _CannotRun()
     logging.getLogger("ds_uniep").addHandler(cannot)
     failures = []

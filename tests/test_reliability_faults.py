@@ -18,6 +18,7 @@ import time
 import pytest
 
 from conftest import needs_gpus
+from dist_utils import rank_gpu, shared_gpus
 
 TIMEOUT_S = 3.0
 MARGIN_S = 5.0  # start-up skew of the ranks on a loaded machine, and the error's way up
@@ -32,7 +33,8 @@ def _rank_main(rank: int, world: int, port: int, backend: str) -> None:
     torch.set_num_threads(1)
     gpu = backend == "nccl"
     if gpu:
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank_gpu(rank))
+        backend = "gloo" if shared_gpus() else backend
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     import deepspeed
@@ -45,7 +47,7 @@ def _rank_main(rank: int, world: int, port: int, backend: str) -> None:
     layer = UniEPMoE(M, MLP(M, 2 * M), num_experts=2 * world, ep_size=world, k=2, drop_tokens=False,
                      config={"backend": "megakernel" if gpu else "reference", "max_tokens_per_rank": 64,
                              "overlap": {"timeout_s": TIMEOUT_S}})
-    device, dtype = (torch.device("cuda", rank), torch.bfloat16) if gpu else (torch.device("cpu"), torch.float32)
+    device, dtype = (rank_gpu(rank), torch.bfloat16) if gpu else (torch.device("cpu"), torch.float32)
     layer = layer.to(device=device, dtype=dtype)
     layer.deepspeed_moe.gate.wg.float()
     layer.set_deepspeed_parallelism()

@@ -1,16 +1,18 @@
 """Layers of one expert-parallel group share megakernel buffers, bit for bit.
 
 A stack of four megakernel layers (residual stream; the third has a larger ``max_tokens_per_rank``,
-so it makes a new set unless a set that large is alive already, and the fourth shares it) runs two
+so it makes a new set unless the group's newest is that large already, and the fourth shares it) runs two
 forwards, then both backwards, on every schedule: with shared buffer sets and with a set per layer,
 outputs, input gradients and every parameter gradient are bitwise equal; the largest layer's set is
 the size of its per-layer set. The sizes' arithmetic is checked on the CPU.
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import run_distributed
+from dist_utils import rank_gpu, run_distributed
 from test_megakernel_layer import _make as make_layer
 
 M, F, K = 256, 512, 2
@@ -48,7 +50,7 @@ def _run_stack(layers, rank, shared):
 
 
 def _forward_backward(layers, rank):
-    device = torch.device("cuda", rank)
+    device = rank_gpu(rank)
     for layer in layers:
         for p in layer.parameters():
             p.grad = None
@@ -77,7 +79,7 @@ def _body(rank, world_size):
         ds = [next(iter(layer._dispatchers.values())) for layer in shared]
         dp = [next(iter(layer._dispatchers.values())) for layer in private]
         sets = [d._set for d in ds]
-        # The first two share a set (a new one, or an earlier stack's larger one still alive), the
+        # The first two share a set (a new one, or the group's newest, which an earlier stack made), the
         # last two the third layer's.
         assert sets[0] is sets[1] and sets[2] is sets[3], f"{name}: sets {sets}"
         assert len({id(d._set) for d in dp}) == len(dp), f"{name}: per-layer buffers were shared"
@@ -104,8 +106,6 @@ def test_a_set_is_sized_by_its_largest_layer():
     """A set made for one layer does not fit a layer that needs more of any region; one sized by
     the larger of both (as ``buffer_set`` makes it) fits both. The byte count is the module doc's
     formula."""
-    from types import SimpleNamespace
-
     from ds_uniep.megakernel.buffers import MAX_RANKS, BufferSet, _Dims
     E, G, k, M = 64, 4, 6, 2048
     a = _Dims(E, G, 4096, k, M, 2, False)
@@ -148,3 +148,35 @@ def test_a_timeout_in_one_layer_stops_every_layer_sharing_its_buffers():
     with pytest.raises(UniEPTimeoutError, match=r"^UniEPMoE\[1\]: rank 0 timed out \(in UniEPMoE\[0\], which shares "
                        r"its buffers\) after 5 s"):
         check(b)
+
+
+def test_the_choice_of_set_does_not_wait_for_the_garbage_collector(monkeypatch):
+    """Making a set is collective, so every rank must choose the same set for a layer: the newest set
+    of a group stays chosen after its layers are gone (however late a rank's collector frees them),
+    until ``release_buffers``."""
+    import gc
+
+    from ds_uniep.megakernel import buffers
+
+    made = []
+
+    class FakeSet:  # what buffer_set reads of a set, and no symmetric memory
+        def __init__(self, regions, direct, *args):
+            self.regions, self.direct_bytes = regions, direct
+            made.append(1)
+
+        fits = buffers.BufferSet.fits
+
+    monkeypatch.setattr(buffers, "BufferSet", FakeSet)
+    monkeypatch.setattr(buffers, "_SETS", {})
+    small, large = buffers._Dims(16, 2, 64, 2, 128, 2, False), buffers._Dims(16, 2, 128, 2, 128, 2, False)
+    dev, group = torch.device("cpu"), SimpleNamespace(group_name="g")
+    first = buffers.buffer_set(small, torch.bfloat16, False, group, dev)
+    first_id = id(first)
+    del first
+    gc.collect()
+    assert id(buffers.buffer_set(small, torch.bfloat16, False, group, dev)) == first_id and len(made) == 1
+    grown = buffers.buffer_set(large, torch.bfloat16, False, group, dev)  # larger: a new set for both
+    assert len(made) == 2 and buffers.buffer_set(small, torch.bfloat16, False, group, dev) is grown
+    buffers.release_buffers()
+    assert buffers.buffer_set(small, torch.bfloat16, False, group, dev) is not grown and len(made) == 3

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import run_distributed
+from dist_utils import rank_gpu, run_distributed
 from ds_uniep.knobs import FUSED_COMM_SMS
 
 M, F, K, T = 512, 1024, 2, 2048
@@ -63,7 +63,7 @@ def _every_timed_plan_body(rank, world_size, gemm):
     from ds_uniep import gemm as uniep_gemm
     from ds_uniep.tuning import GPUInfo, Shape, Space, tune
     from ds_uniep.tuning.runner import layer_runner, runnable_gemms
-    device = torch.device("cuda", rank)
+    device = rank_gpu(rank)
     # "both": configured on torch's GEMM, the space walks the GEMMs the layer can run (torch's and
     # ds_uniep's), as a self-tuning layer's does; the baseline runs torch's
     configured = "torch" if gemm == "both" else gemm
@@ -144,7 +144,7 @@ def test_every_timed_plan_gives_the_sequential_baselines_numbers(gemm):
 
 
 def _self_tuning_body(rank, world_size, cache_dir):
-    device = torch.device("cuda", rank)
+    device = rank_gpu(rank)
     x, gy = _inputs(rank, device)
     common = {"backend": "megakernel", "max_tokens_per_rank": T}
     plain = _layer(rank, world_size, {**common, "overlap": {"schedule": "sequential", "num_comm_sms": 16,

@@ -64,8 +64,9 @@ side and the backward ops), :mod:`.autograd` (the custom ops and autograd functi
 """
 
 from .buffers import (ERROR_RECORD_WORDS, FP8_GROUP, MAX_COMBINE_CHUNKS, MAX_EXPERTS, MAX_RANKS, MAX_TOP_K,
-                      NUM_PHASES, PHASE_NAMES)
+                      NUM_PHASES, PHASE_NAMES, release_buffers)
 from .dispatcher import NVLinkDispatcher, NVLinkHandle, UniEPCapacityError, UniEPTimeoutError
 
 __all__ = ["NVLinkDispatcher", "NVLinkHandle", "UniEPCapacityError", "UniEPTimeoutError", "MAX_RANKS", "MAX_EXPERTS",
-           "MAX_TOP_K", "FP8_GROUP", "NUM_PHASES", "MAX_COMBINE_CHUNKS", "ERROR_RECORD_WORDS", "PHASE_NAMES"]
+           "MAX_TOP_K", "FP8_GROUP", "NUM_PHASES", "MAX_COMBINE_CHUNKS", "ERROR_RECORD_WORDS", "PHASE_NAMES",
+           "release_buffers"]

@@ -19,7 +19,6 @@ bytes of scales are added).
 """
 
 import functools
-import weakref
 from typing import Dict
 
 import torch
@@ -27,7 +26,7 @@ import torch.distributed as torch_dist
 from torch import Tensor
 
 from ..env import logger
-from ..symm import rendezvous
+from ..symm import symmetric_empty
 
 # Kernel limits repeated from ops/csrc/configs.cuh (tests/test_ops_compile.py checks they agree).
 MAX_RANKS = 8
@@ -86,20 +85,15 @@ class _SymBuffers:
     ``regions[name]`` bytes; the same layout on every rank. Collective over ``group``."""
 
     def __init__(self, regions: Dict[str, int], group, device: torch.device):
-        from torch.distributed import _symmetric_memory as symm_mem
         self.offsets: Dict[str, int] = {}
         total = 0
         for name, nbytes in regions.items():
             self.offsets[name] = total
             total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.total_bytes = total
-        self.buffer = symm_mem.empty(total, dtype=torch.uint8, device=device)
-        # Signals and the status word start at 0, before any peer can store into this buffer:
-        # rendezvous is collective and comes after the local zeroing has finished.
-        self.buffer.zero_()
-        torch.cuda.synchronize(device)
+        # Signals and the status word start at 0 (symmetric_empty zeroes before peers can store).
+        self.buffer, self.handle = symmetric_empty(total, group, device)
         self.group = group
-        self.handle = rendezvous(self.buffer, group)
         self.ptrs = list(self.handle.buffer_ptrs)
         G = torch_dist.get_world_size(group) if torch_dist.is_initialized() else 1
         if len(self.ptrs) != G:
@@ -111,9 +105,7 @@ class _DirectRegion:
     (views handed out) can be counted. Collective over ``group``."""
 
     def __init__(self, nbytes: int, group, device: torch.device):
-        from torch.distributed import _symmetric_memory as symm_mem
-        self.buffer = symm_mem.empty(max(nbytes, 16), dtype=torch.uint8, device=device)
-        self.handle = rendezvous(self.buffer, group)
+        self.buffer, self.handle = symmetric_empty(max(nbytes, 16), group, device)
         ptrs = list(self.handle.buffer_ptrs)
         self.ptrs = ptrs + [0] * (MAX_RANKS - len(ptrs))
         self.idle_users = _storage_users(self.buffer)
@@ -208,7 +200,17 @@ def one_op(step):
     return run
 
 
-_SETS: "weakref.WeakValueDictionary[tuple, BufferSet]" = weakref.WeakValueDictionary()
+#: The newest set per (group, device, dtype, FP8, device epochs), held here until
+#: :func:`release_buffers`: whether a layer gets a new set must not depend on when each rank's
+#: garbage collector frees the last layer of the old one (making a set is collective).
+_SETS: Dict[tuple, "BufferSet"] = {}
+
+
+def release_buffers() -> None:
+    """Forget every group's newest buffer set: layers made afterwards get new sets, and a set's
+    memory goes back when its last layer does. Call it on every rank of the groups, at the same
+    point of the program (e.g. between two models)."""
+    _SETS.clear()
 
 
 def buffer_set(dims: _Dims, dtype: torch.dtype, fp8: bool, group, device: torch.device,
