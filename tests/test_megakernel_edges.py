@@ -6,6 +6,8 @@ the fused one) must give bitwise the sequential schedule's outputs and gradients
 and the sequential schedule's forward must equal the reference backend's bit for bit (gradients
 to bf16 tolerance: the gate gradient is reduced in another fixed order there).
 """
+import gc
+
 import pytest
 import torch
 
@@ -54,6 +56,7 @@ def _step(layer, rank, T, routing, world_size):
             wg[E - E // world_size:] += 50.0
     for p in layer.parameters():
         p.grad = None
+    gc.collect()  # earlier layers' rows gone from the direct region their layers shared: in place if not busy
     gx = torch.Generator(device=device).manual_seed(rank)
     x = torch.randn(T, M, device=device, generator=gx).abs().to(torch.bfloat16).requires_grad_(True)
     gy = torch.randn(T, M, device=device, generator=gx).to(torch.bfloat16)
@@ -72,10 +75,15 @@ def _rel(got, want):
 
 
 def _edges(rank, world_size, copied=False):
-    if copied:  # every dispatch finds the direct region busy (an earlier layer's rows wait there for
-        # their backward) and copies its rows out of the staging region
-        from ds_uniep.megakernel import buffers
-        buffers._DirectRegion.free = lambda region: False
+    """``copied``: the schedules' dispatches find the direct region busy (as a layer does while an
+    earlier layer's rows wait there for their backward) and copy their rows out of the staging
+    region; the sequential schedule's in-place bits are still the ones to match."""
+    from ds_uniep.megakernel import buffers
+    free = buffers._DirectRegion.free
+
+    def busy(on):
+        buffers._DirectRegion.free = (lambda region: False) if on else free
+
     T = _tokens(world_size)[rank]
     checked = 0
     for k in (1, 2, 6):
@@ -93,11 +101,15 @@ def _edges(rank, world_size, copied=False):
                 assert _rel(b, a) <= 1e-2, f"{where}: tensor {i} {_rel(b, a):.3e} from the reference"
             for i, (a, b) in enumerate(zip(seq, want["sequential-uniep"])):
                 assert torch.equal(a, b), f"{where}: tensor {i} of ds_uniep's GEMM differs from torch's"
-            for name, overlap, gemm, base in SCHEDULES:
+            busy(copied)
+            schedules = SCHEDULES + ([("sequential-copied", {"schedule": "sequential"}, g, f"sequential-{g}")
+                                      for g in ("torch", "uniep")] if copied else [])
+            for name, overlap, gemm, base in schedules:
                 got = _step(_make(rank, world_size, k, "megakernel", overlap, gemm), rank, T, routing, world_size)
                 for i, (a, b) in enumerate(zip(want[base], got)):
                     assert torch.equal(a, b), f"{where} {name}: tensor {i} differs from {base}"
                 checked += 1
+            busy(False)
     torch.distributed.barrier()
     if rank == 0:
         print(f"edges ep {world_size}{' (rows copied out)' if copied else ''}: {checked} schedule cases bitwise "
