@@ -72,7 +72,9 @@ back to back under ``torch.profiler`` and reports where rank 0's GPU time goes
 per step: kernels by kind (grouped GEMMs, dense GEMMs, dispatch, combine, ...),
 the time the GPU sat idle and the time two streams ran at once, with every
 rank's busy time and kinds beside it (``profile_steps.py``; JSON key
-``<backend>_profile`` of each row).
+``<backend>_profile`` of each row). ``--breakdown`` (profiling 5 steps unless
+``--profile-steps`` says otherwise) also draws it per shape and mode, every layer a
+stacked bar against both bounds, as ``OUT/breakdown_<shape>_<mode>.png``.
 
 ``--autotune`` adds, per shape, the megakernel layer tuned by its own autotune
 path (``"autotune": {"enabled": true}``, fwd+bwd, ``--autotune-budget-s`` per
@@ -101,7 +103,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_rows import (AUTOEP_NOTE, GraphedLayer, build_autoep, fixed_plan_order, fixed_plans,  # noqa: E402,F401
                         print_autotune, summarize_autotune)
-from bench_tables import _PEERS, print_profiles, print_table  # noqa: E402,F401
+from bench_tables import _PEERS, plot_breakdown, print_profiles, print_table  # noqa: E402,F401
 from timing import bench, rotating  # noqa: E402
 
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
@@ -182,6 +184,9 @@ def parse_args(argv=None):
                    help="after its timings, run every layer this many steps back to back under torch.profiler "
                    "and report where rank 0's GPU time goes per step: kernels by kind, idle and concurrent time "
                    "(see profile_steps.py; 0: off, the default)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="profile every layer (--profile-steps, 5 if not given) and write, per shape and mode, a "
+                   "PNG of its GPU time by kind of kernel and idle, against both bounds (OUT/breakdown_*.png)")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (the config default and every plan of the layer's space) per shape")
@@ -191,7 +196,10 @@ def parse_args(argv=None):
                    "listed as not timed (default 0: every plan)")
     p.add_argument("--autotune-cache", default=None, help="plan cache directory (default OUT/plan_cache; a cached "
                    "plan is used without tuning)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.breakdown and args.profile_steps <= 0:
+        args.profile_steps = 5
+    return args
 
 
 def experts_for(shape, ep, override):
@@ -615,6 +623,9 @@ def main(argv=None):
             json.dump(results, f, indent=2)
         print_table(results)
         print_profiles(results)
+        if args.breakdown:
+            for path in plot_breakdown(results, args.out):
+                print(f"breakdown: {path}")
         if args.autotune:
             print_autotune(results["autotune"])
     dist.barrier()

@@ -112,3 +112,52 @@ def print_table(results):
         print(f"* {name} could not run ({', '.join(where)}): {reason}")
     if "autoep_note" in results:
         print(f"autoep: {results['autoep_note']}")
+
+
+def plot_breakdown(results, out_dir):
+    """``--breakdown``: per (shape, mode), one PNG of where rank 0's GPU time goes per step for every
+    profiled layer: a stacked bar of the kinds of kernels (summed over streams, so with overlap the
+    bar is longer than the step) and the GPU's idle time, with the step's window and both bounds as
+    lines. Returns the files written."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    written = []
+    for r in results["rows"]:
+        profiled = [b for b in _TIMED if b + "_profile" in r]
+        if not profiled:
+            continue
+        kinds = []
+        for b in profiled:
+            kinds += [c for c in r[b + "_profile"]["categories"] if c not in kinds]
+        fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(profiled)))
+        colors = plt.get_cmap("tab20").colors
+        for y, b in enumerate(profiled):
+            p, left = r[b + "_profile"], 0.0
+            for i, c in enumerate(kinds + ["idle"]):
+                width = p["idle_ms"] if c == "idle" else p["categories"].get(c, 0.0)
+                ax.barh(y, width, left=left, color="lightgrey" if c == "idle" else colors[i % len(colors)],
+                        edgecolor="white", label=c if y == 0 or c not in ax.get_legend_handles_labels()[1] else None)
+                left += width
+            ax.plot([p["window_ms"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
+        for key, style, label in (("practical_bound_ms", "--", "practical bound"),
+                                  ("physical_bound_ms", ":", "physical bound")):
+            if key in r:
+                ax.axvline(r[key], color="red", linestyle=style, label=label)
+        ax.set_yticks(range(len(profiled)), [_LABELS[b] for b in profiled])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms per step (rank 0; black tick: first kernel to last)")
+        ax.set_title(f"{r['shape']} {r['mode']}, ep {results.get('ep', '?')}: GPU time by kind of kernel")
+        handles, labels = ax.get_legend_handles_labels()
+        seen = {}
+        for h, lab in zip(handles, labels):
+            seen.setdefault(lab, h)
+        ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        fig.tight_layout()
+        path = os.path.join(out_dir, f"breakdown_{r['shape']}_{r['mode']}.png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -165,3 +165,26 @@ def test_bench_hf_model_runs_both_engines_on_cpu(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["family"] == "qwen3_moe" and row["autoep_ms"] > 0 and row["ds_uniep_ms"] > 0, row
     assert "qwen3_moe |" in run.stdout
+
+
+def test_breakdown_draws_each_profiled_shape_and_mode(tmp_path):
+    """``--breakdown`` profiles 5 steps unless told otherwise; a PNG per (shape, mode) that has a
+    profiled layer, none for the others."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_moe_layer
+    from bench_tables import plot_breakdown
+    assert bench_moe_layer.parse_args(["--breakdown"]).profile_steps == 5
+    assert bench_moe_layer.parse_args(["--breakdown", "--profile-steps", "2"]).profile_steps == 2
+    assert bench_moe_layer.parse_args([]).profile_steps == 0
+
+    def profile(gemm, idle):
+        return {"window_ms": gemm + 1.0 + idle, "busy_ms": gemm + 1.0, "idle_ms": idle, "concurrent_ms": 0.0,
+                "categories": {"grouped GEMMs (CUTLASS)": gemm, "combine": 1.0}}
+
+    rows = [{"shape": "s", "mode": "fwdbwd", "practical_bound_ms": 2.0, "physical_bound_ms": 1.5,
+             "stock_ms": 9.0, "stock_profile": profile(5.0, 2.0), "megakernel_profile": profile(2.5, 0.2)},
+            {"shape": "s", "mode": "fwd", "stock_ms": 3.0}]
+    written = plot_breakdown({"ep": 2, "rows": rows}, str(tmp_path))
+    assert written == [str(tmp_path / "breakdown_s_fwdbwd.png")]
+    with open(written[0], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
