@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import needs_gpus
-from dist_utils import rank_gpu, run_distributed
+from dist_utils import rank_gpu, run_distributed, shared_gpus
 
 
 def _make(rank, world_size, k, backend, overlap=None, expert_gemm="torch", M=256, F=512, gelu=False,
@@ -32,7 +32,8 @@ def _make(rank, world_size, k, backend, overlap=None, expert_gemm="torch", M=256
                      drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
                      config={"backend": backend, "max_tokens_per_rank": max_tokens,
                              "expert_gemm": expert_gemm, "compression": compression or {},
-                             "overlap": dict(timeout_s=5.0, **(overlap or {})), **(extra or {})})
+                             "overlap": dict(timeout_s=30.0 if shared_gpus() else 5.0, **(overlap or {})),
+                             **(extra or {})})
     with torch.no_grad():
         g = torch.Generator().manual_seed(100 + rank)
         for p in layer.deepspeed_moe.experts.parameters():
