@@ -178,5 +178,8 @@ def test_the_choice_of_set_does_not_wait_for_the_garbage_collector(monkeypatch):
     assert id(buffers.buffer_set(small, torch.bfloat16, False, group, dev)) == first_id and len(made) == 1
     grown = buffers.buffer_set(large, torch.bfloat16, False, group, dev)  # larger: a new set for both
     assert len(made) == 2 and buffers.buffer_set(small, torch.bfloat16, False, group, dev) is grown
+    again = SimpleNamespace(group_name="g")  # a group made again under the same name: not the old one's set
+    third = buffers.buffer_set(small, torch.bfloat16, False, again, dev)
+    assert third is not grown and len(made) == 3
     buffers.release_buffers()
-    assert buffers.buffer_set(small, torch.bfloat16, False, group, dev) is not grown and len(made) == 3
+    assert buffers.buffer_set(small, torch.bfloat16, False, again, dev) is not third and len(made) == 4

@@ -200,10 +200,11 @@ def one_op(step):
     return run
 
 
-#: The newest set per (group, device, dtype, FP8, device epochs), held here until
-#: :func:`release_buffers`: whether a layer gets a new set must not depend on when each rank's
-#: garbage collector frees the last layer of the old one (making a set is collective).
-_SETS: Dict[tuple, "BufferSet"] = {}
+#: The newest set per (group, device, dtype, FP8, device epochs), with its process group, held here
+#: until :func:`release_buffers`: whether a layer gets a new set must not depend on when each rank's
+#: garbage collector frees the last layer of the old one (making a set is collective). A group made
+#: again under the same name gets sets of its own.
+_SETS: Dict[tuple, tuple] = {}
 
 
 def release_buffers() -> None:
@@ -221,7 +222,8 @@ def buffer_set(dims: _Dims, dtype: torch.dtype, fp8: bool, group, device: torch.
     group). With :data:`SHARED` False, a new set of this layer's own."""
     pg = group if group is not None else torch_dist.group.WORLD
     key = (getattr(pg, "group_name", id(pg)), device.index, dtype, fp8, device_epochs)
-    newest = _SETS.get(key) if SHARED else None
+    held = _SETS.get(key) if SHARED else None
+    newest = held[1] if held is not None and held[0] is pg else None
     if newest is not None and newest.fits(dims):
         return newest
     regions, direct = dims.regions, dims.direct_bytes
@@ -230,7 +232,7 @@ def buffer_set(dims: _Dims, dtype: torch.dtype, fp8: bool, group, device: torch.
         direct = max(direct, newest.direct_bytes)
     made = BufferSet(regions, direct, pg, device, dtype, fp8, device_epochs)
     if SHARED:
-        _SETS[key] = made
+        _SETS[key] = (pg, made)
     return made
 
 
