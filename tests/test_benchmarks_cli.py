@@ -154,13 +154,15 @@ def test_bench_hf_model_runs_both_engines_on_cpu(tmp_path):
     """``bench_hf_model.py --cpu`` on 2 gloo ranks: a tiny Qwen3-MoE trains a step on AutoEP and on ds_uniep
     (times on a CPU mean nothing; the GPU run is in docs/performance.md's commands)."""
     import json
+
+    from dist_utils import run_launcher
     out = tmp_path / "hf.json"
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          "29561", os.path.join(ROOT, "benchmarks", "bench_hf_model.py"), "--cpu", "--families",
-                          "qwen3_moe", "--hidden", "32", "--layers", "1", "--heads", "4", "--experts", "4", "--topk",
-                          "2", "--expert-ffn", "32", "--seq", "16", "--micro-batch", "2", "--steps", "1", "--rounds",
-                          "1", "--warmup", "1", "--out", str(out)], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
+    run = run_launcher(lambda port: [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+        os.path.join(ROOT, "benchmarks", "bench_hf_model.py"), "--cpu", "--families", "qwen3_moe", "--hidden", "32",
+        "--layers", "1", "--heads", "4", "--experts", "4", "--topk", "2", "--expert-ffn", "32", "--seq", "16",
+        "--micro-batch", "2", "--steps", "1", "--rounds", "1", "--warmup", "1", "--out", str(out)],
+        timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     row = json.loads(out.read_text())["rows"][0]
     assert row["family"] == "qwen3_moe" and row["autoep_ms"] > 0 and row["ds_uniep_ms"] > 0, row
