@@ -139,7 +139,7 @@ def plot_breakdown(results, out_dir):
             for i, c in enumerate(kinds + ["idle"]):
                 width = p["idle_ms"] if c == "idle" else p["categories"].get(c, 0.0)
                 ax.barh(y, width, left=left, color="lightgrey" if c == "idle" else colors[i % len(colors)],
-                        edgecolor="white", label=c if y == 0 or c not in ax.get_legend_handles_labels()[1] else None)
+                        edgecolor="white", label=c if y == 0 else None)  # every kind has a bar in each row
                 left += width
             ax.plot([p["window_ms"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
         for key, style, label in (("practical_bound_ms", "--", "practical bound"),
@@ -150,11 +150,7 @@ def plot_breakdown(results, out_dir):
         ax.invert_yaxis()
         ax.set_xlabel("ms per step (rank 0; black tick: first kernel to last)")
         ax.set_title(f"{r['shape']} {r['mode']}, ep {results.get('ep', '?')}: GPU time by kind of kernel")
-        handles, labels = ax.get_legend_handles_labels()
-        seen = {}
-        for h, lab in zip(handles, labels):
-            seen.setdefault(lab, h)
-        ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
         path = os.path.join(out_dir, f"breakdown_{r['shape']}_{r['mode']}.png")
         fig.savefig(path, dpi=120)
