@@ -39,22 +39,16 @@ def check_requested(backend: str) -> None:
                                 '(torch.cuda.is_available() is False); use "backend": "reference" or "auto"')
 
 
-def resolve(backend: str, device: torch.device, layer_name: str, topology=None) -> str:
+def resolve(backend: str, device: torch.device, layer_name: str, topology=None, unsupported_across: str = "") -> str:
     """The backend a layer runs on ``device``: ``"reference"`` or ``"megakernel"``. ``topology``: the
     layer's expert-parallel group over nodes (:class:`ds_uniep.topology.GroupTopology`); on a group
-    spanning nodes the megakernel cannot run (its symmetric memory reaches one node's GPUs)."""
+    spanning nodes the megakernel's symmetric memory reaches one node's GPUs, so there it runs inside
+    each node with NCCL between nodes (:func:`_resolve_across_nodes`), unless ``unsupported_across``
+    names what of the layer's configuration that path does not run."""
     if backend == "reference":
         return "reference"
     if topology is not None and topology.spans_nodes:
-        # Next step (GPU): the megakernel inside each node with NCCL between nodes (ds_uniep.twolevel).
-        why = f"the expert-parallel group spans {topology.describe()} and symmetric memory reaches one node's GPUs"
-        if backend == "megakernel":
-            raise UniEPBackendError(f"{layer_name}: backend 'megakernel' cannot run: {why}; use 'auto' or "
-                                    "'reference' (the two-level reference path across nodes)")
-        path = ("the two-level reference path: each token once per node across, then inside the node"
-                if topology.uniform else "the flat reference all-to-all: its nodes hold different numbers of its ranks")
-        logger.info(f"{layer_name}: backend auto -> reference ({why}; {path})")
-        return "reference"
+        return _resolve_across_nodes(backend, device, layer_name, topology, unsupported_across)
     ok, reason = megakernel_status(device)
     if backend == "megakernel":
         if not ok:
@@ -63,6 +57,31 @@ def resolve(backend: str, device: torch.device, layer_name: str, topology=None) 
     chosen = "megakernel" if ok else "reference"
     logger.info(f"{layer_name}: backend auto -> {chosen} ({'megakernel available' if ok else reason})")
     return chosen
+
+
+def _resolve_across_nodes(backend: str, device: torch.device, layer_name: str, topology, unsupported: str) -> str:
+    """``resolve`` on a group spanning nodes: the megakernel runs inside each node with NCCL across
+    (:class:`ds_uniep.twolevel.TwoLevelNVLinkDispatcher`) where every node holds the same number of
+    the group's ranks and the megakernel can run on this node's GPUs; else the reference backend."""
+    spans = f"the expert-parallel group spans {topology.describe()}"
+    ok, reason = megakernel_status(device)
+    why = (reason if not ok else "its nodes hold different numbers of its ranks" if not topology.uniform else
+           f"{unsupported} runs on the reference backend across nodes" if unsupported else "")
+    if backend == "megakernel":
+        if why:
+            raise UniEPBackendError(f"{layer_name}: backend 'megakernel' cannot run: {spans} and {why}; use 'auto' "
+                                    "or 'reference'")
+        logger.info(f"{layer_name}: backend megakernel across nodes: {spans}; the megakernel inside each node, "
+                    "NCCL between nodes (two-level: each token once per node across)")
+        return "megakernel"
+    if not why:
+        logger.info(f"{layer_name}: backend auto -> megakernel across nodes ({spans}; the megakernel inside each "
+                    "node, NCCL between nodes, each token once per node across)")
+        return "megakernel"
+    path = ("the two-level reference path: each token once per node across, then inside the node"
+            if topology.uniform else "the flat reference all-to-all: its nodes hold different numbers of its ranks")
+    logger.info(f"{layer_name}: backend auto -> reference ({spans}; {why}; {path})")
+    return "reference"
 
 
 def run_script(main: Callable[[], None]) -> None:

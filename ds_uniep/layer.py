@@ -30,7 +30,7 @@ from .env import logger
 from .hybrid.layer_state import HybridLayer
 from .experts import pack_experts
 from .topology import group_topology
-from .twolevel import reference_dispatcher
+from .twolevel import TwoLevelNVLinkDispatcher, reference_dispatcher
 from .schedules.common import Step
 from .tensor_parallel import tp_gather
 
@@ -309,15 +309,25 @@ class UniEPMoE(MoE):
             raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
         topo = group_topology(self.uniep_config.topology, self.ep_group, self.ep_size)
-        name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name, topo)
-        schedules.say_unread_knobs(self.uniep_config.overlap, name, self.layer_name,
+        comp = self.uniep_config.compression
+        name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name, topo,
+                                   "inter-site pacing" if self._pacing is not None else
+                                   f"compression.dispatch_dtype {comp.dispatch_dtype!r}"
+                                   if comp.dispatch_dtype != "activation" else
+                                   f"compression.combine {comp.combine!r}" if comp.combine != "slots" else "")
+        across = name == "megakernel" and topo.spans_nodes  # the megakernel inside each node, NCCL across
+        schedules.say_unread_knobs(self.uniep_config.overlap, "megakernel across nodes" if across else name,
+                                   self.layer_name,
                                    self.uniep_config.expert_gemm == "uniep" and self._hybrid is None,
                                    self.uniep_config.compression.combine == "rank_partials")
         if name == "megakernel" and self._pacing is not None:
             raise ValueError(f"{self.layer_name}: inter-site pacing (set_inter_site_pacing) runs on the reference "
                              'backend; set "uniep": {"backend": "reference"}')
         schedules.check_combine_mode(self.uniep_config, name, self.layer_name)
-        if name == "megakernel":
+        if across:
+            d = TwoLevelNVLinkDispatcher(self.num_experts, self.ep_size, self.ep_group, topo, self.uniep_config,
+                                         self.hidden_size, self.k, x.dtype, self.layer_name)
+        elif name == "megakernel":
             from .megakernel import NVLinkDispatcher
             d = NVLinkDispatcher.from_config(self.layer_name, self.num_experts, self.ep_size, self.hidden_size,
                                              self.k, x.dtype, self.uniep_config, self.ep_group)

@@ -19,8 +19,8 @@ Every exchange is point-to-point (``batch_isend_irecv``) on a node group or a cr
 that long: a peer that stops answering makes :class:`NodeUnreachableError` name the layer, the
 step, the exchange and the peer's node.
 
-Next step (GPU): the megakernel's NVLink dispatch and combine inside each node with NCCL between
-the relays, the local node's rows starting their GEMMs while remote nodes' rows are in flight.
+:class:`TwoLevelNVLinkDispatcher` runs the moves inside each node on the megakernel's NVLink
+dispatch and combine instead (the backend "megakernel" on a group spanning nodes).
 """
 
 import datetime
@@ -55,6 +55,16 @@ def exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: in
     for until ``timeout_s`` after the start; one that fails or times out raises ``fail(p, error)``."""
     for src, dst in zip(sends[me], recvs[me]):
         dst.copy_(src)
+    if any(t.is_cuda for ts in sends + recvs for t in ts) and torch_dist.get_backend(group) == "gloo":
+        # gloo's point-to-point reads and writes host memory: CUDA rows travel through host copies.
+        host = [[t.cpu() for t in ts] for ts in sends]
+        got = [[torch.empty(t.shape, dtype=t.dtype) for t in ts] for ts in recvs]
+        host[me], got[me] = [], []
+        exchange(host, got, group, me, timeout_s, fail)
+        for ts, hs in zip(recvs, got):
+            for t, h in zip(ts, hs):
+                t.copy_(h)
+        return
     ops, peers = [], []
     for p in range(len(sends)):
         if p == me:
@@ -89,6 +99,8 @@ class _Plan:
         self.send_pairs: List[Tensor] = []  #: per node: this rank's (token, slot) pair ids there, in order
         self.recv_tok: List[int] = []  #: per source node: tokens its rank with this local rank sends here
         self.recv_pairs: List[int] = []  #: per source node: its (token, slot) rows for this node
+        self.pair_tok: Optional[Tensor] = None  #: ``[P1]`` received token of each (token, slot) row of this node
+        self.pair_expert: Optional[Tensor] = None  #: ``[P1]`` the expert of each of those rows
         self.relay_tok: Optional[Tensor] = None  #: ``[P1]`` received token of each row this relay forwards
         self.fwd_order: Optional[Tensor] = None  #: ``[P1]`` received pair of each row this relay forwards
         self.intra_send: List[int] = []  #: rows this relay forwards to each rank of its node
@@ -256,7 +268,8 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         # Forwarded rows by destination, then source node, expert and token: the layout's order.
         key = (dest_local * N + src_node[pairs // k]) * E + e
         plan.fwd_order = torch.sort(key, stable=True).indices
-        plan.relay_tok = (pairs // k)[plan.fwd_order]
+        plan.pair_tok, plan.pair_expert = pairs // k, e
+        plan.relay_tok = plan.pair_tok[plan.fwd_order]
         plan.intra_send = torch.bincount(dest_local, minlength=P).tolist()
         me = slice(self.rank * L, (self.rank + 1) * L)
         from_rank = counts_all[:, me].sum(1)  # [G] rows of every source for this rank
@@ -284,24 +297,31 @@ class TwoLevelDispatcher(ReferenceDispatcher):
     def _tokens_to_experts(self, x: Tensor, plan: _Plan) -> Tensor:
         got = self._cross([x.index_select(0, t) for t in plan.send_tok], plan.recv_tok, x, plan.step,
                           "dispatch of token rows across nodes")
-        fwd = torch.cat(got).index_select(0, plan.relay_tok)
-        return self._intra(fwd, plan.intra_send, plan.intra_recv, plan.step,
-                           "dispatch inside the node").index_select(0, plan.order)
+        return self._node_to_experts(torch.cat(got), True, plan, plan.step, "dispatch inside the node")
 
     def _pairs_to_experts(self, per_pair: Tensor, plan: _Plan) -> Tensor:
         step = f"{plan.step} (backward)"
         got = self._cross([per_pair.index_select(0, p) for p in plan.send_pairs], plan.recv_pairs, per_pair, step,
                           "combine gradient across nodes")
-        fwd = torch.cat(got).index_select(0, plan.fwd_order)
-        return self._intra(fwd, plan.intra_send, plan.intra_recv, step,
-                           "combine gradient inside the node").index_select(0, plan.order)
+        return self._node_to_experts(torch.cat(got), False, plan, step, "combine gradient inside the node")
+
+    def _node_to_experts(self, arrived: Tensor, tokens: bool, plan: _Plan, step, what: str) -> Tensor:
+        """The in-node half of a move to the experts: ``arrived``, what this relay got across nodes in
+        (source node, token) order (token rows if ``tokens``, else this node's (token, slot) rows),
+        -> this rank's rows in the layout's order."""
+        fwd = arrived.index_select(0, plan.relay_tok if tokens else plan.fwd_order)
+        return self._intra(fwd, plan.intra_send, plan.intra_recv, step, what).index_select(0, plan.order)
+
+    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str) -> Tensor:
+        """The in-node half of a move back to the sources: this rank's rows ``y`` (layout order) ->
+        this relay's (token, slot) rows of its node, in (source node, token, slot) order."""
+        back = self._intra(y.index_select(0, plan.rows), plan.intra_recv, plan.intra_send, step, what)
+        return back.new_zeros(back.shape).index_copy(0, plan.fwd_order, back)
 
     def _rows_to_sources(self, y: Tensor, plan: _Plan, direction: str) -> Tensor:
         step = plan.step if direction == "forward" else f"{plan.step} (backward)"
         what = "combine" if direction == "forward" else "dispatch gradient"
-        back = self._intra(y.index_select(0, plan.rows), plan.intra_recv, plan.intra_send, step,
-                           f"{what} inside the node")
-        pair_buf = back.new_zeros(back.shape).index_copy(0, plan.fwd_order, back)
+        pair_buf = self._node_to_relays(y, plan, step, f"{what} inside the node")
         got = self._cross(list(pair_buf.split(plan.recv_pairs)), [len(p) for p in plan.send_pairs], y, step,
                           f"{what} across nodes")
         out = y.new_zeros(plan.T * plan.k, y.shape[1])
@@ -340,6 +360,103 @@ class TwoLevelDispatcher(ReferenceDispatcher):
                     f"{mb(b['dispatch_rows'])}, routing and counts {mb(b['routing'])}, combine rows "
                     f"{mb(b['combine_rows'])}, backward rows {mb(b['backward_rows'])}); a flat all-to-all sends "
                     f"{mb(flat)}")
+
+
+class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
+    """:class:`TwoLevelDispatcher` with its moves inside each node on the megakernel's NVLink dispatch
+    and combine (symmetric memory over the node's ranks of the group); across nodes, the same
+    point-to-point exchanges (NCCL on GPUs). What ``uniep.backend`` "megakernel" (or "auto") runs on
+    a group spanning nodes.
+
+    Inside node ``n`` a relay hands its node's (token, slot) rows, in (source node, token, slot)
+    order, to an :class:`~ds_uniep.megakernel.NVLinkDispatcher` of the node's ranks as one-slot
+    tokens. A rank then holds each local expert's rows by relay, then source node; one gather puts
+    them in the layout's order (by source rank). The way back is that dispatcher's combine with unit
+    weights, which gives each row back bit for bit. So the rows and every sum are those of the flat
+    reference backend and of the single-node megakernel. Activation-dtype rows and slot-order sums
+    only (FP8 dispatch and rank partials run on the reference backend); the layer runs the
+    sequential schedule on it. The node's dispatcher takes ``max_tokens_per_rank * nodes * k``
+    one-slot tokens per relay (its symmetric buffers are sized for them)."""
+
+    def __init__(self, num_experts: int, ep_size: int, group, topology: GroupTopology, config, hidden_size: int,
+                 k: int, dtype: torch.dtype, layer_name: str = "UniEPMoE"):
+        from .config import UniEPConfig
+        cfg = UniEPConfig.coerce(config)
+        comp = cfg.compression
+        if comp.dispatch_dtype != "activation" or comp.combine != "slots":
+            raise ValueError(f"{layer_name}: the megakernel across nodes moves activation-dtype rows and sums slots "
+                             f"at their source; compression.dispatch_dtype {comp.dispatch_dtype!r} and combine "
+                             f"{comp.combine!r} run on backend 'reference'")
+        super().__init__(num_experts, ep_size, group, topology, layer_name, timeout_s=cfg.overlap.timeout_s)
+        self.max_tokens = cfg.max_tokens_per_rank
+        P, N, L = self.ranks_per_node, self.num_nodes, self.num_local_experts
+        node_cfg = cfg.model_copy(update={
+            "max_tokens_per_rank": N * cfg.max_tokens_per_rank * k, "sync_free": False,
+            "overlap": cfg.overlap.model_copy(update={"schedule": "sequential"})})
+        # one rank per node: nothing moves inside a node
+        self.nvl = self._node_dispatcher(node_cfg, hidden_size, dtype) if P > 1 else None
+        # Each expert's index in the node's dispatcher (-1: on another node), and the source rank of
+        # each block of a local expert's rows there (relays in the node group's order, then nodes).
+        e = torch.arange(num_experts)
+        peer = torch.tensor(self._intra_peer)
+        self._node_expert = torch.where(self._node_of[e // L] == self.node, peer[self._local_of[e // L]] * L + e % L, -1)
+        local_by_peer = {q: p for p, q in enumerate(self._intra_peer)}
+        self._nvl_sources = torch.tensor([self._nodes[n][local_by_peer[q]] for q in range(P) for n in range(N)])
+
+    def _node_dispatcher(self, config, hidden_size: int, dtype: torch.dtype):
+        """The NVLink dispatcher of this rank's node: ``P * L`` experts, one slot per token."""
+        from .megakernel import NVLinkDispatcher
+        P, L = self.ranks_per_node, self.num_local_experts
+        return NVLinkDispatcher(f"{self.layer_name} (inside node {self.topology.node_label(self.node)})", P * L, P,
+                                hidden_size, 1, dtype, config, self.intra_group)
+
+    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
+        if expert_idx.shape[0] > self.max_tokens:
+            from .megakernel.dispatcher import UniEPCapacityError
+            raise UniEPCapacityError(
+                f"{self.layer_name}: rank {self.rank} got {expert_idx.shape[0]} tokens but the buffers were sized for "
+                f"max_tokens_per_rank = {self.max_tokens}; set \"uniep\": {{\"max_tokens_per_rank\": "
+                f"{expert_idx.shape[0]}}} or more")
+        return super().dispatch(x, expert_idx, capacity)
+
+    def _plan(self, expert_idx, pair_node, on_node, counts_all, tok_all, layout, step) -> _Plan:
+        plan = super()._plan(expert_idx, pair_node, on_node, counts_all, tok_all, layout, step)
+        if self.nvl is None:
+            return plan
+        dev = expert_idx.device
+        L = self.num_local_experts
+        plan.nvl_idx = self._node_expert.to(dev)[plan.pair_expert].view(-1, 1).to(torch.int32).contiguous()
+        # Row i of the layout is row perm[i] of the node dispatcher's: blocks (local expert, source rank)
+        # of the same sizes, ordered by source rank here, by (relay, source node) there.
+        sizes = counts_all[:, self.rank * L:(self.rank + 1) * L].t().contiguous()  # [L, G]
+        there = sizes[:, self._nvl_sources.to(dev)].reshape(-1)
+        start = torch.empty_like(sizes)
+        start[:, self._nvl_sources.to(dev)] = (torch.cumsum(there, 0) - there).view(L, -1)
+        flat = sizes.reshape(-1)
+        R = sum(plan.intra_recv)
+        shift = torch.repeat_interleave(start.reshape(-1) - (torch.cumsum(flat, 0) - flat), flat, output_size=R)
+        plan.nvl_perm = torch.arange(R, device=dev) + shift
+        return plan
+
+    def _node_to_experts(self, arrived: Tensor, tokens: bool, plan: _Plan, step, what: str) -> Tensor:
+        if self.nvl is None:
+            return super()._node_to_experts(arrived, tokens, plan, step, what)
+        rows = arrived.index_select(0, plan.pair_tok) if tokens else arrived
+        x, idx = self.nvl.checked_inputs(rows, plan.nvl_idx)
+        recv, _, _, recv_pair, num_recv, _ = self.nvl._dispatch_fwd(x, idx)
+        if recv.shape[0] != plan.nvl_perm.shape[0]:
+            raise RuntimeError(f"{self.layer_name}: step {step}: {what} brought {recv.shape[0]} rows, the counts say "
+                               f"{plan.nvl_perm.shape[0]}")
+        plan.nvl_handle = (idx, recv_pair, num_recv)
+        return recv.index_select(0, plan.nvl_perm)  # a copy: the node's receive buffers are free again
+
+    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str) -> Tensor:
+        if self.nvl is None:
+            return super()._node_to_relays(y, plan, step, what)
+        idx, recv_pair, num_recv = plan.nvl_handle
+        there = y.new_empty(y.shape).index_copy_(0, plan.nvl_perm, y)
+        ones = torch.ones(idx.shape, dtype=torch.float32, device=y.device)
+        return self.nvl._combine_fwd(there, ones, idx, recv_pair, num_recv)
 
 
 def reference_dispatcher(layer, topology: GroupTopology) -> ReferenceDispatcher:

@@ -38,7 +38,41 @@ def _routing(case, rank, world_size, node_size, E, g):
     return T, idx
 
 
-def _run_case(case, rank, world_size, node_size, group):
+class _ReferenceNode:
+    """The NVLink dispatcher's calls that :class:`ds_uniep.twolevel.TwoLevelNVLinkDispatcher` makes,
+    on the reference transport of the node's ranks (same layout, same unit-weight sums), so that its
+    plan is checked on CPU."""
+
+    def __init__(self, num_experts, ranks, group):
+        from ds_uniep.reference import ReferenceDispatcher
+        self.d = ReferenceDispatcher(num_experts, ranks, group)
+
+    def checked_inputs(self, x, idx):
+        assert idx.dtype == torch.int32 and idx.shape == (x.shape[0], 1)
+        return x, idx
+
+    def _dispatch_fwd(self, x, idx):
+        recv, counts, handle = self.d.dispatch(x, idx.long())
+        return recv, counts, None, handle, None, None
+
+    def _combine_fwd(self, y, ones, idx, handle, _):
+        return self.d.combine(y, ones, handle)
+
+
+def _node_on_reference():
+    from ds_uniep.twolevel import TwoLevelNVLinkDispatcher
+
+    class NodeOnReference(TwoLevelNVLinkDispatcher):
+        def _node_dispatcher(self, config, hidden_size, dtype):
+            return _ReferenceNode(self.ranks_per_node * self.num_local_experts, self.ranks_per_node, self.intra_group)
+
+    return NodeOnReference
+
+
+def _run_case(case, rank, world_size, node_size, group, device="cpu", node=None):
+    """The flat reference, the two-level reference and (where it runs the case) the two-level
+    dispatcher with its moves inside the node on ``node`` (a TwoLevelNVLinkDispatcher class; None:
+    on the reference transport) give the same bits."""
     from ds_uniep.reference import ReferenceDispatcher
     from ds_uniep.topology import GroupTopology
     from ds_uniep.twolevel import TwoLevelDispatcher
@@ -51,20 +85,27 @@ def _run_case(case, rank, world_size, node_size, group):
     gates = torch.rand(T, case["k"], generator=g)
     w = (torch.randn(M, M, generator=torch.Generator().manual_seed(7)) * 0.3).to(dtype)
     grad_out = torch.randn(T, M, generator=g).to(dtype)
+    x, idx, gates, w, grad_out = (t.to(device) for t in (x, idx, gates, w, grad_out))
     kw = dict(dispatch_dtype=case.get("dispatch_dtype", "activation"), combine=case.get("combine", "slots"))
     topo = GroupTopology(tuple(range(world_size)), node_size, rank)
+    ds = [ReferenceDispatcher(E, world_size, group, **kw),
+          TwoLevelDispatcher(E, world_size, group, topo, "UniEPMoE[test]", timeout_s=60.0, **kw)]
+    if kw == dict(dispatch_dtype="activation", combine="slots"):
+        ds.append((node or _node_on_reference())(E, world_size, group, topo, {"max_tokens_per_rank": 64,
+                                                 "overlap": {"timeout_s": 60.0}}, M, case["k"], dtype,
+                                                 "UniEPMoE[test]"))
     results = []
-    for d in (ReferenceDispatcher(E, world_size, group, **kw),
-              TwoLevelDispatcher(E, world_size, group, topo, "UniEPMoE[test]", timeout_s=60.0, **kw)):
+    for d in ds:
         xi, gi, wi = x.clone().requires_grad_(), gates.clone().requires_grad_(), w.clone().requires_grad_()
         recv, counts, handle = d.dispatch(xi, idx, case.get("capacity"))
         y = torch.tanh(recv @ wi)
         out = d.combine(y, gi, handle)
         (out.float() * grad_out.float()).sum().backward()
         results.append((recv.detach(), counts, out.detach(), xi.grad, gi.grad, wi.grad))
-    for name, a, b in zip(("recv", "counts", "out", "x.grad", "gates.grad", "w.grad"), *results):
-        assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: {name} differs in case {case}"
-    return d
+    for other, name in zip(results[1:], ("two-level", "two-level, in node as the NVLink dispatcher")):
+        for what, a, b in zip(("recv", "counts", "out", "x.grad", "gates.grad", "w.grad"), results[0], other):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: {name}: {what} differs in case {case}"
+    return ds[1]
 
 
 CASES = [dict(k=k, seed=k, drop=k == 2) for k in (1, 2, 6, 8)] + [
@@ -243,7 +284,7 @@ def test_backend_on_a_group_spanning_nodes(caplog):
     from ds_uniep.backend import UniEPBackendError, resolve
     from ds_uniep.topology import GroupTopology
     spans = GroupTopology((0, 1, 2, 3), 2)
-    with pytest.raises(UniEPBackendError, match="spans 2 nodes of 2 ranks.*one node's GPUs"):
+    with pytest.raises(UniEPBackendError, match="spans 2 nodes of 2 ranks and inputs are on cpu"):
         resolve("megakernel", torch.device("cpu"), "UniEPMoE[0]", spans)
     caplog.set_level(logging.INFO, logger="ds_uniep")
     from ds_uniep.env import logger
@@ -256,6 +297,35 @@ def test_backend_on_a_group_spanning_nodes(caplog):
     said = [r.getMessage() for r in caplog.records]
     assert any("UniEPMoE[0]: backend auto -> reference" in m and "two-level reference path" in m for m in said)
     assert any("UniEPMoE[1]" in m and "flat reference all-to-all" in m for m in said)
+
+
+def test_megakernel_across_nodes_where_it_can_run(monkeypatch, caplog):
+    """Where the megakernel can run on the node's GPUs, a group spanning nodes of equal size runs it
+    inside each node (auto says so); unequal nodes, or a setting that path does not run, take the
+    reference backend under auto and are an error naming them under "megakernel"."""
+    from ds_uniep import backend
+    from ds_uniep.topology import GroupTopology
+    monkeypatch.setattr(backend, "megakernel_status", lambda device: (True, ""))
+    spans, uneven = GroupTopology((0, 1, 2, 3), 2), GroupTopology((0, 1, 2, 4), 2)
+    cuda = torch.device("cuda", 0)
+    caplog.set_level(logging.INFO, logger="ds_uniep")
+    from ds_uniep.env import logger
+    logger.propagate = True
+    try:
+        assert backend.resolve("auto", cuda, "L0", spans) == "megakernel"
+        assert backend.resolve("megakernel", cuda, "L1", spans) == "megakernel"
+        assert backend.resolve("auto", cuda, "L2", uneven) == "reference"
+        assert backend.resolve("auto", cuda, "L3", spans, "compression.combine 'rank_partials'") == "reference"
+    finally:
+        logger.propagate = False
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "L0: backend auto -> megakernel across nodes" in said and "NCCL between nodes" in said, said
+    assert "L2: backend auto -> reference" in said and "flat reference all-to-all" in said, said
+    assert "L3: backend auto -> reference" in said and "'rank_partials' runs on the reference backend" in said, said
+    with pytest.raises(backend.UniEPBackendError, match="L4: .*different numbers of its ranks"):
+        backend.resolve("megakernel", cuda, "L4", uneven)
+    with pytest.raises(backend.UniEPBackendError, match="L5: .*'fp8_e4m3' runs on the reference backend"):
+        backend.resolve("megakernel", cuda, "L5", spans, "compression.dispatch_dtype 'fp8_e4m3'")
 
 
 def test_hybrid_sites_come_from_the_same_topology():

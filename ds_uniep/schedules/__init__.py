@@ -146,7 +146,7 @@ def say_unread_knobs(overlap, backend: str, layer_name: str, tiles_read: bool = 
     knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
-    combine_here = backend == "megakernel" and not rank_partials and _runs_combine_kernels(
+    combine_here = backend.startswith("megakernel") and not rank_partials and _runs_combine_kernels(
         overlap.schedule, overlap.epilogue_combine)
     knobs += [k for k in ("combine_chunks", "combine_queue") if k in overlap.model_fields_set and not (
         combine_here and (k == "combine_chunks" or overlap.combine_chunks > 0))]
