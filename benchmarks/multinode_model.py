@@ -113,7 +113,7 @@ def sampled_bytes(M: int, E: int, k: int, T: int, N: int, P: int, elem_bytes: in
     local_of = torch.arange(G) % P
     rank_of_expert = torch.arange(E) // L
     stand_in = types.SimpleNamespace(ep_size=G, num_experts=E, num_nodes=N, ranks_per_node=P, _node_of=node_of,
-                                     num_local_experts=L, rank=0, _said_bytes=True)
+                                     num_local_experts=L, rank=0, _said_bytes=True, grad_tokens_once=False)
     dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[elem_bytes]
     x = torch.empty(0, M, dtype=dtype)  # _count_bytes reads only the row size
     total: Dict[str, float] = {}

@@ -142,6 +142,25 @@ class _RowsToSources(torch.autograd.Function):
         return ctx.d._pairs_to_experts(grad, ctx.plan), None, None
 
 
+class _CombineAcrossNodes(torch.autograd.Function):
+    """:meth:`TwoLevelNVLinkDispatcher.combine`: the rows back to their sources, summed there in slot
+    order; backward through :meth:`TwoLevelNVLinkDispatcher._combine_backward`."""
+
+    @staticmethod
+    def forward(ctx, y: Tensor, gates: Tensor, d: "TwoLevelNVLinkDispatcher", plan: _Plan) -> Tensor:
+        pair_rows = d._rows_to_sources(y, plan, "forward").view(plan.T, plan.k, y.shape[1])
+        ctx.d, ctx.plan = d, plan
+        ctx.save_for_backward(gates, plan.nvl_y)
+        plan.nvl_y = None
+        return weighted_slot_sum(pair_rows, gates, y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        gates, nvl_y = ctx.saved_tensors
+        grad_y, grad_gates = ctx.d._combine_backward(grad_out, gates, nvl_y, ctx.plan)
+        return grad_y, grad_gates, None, None
+
+
 class TwoLevelDispatcher(ReferenceDispatcher):
     """The reference dispatcher's protocol and results over an expert-parallel group spanning nodes
     (see the module's docstring). With a capacity, the rows travel without the padding (the
@@ -172,6 +191,9 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         self._intra_peer = [self._group_rank(self.intra_group, r) for r in intra]  # local rank -> group rank
         self._cross_peer = [self._group_rank(self.cross_group, r) for r in cross]  # node -> group rank
         self.step = 0
+        #: whether the combine's gradient crosses as grad_out's token rows once per node (else as rows
+        #: per (token, slot))
+        self.grad_tokens_once = False
         self.cross_node_bytes = None
         self._said_bytes = False
 
@@ -346,8 +368,11 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         tokens = int((tok_all * (node_of.unsqueeze(1) != torch.arange(N, device=node_of.device))).sum())
         row = x.shape[1] * x.element_size()
         counts = G * (N - 1) * P * (E + N) * 8
+        # Backward: the dispatch's gradient one row per remote (token, slot); the combine's gradient the
+        # same, or (grad_tokens_once) grad_out's rows once per node with the gates out and back.
+        backward = (tokens + pairs) * row + 8 * pairs if self.grad_tokens_once else 2 * pairs * row
         b = {"dispatch_rows": tokens * row, "routing": tokens * k * 8 + counts, "combine_rows": pairs * row,
-             "backward_rows": 2 * pairs * row}
+             "backward_rows": backward}
         two_level = sum(b.values())
         flat = 4 * pairs * row + G * (G - P) * E * 8  # rows both ways forward and backward, counts all-gather
         self.cross_node_bytes = dict(b, two_level=two_level, flat=flat)
@@ -373,7 +398,10 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
     tokens. A rank then holds each local expert's rows by relay, then source node; one gather puts
     them in the layout's order (by source rank). The way back is that dispatcher's combine with unit
     weights, which gives each row back bit for bit. So the rows and every sum are those of the flat
-    reference backend and of the single-node megakernel. Activation-dtype rows and slot-order sums
+    reference backend and of the single-node megakernel. The combine's backward sends grad_out's rows
+    once per node with the gates of the (token, slot) rows there; the node's dispatcher forms the
+    experts' row gradients and the gate gradients where the rows are (the single-node megakernel's
+    kernels and bits), and the gate gradients cross back. Activation-dtype rows and slot-order sums
     only (FP8 dispatch and rank partials run on the reference backend); the layer runs the
     sequential schedule on it. The node's dispatcher takes ``max_tokens_per_rank * nodes * k``
     one-slot tokens per relay (its symmetric buffers are sized for them)."""
@@ -395,6 +423,7 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
             "overlap": cfg.overlap.model_copy(update={"schedule": "sequential"})})
         # one rank per node: nothing moves inside a node
         self.nvl = self._node_dispatcher(node_cfg, hidden_size, dtype) if P > 1 else None
+        self.grad_tokens_once = self.nvl is not None
         # Each expert's index in the node's dispatcher (-1: on another node), and the source rank of
         # each block of a local expert's rows there (relays in the node group's order, then nodes).
         e = torch.arange(num_experts)
@@ -443,20 +472,48 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
             return super()._node_to_experts(arrived, tokens, plan, step, what)
         rows = arrived.index_select(0, plan.pair_tok) if tokens else arrived
         x, idx = self.nvl.checked_inputs(rows, plan.nvl_idx)
-        recv, _, _, recv_pair, num_recv, _ = self.nvl._dispatch_fwd(x, idx)
+        recv, _, dest_row, recv_pair, num_recv, _ = self.nvl._dispatch_fwd(x, idx)
         if recv.shape[0] != plan.nvl_perm.shape[0]:
             raise RuntimeError(f"{self.layer_name}: step {step}: {what} brought {recv.shape[0]} rows, the counts say "
                                f"{plan.nvl_perm.shape[0]}")
-        plan.nvl_handle = (idx, recv_pair, num_recv)
+        plan.nvl_handle = (idx, dest_row, recv_pair, num_recv)
         return recv.index_select(0, plan.nvl_perm)  # a copy: the node's receive buffers are free again
 
     def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str) -> Tensor:
         if self.nvl is None:
             return super()._node_to_relays(y, plan, step, what)
-        idx, recv_pair, num_recv = plan.nvl_handle
+        idx, _, recv_pair, num_recv = plan.nvl_handle
         there = y.new_empty(y.shape).index_copy_(0, plan.nvl_perm, y)
-        ones = torch.ones(idx.shape, dtype=torch.float32, device=y.device)
-        return self.nvl._combine_fwd(there, ones, idx, recv_pair, num_recv)
+        if isinstance(step, int):  # forward: the combine's backward reads the rows where the node has them
+            plan.nvl_y = there
+            ones = torch.ones(idx.shape, dtype=torch.float32, device=y.device)
+            return self.nvl._combine_fwd(there, ones, idx, recv_pair, num_recv)
+        return self.nvl._dispatch_bwd(there, idx, recv_pair, num_recv)  # one slot: each row as it is
+
+    def combine(self, y: Tensor, gates: Tensor, handle) -> Tensor:
+        if self.nvl is None:
+            return super().combine(y, gates, handle)
+        return _CombineAcrossNodes.apply(y, gates, self, handle.plan)
+
+    def _combine_backward(self, grad_out: Tensor, gates: Tensor, nvl_y: Tensor, plan: _Plan):
+        """(grad of y, grad of gates) of :meth:`combine`: grad_out's rows cross once per node, with the
+        gates of the (token, slot) rows there; the node's NVLink dispatcher scales them into the
+        experts' row gradients and forms the gate gradients where the rows are, as the single-node
+        megakernel does (the same kernels, the same bits); those cross back to the sources."""
+        step = f"{plan.step} (backward)"
+        g, flat_gates = grad_out.to(nvl_y.dtype).contiguous(), gates.reshape(-1).float().contiguous()
+        got = self._cross([g.index_select(0, t) for t in plan.send_tok], plan.recv_tok, g, step,
+                          "combine gradient across nodes")
+        got_gates = self._cross([flat_gates.index_select(0, p) for p in plan.send_pairs], plan.recv_pairs,
+                                flat_gates, step, "gates across nodes")
+        idx, dest_row, recv_pair, num_recv = plan.nvl_handle
+        rows = torch.cat(got).index_select(0, plan.pair_tok)
+        grad_y, pair_grads = self.nvl._combine_bwd(rows, nvl_y, torch.cat(got_gates).view(-1, 1), idx, dest_row,
+                                                   recv_pair, num_recv)
+        back = self._cross(list(pair_grads.reshape(-1).split(plan.recv_pairs)), [len(p) for p in plan.send_pairs],
+                           flat_gates, step, "gate gradients across nodes")
+        grad_gates = flat_gates.new_zeros(flat_gates.shape).index_copy(0, torch.cat(plan.send_pairs), torch.cat(back))
+        return grad_y.index_select(0, plan.nvl_perm), grad_gates.view(gates.shape)
 
 
 def reference_dispatcher(layer, topology: GroupTopology) -> ReferenceDispatcher:

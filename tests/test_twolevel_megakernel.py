@@ -1,7 +1,8 @@
 """The megakernel across nodes (``ds_uniep.twolevel.TwoLevelNVLinkDispatcher``) on GPUs, nodes
 emulated with ``uniep.topology.node_size``: 4 ranks as 2 nodes of 2.
 
-The dispatcher gives the flat reference's bits (received rows, counts, outputs, every gradient)
+The dispatcher gives the flat reference's bits (received rows, counts, outputs, the input and weight
+gradients; the gate gradient to fp32 rounding: the megakernel forms it in another fixed order)
 for test_twolevel.py's cases it runs; the layer on 2 nodes of 2 gives the single-node
 megakernel's outputs and gradients bit for bit, on both expert GEMMs.
 """
@@ -24,7 +25,7 @@ def _dispatcher_cases(rank, world_size):
         _run_case(case, rank, world_size, 2, group, device=rank_gpu(rank), node=TwoLevelNVLinkDispatcher)
     dist.barrier()
     if rank == 0:
-        print(f"megakernel across 2 nodes of 2: {len(cases)} dispatcher cases bitwise the flat reference", flush=True)
+        print(f"megakernel across 2 nodes of 2: {len(cases)} dispatcher cases bitwise the flat reference (gate gradients to fp32 rounding)", flush=True)
 
 
 def _layers(rank, world_size):
