@@ -187,6 +187,10 @@ def parse_args(argv=None):
     p.add_argument("--breakdown", action="store_true",
                    help="profile every layer (--profile-steps, 5 if not given) and write, per shape and mode, a "
                    "PNG of its GPU time by kind of kernel and idle, against both bounds (OUT/breakdown_*.png)")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="ranks per node for ds_uniep's rows (\"uniep\": {\"topology\": {\"node_size\": N}}): below the "
+                   "expert-parallel size it emulates nodes, and the rows run the two-level dispatch (the megakernel "
+                   "inside each node); the bytes each sends across nodes are printed beside a flat all-to-all's")
     p.add_argument("--out", default="bench_out")
     p.add_argument("--autotune", action="store_true", help="add the self-tuned megakernel layer and every single "
                    "fixed plan (the config default and every plan of the layer's space) per shape")
@@ -234,7 +238,7 @@ def slowest(ms, dist):
     return float(t.item())
 
 
-def build_layers(shape, E, ep, backends, status, why_not=None, deepep_sms=None):
+def build_layers(shape, E, ep, backends, status, why_not=None, deepep_sms=None, node_size=None):
     """The layers named in ``backends``; a layer that cannot be built is left out with its reason in
     ``why_not`` (megakernel rows that cannot run are left out silently: ``status`` says why)."""
     from deepspeed.moe.layer import MoE
@@ -270,6 +274,13 @@ def build_layers(shape, E, ep, backends, status, why_not=None, deepep_sms=None):
             if name.startswith("megakernel") and not status[0]:
                 continue
             config = copy.deepcopy(MEGAKERNEL_CONFIGS.get(name, {"backend": name}))
+            if node_size:
+                if node_size < ep and config.get("sync_free"):
+                    if why_not is not None:
+                        why_not[name] = ("sync_free runs on one node (across nodes the dispatch reads counts on "
+                                         "the host)")
+                    continue
+                config["topology"] = {"node_size": node_size}
             layer = UniEPMoE(shape.hidden, SwiGLUExpert(shape.hidden, shape.ffn), num_experts=E, ep_size=ep,
                              k=shape.top_k, min_capacity=0, drop_tokens=False, use_rts=False,
                              top2_2nd_expert_sampling=False, config=config)
@@ -281,6 +292,16 @@ def build_layers(shape, E, ep, backends, status, why_not=None, deepep_sms=None):
         layer.set_deepspeed_parallelism()
         layers[name] = GraphedLayer(layer) if name == "megakernel-graph" else layer
     return layers
+
+
+def cross_node_bytes(layer):
+    """``{"two_level": bytes, "flat": bytes}`` the group sent across nodes in ``layer``'s last step
+    (forward and backward, all ranks), and what a flat all-to-all sends; None on one node."""
+    for d in getattr(layer, "_dispatchers", {}).values():
+        b = getattr(d, "cross_node_bytes", None)
+        if b is not None:
+            return {"two_level": b["two_level"], "flat": b["flat"]}
+    return None
 
 
 def _step_fns(layer, inputs, mode):
@@ -537,7 +558,7 @@ def main(argv=None):
         T = args.tokens or shape.tokens_per_rank
         E = experts_for(shape, ep, args.experts)
         why_not = {}
-        layers = build_layers(shape, E, ep, args.backends, status, why_not, args.deepep_sms)
+        layers = build_layers(shape, E, ep, args.backends, status, why_not, args.deepep_sms, args.node_size)
         inputs = rotating(lambda i: (torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda",
                                                  generator=torch.Generator("cuda").manual_seed(100 * rank + i)),
                                      torch.randn(T, shape.hidden, dtype=torch.bfloat16, device="cuda")), 3)
@@ -594,6 +615,10 @@ def main(argv=None):
                         row[key]["graph_ms"] = times[pair[1]]
                     else:
                         row[key].update(pipelined_ms=times[pair[1]], num_chunks=args.pipeline_chunks)
+            for bname, layer in layers.items():
+                crossed = cross_node_bytes(layer)
+                if crossed is not None:
+                    row[bname + "_cross_node_bytes"] = crossed
             ds_style = [lay for lay in layers.values() if hasattr(lay, "deepspeed_moe")]
             any_uni = layers.get("reference") or (ds_style[0] if ds_style else
                                                   build_layers(shape, E, ep, ["stock"], status)["stock"])

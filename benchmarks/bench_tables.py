@@ -108,6 +108,13 @@ def print_table(results):
                 print(f"{what.format(chunks=d.get('num_chunks'))}, {r['shape']} {r['mode']}: {d['speedup']:.3f}x "
                       f"({first} {times(d['sequential_ms'])} ms, {second} {times(d[second_key])} ms; medians, "
                       "alternating)")
+    for r in results["rows"]:
+        for name in _TIMED:
+            b = r.get(name + "_cross_node_bytes")
+            if b:
+                print(f"bytes across nodes, {name}, {r['shape']} {r['mode']} (one step, all ranks, forward and "
+                      f"backward): two-level {b['two_level'] / 2**20:.1f} MiB, a flat all-to-all "
+                      f"{b['flat'] / 2**20:.1f} MiB ({b['two_level'] / b['flat']:.3f}x)")
     for (name, reason), where in notes.items():
         print(f"* {name} could not run ({', '.join(where)}): {reason}")
     if "autoep_note" in results:

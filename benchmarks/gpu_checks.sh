@@ -7,9 +7,9 @@
 # per backend (gpt), and the SwiGLU GPT-MoE example sequential vs fused (gpt_swiglu). Each step's
 # log goes to OUTDIR; a summary is printed last.
 set -u
-OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [commfuse] [hybrid] [gpt] [gpt_swiglu]}
+OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [multinode] [commfuse] [hybrid] [gpt] [gpt_swiglu]}
 shift
-WANT=" ${*:-tests gemm dispatch layer commfuse hybrid gpt gpt_swiglu} "
+WANT=" ${*:-tests gemm dispatch layer multinode commfuse hybrid gpt gpt_swiglu} "
 want() { [[ $WANT == *" $1 "* ]]; }
 mkdir -p "$OUT"
 export DS_ACCELERATOR=cuda NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,10 +27,20 @@ step() {  # step NAME CMD...
 }
 
 want tests && step tests python3 -m pytest -q -rs tests/test_grouped_gemm_gpu.py tests/test_nvlink_kernels.py \
-  tests/test_megakernel_layer.py tests/test_determinism.py tests/test_commfuse.py tests/test_tuning_gpu.py
+  tests/test_megakernel_layer.py tests/test_determinism.py tests/test_commfuse.py tests/test_tuning_gpu.py \
+  tests/test_megakernel_edges.py tests/test_twolevel_megakernel.py
 want gemm && step bench_grouped_gemm python3 benchmarks/bench_grouped_gemm.py --out "$OUT/gemm"
 want dispatch && step bench_dispatch torchrun --nproc_per_node "$NGPU" benchmarks/bench_dispatch.py --out "$OUT/dispatch.json"
 want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/bench_moe_layer.py --autotune --streamed-steps 8 --out "$OUT"
+if want multinode; then
+  if [[ $NGPU -eq 4 ]]; then
+    step bench_multinode torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --node-size 2 \
+      --backends reference autoep megakernel --out "$OUT/multinode"
+  else
+    echo "=== bench_multinode: skipped (2 emulated nodes of 2 GPUs: needs exactly 4 GPUs, found $NGPU)"
+    STATUS[bench_multinode]="skipped: $NGPU GPUs, needs 4"
+  fi
+fi
 want commfuse && step bench_commfuse torchrun --nproc_per_node "$NGPU" benchmarks/bench_commfuse.py --out "$OUT/commfuse"
 if want hybrid; then
   if [[ $NGPU -eq 4 ]]; then

@@ -428,7 +428,8 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
         # each block of a local expert's rows there (relays in the node group's order, then nodes).
         e = torch.arange(num_experts)
         peer = torch.tensor(self._intra_peer)
-        self._node_expert = torch.where(self._node_of[e // L] == self.node, peer[self._local_of[e // L]] * L + e % L, -1)
+        self._node_expert = torch.where(self._node_of[e // L] == self.node, peer[self._local_of[e // L]] * L + e % L,
+                                        -1)
         local_by_peer = {q: p for p, q in enumerate(self._intra_peer)}
         self._nvl_sources = torch.tensor([self._nodes[n][local_by_peer[q]] for q in range(P) for n in range(N)])
 

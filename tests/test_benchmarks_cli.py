@@ -190,3 +190,25 @@ def test_breakdown_draws_each_profiled_shape_and_mode(tmp_path):
     assert written == [str(tmp_path / "breakdown_s_fwdbwd.png")]
     with open(written[0], "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_node_size_rows_report_their_bytes_across_nodes(capsys):
+    """``--node-size``: a layer whose dispatcher crossed nodes reports that step's bytes beside a flat
+    all-to-all's, and the table prints them; a layer on one node reports none."""
+    import types
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_moe_layer
+    from bench_tables import print_table
+    assert bench_moe_layer.parse_args(["--node-size", "2"]).node_size == 2
+    crossed = types.SimpleNamespace(cross_node_bytes={"two_level": 3 << 20, "flat": 4 << 20, "combine_rows": 1})
+    two = types.SimpleNamespace(_dispatchers={"cuda:0": crossed})
+    one = types.SimpleNamespace(_dispatchers={"cuda:0": types.SimpleNamespace()})
+    assert bench_moe_layer.cross_node_bytes(two) == {"two_level": 3 << 20, "flat": 4 << 20}
+    assert bench_moe_layer.cross_node_bytes(one) is None
+    row = {"shape": "s", "mode": "fwdbwd", "T": 8, "M": 16, "F": 32, "E": 4, "k": 2, "megakernel_ms": 1.0,
+           "practical_bound_ms": 0.5, "physical_bound_ms": 0.4, "megakernel_cross_node_bytes": {
+               "two_level": 3 << 20, "flat": 4 << 20}}
+    print_table({"ep": 4, "peer_copy_GBps": 1.0, "dense_bf16_TFLOPs": 1.0, "megakernel": [True, ""], "rows": [row]})
+    out = capsys.readouterr().out
+    assert "bytes across nodes, megakernel, s fwdbwd" in out
+    assert "two-level 3.0 MiB, a flat all-to-all 4.0 MiB (0.750x)" in out

@@ -25,7 +25,8 @@ def _dispatcher_cases(rank, world_size):
         _run_case(case, rank, world_size, 2, group, device=rank_gpu(rank), node=TwoLevelNVLinkDispatcher)
     dist.barrier()
     if rank == 0:
-        print(f"megakernel across 2 nodes of 2: {len(cases)} dispatcher cases bitwise the flat reference (gate gradients to fp32 rounding)", flush=True)
+        print(f"megakernel across 2 nodes of 2: {len(cases)} dispatcher cases bitwise the flat reference (gate "
+              "gradients to fp32 rounding)", flush=True)
 
 
 def _layers(rank, world_size):
