@@ -36,6 +36,29 @@ if want multinode; then
   if [[ $NGPU -eq 4 ]]; then
     step bench_multinode torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --node-size 2 \
       --backends reference autoep megakernel --out "$OUT/multinode"
+    # 20 GPT-MoE steps on one node of 4, on 2 emulated nodes of 2 (node_size in the config), and as
+    # two 2-GPU torchrun "nodes" rendezvousing on localhost: the same losses bit for bit
+    python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c.setdefault("uniep", {})["topology"] = {"node_size": 2}
+json.dump(c, open(sys.argv[2], "w"), indent=2)' configs/ds_config_uniep_default.json "$OUT/ds_config_node_size_2.json"
+    gpt_mn=(examples/gpt_moe/train.py --expert-type swiglu --expert-gemm uniep --num-experts 8
+      --moe-expert-parallel-size 4 --topk 2 --disable-moe-token-dropping --create-moe-param-group --train-iters 20
+      --hidden-size 256 --num-attention-heads 4 --seq-length 256 --eval-interval 1000 --log-interval 5
+      --backend megakernel)
+    step gpt_one_node torchrun --nproc_per_node 4 "${gpt_mn[@]}" --deepspeed_config configs/ds_config_uniep_default.json \
+      --loss-log "$OUT/loss_one_node.json"
+    step gpt_two_nodes torchrun --nproc_per_node 4 "${gpt_mn[@]}" --deepspeed_config "$OUT/ds_config_node_size_2.json" \
+      --loss-log "$OUT/loss_two_nodes.json"
+    two_torchruns() {
+      local n pids=()
+      for n in 0 1; do
+        CUDA_VISIBLE_DEVICES=$((2 * n)),$((2 * n + 1)) torchrun --nnodes 2 --nproc_per_node 2 --node_rank $n \
+          --master_addr 127.0.0.1 --master_port 29533 "${gpt_mn[@]}" \
+          --deepspeed_config configs/ds_config_uniep_default.json --loss-log "$OUT/loss_two_torchruns.json" &
+        pids+=($!)
+      done
+      wait "${pids[0]}" && wait "${pids[1]}"
+    }
+    step gpt_two_torchruns two_torchruns
   else
     echo "=== bench_multinode: skipped (2 emulated nodes of 2 GPUs: needs exactly 4 GPUs, found $NGPU)"
     STATUS[bench_multinode]="skipped: $NGPU GPUs, needs 4"
@@ -78,7 +101,8 @@ import json, os, sys
 out = sys.argv[1]
 logs = {}
 for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_sequential", "swiglu_fused",
-          "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
+          "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again", "one_node", "two_nodes",
+          "two_torchruns"):
     p = os.path.join(out, f"loss_{b}.json")
     if os.path.exists(p):
         logs[b] = {int(k): float.fromhex(v) if isinstance(v, str) else v for k, v in json.load(open(p)).items()}
@@ -87,6 +111,9 @@ if "megakernel" in logs and "megakernel_again" in logs:
 for b in ("swiglu_fused", "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
     if b in logs and "swiglu_sequential" in logs:
         print(f"{b} losses bitwise equal to the sequential schedule's:", logs[b] == logs["swiglu_sequential"])
+for b in ("two_nodes", "two_torchruns"):
+    if b in logs and "one_node" in logs:
+        print(f"{b} losses bitwise equal to one node's:", logs[b] == logs["one_node"])
 if "megakernel" in logs and "reference" in logs:
     d = max(abs(logs["megakernel"][s] - logs["reference"][s]) for s in logs["reference"])
     print(f"max |loss megakernel - reference| over 20 steps: {d:.3e}")
