@@ -311,7 +311,7 @@ class UniEPMoE(MoE):
         topo = group_topology(self.uniep_config.topology, self.ep_group, self.ep_size)
         comp = self.uniep_config.compression
         name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name, topo,
-                                   "inter-site pacing" if self._pacing is not None else
+                                   unsupported_across="inter-site pacing" if self._pacing is not None else
                                    f"compression.dispatch_dtype {comp.dispatch_dtype!r}"
                                    if comp.dispatch_dtype != "activation" else
                                    f"compression.combine {comp.combine!r}" if comp.combine != "slots" else "")

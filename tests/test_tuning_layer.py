@@ -33,7 +33,7 @@ def test_num_comm_sms_is_the_block_count_of_the_copy_kernels(monkeypatch):
             return d
 
     monkeypatch.setattr(mk, "NVLinkDispatcher", FakeNVLinkDispatcher)
-    monkeypatch.setattr(backend_mod, "resolve", lambda backend, device, name, topology=None: "megakernel")
+    monkeypatch.setattr(backend_mod, "resolve", lambda backend, device, name, topology=None, **_: "megakernel")
     layer = UniEPMoE(M, torch.nn.Linear(M, M), num_experts=2, config={"overlap": {"num_comm_sms": 24}})
     x = torch.randn(4, M)
     d = layer._dispatcher(x)
