@@ -177,7 +177,9 @@ class UniEPMoE(MoE):
             self._dispatchers.clear()
             return
         for d in self._dispatchers.values():
-            if hasattr(d, "set_knobs"):
+            if hasattr(d, "set_config"):  # the megakernel across nodes
+                d.set_config(cfg)
+            elif hasattr(d, "set_knobs"):
                 d.set_knobs(cfg.knobs())
 
     @property

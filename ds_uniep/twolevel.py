@@ -440,6 +440,12 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
         return NVLinkDispatcher(f"{self.layer_name} (inside node {self.topology.node_label(self.node)})", P * L, P,
                                 hidden_size, 1, dtype, config, self.intra_group)
 
+    def set_config(self, config) -> None:
+        """A new ``uniep`` block's knobs (a tuning plan's, :meth:`UniEPMoE.set_plan`) for the node's
+        dispatcher, which runs the sequential schedule's kernels whatever schedule the block names."""
+        if self.nvl is not None:
+            self.nvl.set_knobs(config.knobs(schedule="sequential"))
+
     def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
         if expert_idx.shape[0] > self.max_tokens:
             from .megakernel.dispatcher import UniEPCapacityError

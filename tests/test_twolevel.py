@@ -356,3 +356,21 @@ def test_example_hostfile_parses_as_deepspeed_reads_it():
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "hostfile")
     with open(path) as f:
         assert dict(_parse_hostfile(f.readlines())) == {"node0": 8, "node1": 8}
+
+
+def test_megakernel_across_nodes_takes_a_plans_knobs_on_the_sequential_kernels():
+    """A tuning plan's knobs reach the node's NVLink dispatcher (copy blocks, combine chunks), which
+    runs the sequential schedule's kernels whatever schedule the plan names."""
+    import types
+
+    from ds_uniep.config import UniEPConfig
+    from ds_uniep.twolevel import TwoLevelNVLinkDispatcher
+    d = object.__new__(TwoLevelNVLinkDispatcher)
+    got = []
+    d.nvl = types.SimpleNamespace(set_knobs=got.append)
+    cfg = UniEPConfig.coerce({"overlap": {"schedule": "fused", "num_comm_sms": 8, "combine_chunks": 4}})
+    d.set_config(cfg)
+    assert len(got) == 1 and got[0].schedule == "sequential"
+    assert (got[0].num_comm_sms, got[0].combine_chunks) == (8, 4), got
+    d.nvl = None  # one rank per node: nothing to tell
+    d.set_config(cfg)
