@@ -64,8 +64,9 @@ def _resolve_across_nodes(backend: str, device: torch.device, layer_name: str, t
     (:class:`ds_uniep.twolevel.TwoLevelNVLinkDispatcher`) where every node holds the same number of
     the group's ranks and the megakernel can run on this node's GPUs; else the reference backend."""
     spans = f"the expert-parallel group spans {topology.describe()}"
+    uneven = "its nodes hold different numbers of its ranks"
     ok, reason = megakernel_status(device)
-    why = (reason if not ok else "its nodes hold different numbers of its ranks" if not topology.uniform else
+    why = (reason if not ok else uneven if not topology.uniform else
            f"{unsupported} runs on the reference backend across nodes" if unsupported else "")
     if backend == "megakernel":
         if why:
@@ -79,7 +80,7 @@ def _resolve_across_nodes(backend: str, device: torch.device, layer_name: str, t
                     "node, NCCL between nodes, each token once per node across)")
         return "megakernel"
     path = ("the two-level reference path: each token once per node across, then inside the node"
-            if topology.uniform else "the flat reference all-to-all: its nodes hold different numbers of its ranks")
+            if topology.uniform else "the flat reference all-to-all" + ("" if why == uneven else f": {uneven}"))
     logger.info(f"{layer_name}: backend auto -> reference ({spans}; {why}; {path})")
     return "reference"
 
