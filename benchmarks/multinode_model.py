@@ -12,7 +12,10 @@ Bytes per GPU per layer step (forward and backward), with the definitions of
 
 - two-level, across nodes: each token once per remote node holding one of its experts, with its
   k int64 expert indices; the counts gathered across nodes; one row per (token, slot) on a remote
-  node for the combine, two for the backward (dispatch gradient and combine gradient);
+  node for the combine; for the backward, the dispatch's gradient one row per such (token, slot)
+  and the combine's gradient grad_out's row once per (token, remote node) with 4-byte gates out and
+  gate gradients back per (token, slot) (the megakernel across nodes, the GPUs' default); with
+  ``--reference-path`` (the reference backend's two-level path) a second row per (token, slot);
 - flat, across nodes: one row per remote (token, slot) each way, forward and backward (4 rows),
   and the counts all-gather;
 - inside a node (NVLink): two-level, every row a relay forwards to another rank of its node, in
@@ -76,16 +79,19 @@ def p_token_on_node(E: int, k: int, N: int) -> float:
     return 1.0 - math.comb(E - E // N, k) / math.comb(E, k)
 
 
-def expected_bytes(M: int, E: int, k: int, T: int, N: int, P: int, elem_bytes: int = 2) -> Dict[str, float]:
+def expected_bytes(M: int, E: int, k: int, T: int, N: int, P: int, elem_bytes: int = 2,
+                   grad_tokens_once: bool = True) -> Dict[str, float]:
     """Expected bytes one GPU sends per layer step (forward and backward) under uniform routing:
     across nodes (the parts of ``_count_bytes``, ``two_level`` and ``flat``) and over NVLink inside
-    its node (``nvlink_two_level``, ``nvlink_flat``). Sent and received are equal in expectation."""
+    its node (``nvlink_two_level``, ``nvlink_flat``). Sent and received are equal in expectation.
+    ``grad_tokens_once``: the megakernel's backward (False: the reference two-level path's)."""
     _check(E, k, N, P)
     G, row = N * P, M * elem_bytes
     tokens = T * (N - 1) * p_token_on_node(E, k, N)  # (token, remote node) pairs with a slot there
     pairs = T * k * (N - 1) / N  # (token, slot) rows whose expert is on another node
     b = {"dispatch_rows": tokens * row, "routing": tokens * k * INDEX_BYTES + (N - 1) * P * (E + N) * INDEX_BYTES,
-         "combine_rows": pairs * row, "backward_rows": 2 * pairs * row}
+         "combine_rows": pairs * row,
+         "backward_rows": (tokens + pairs) * row + 8 * pairs if grad_tokens_once else 2 * pairs * row}
     b["two_level"] = sum(b.values())
     b["flat"] = 4 * pairs * row + (G - P) * E * INDEX_BYTES
     # A relay receives T * k / N rows for its node from each of the N ranks with its local rank
@@ -101,7 +107,7 @@ def _sample_routing(T: int, k: int, E: int, gen: torch.Generator) -> torch.Tenso
 
 
 def sampled_bytes(M: int, E: int, k: int, T: int, N: int, P: int, elem_bytes: int = 2, seed: int = 0,
-                  steps: int = 1) -> Dict[str, float]:
+                  steps: int = 1, grad_tokens_once: bool = True) -> Dict[str, float]:
     """:func:`expected_bytes` by sampling: every rank's routing drawn ``steps`` times, the bytes
     across nodes counted by ``TwoLevelDispatcher._count_bytes`` (called on a stand-in holding the
     group's sizes, no process group needed), the NVLink rows counted row by row; per GPU, averaged."""
@@ -113,7 +119,8 @@ def sampled_bytes(M: int, E: int, k: int, T: int, N: int, P: int, elem_bytes: in
     local_of = torch.arange(G) % P
     rank_of_expert = torch.arange(E) // L
     stand_in = types.SimpleNamespace(ep_size=G, num_experts=E, num_nodes=N, ranks_per_node=P, _node_of=node_of,
-                                     num_local_experts=L, rank=0, _said_bytes=True, grad_tokens_once=False)
+                                     num_local_experts=L, rank=0, _said_bytes=True,
+                                     grad_tokens_once=grad_tokens_once)
     dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[elem_bytes]
     x = torch.empty(0, M, dtype=dtype)  # _count_bytes reads only the row size
     total: Dict[str, float] = {}
@@ -160,7 +167,7 @@ def _pairs(items, what: str, cast) -> Dict[str, float]:
 
 
 def run_model(shapes, nodes, gpus_per_node: int, network_gbps: float, nvlink_gbps: float,
-              compute_ms: Dict[str, float], experts: Dict[str, int]):
+              compute_ms: Dict[str, float], experts: Dict[str, int], grad_tokens_once: bool = True):
     """The model's points (dicts) and the reasons for the skipped (shape, nodes)."""
     points, skipped = [], []
     for name in shapes:
@@ -176,7 +183,8 @@ def run_model(shapes, nodes, gpus_per_node: int, network_gbps: float, nvlink_gbp
                                f"ranks (the expert count must be a multiple of the rank count; --experts "
                                f"{name}=E models another); skipped")
                 continue
-            b = expected_bytes(s.hidden, E, s.top_k, s.tokens_per_rank, N, gpus_per_node, s.bytes_per_value)
+            b = expected_bytes(s.hidden, E, s.top_k, s.tokens_per_rank, N, gpus_per_node, s.bytes_per_value,
+                               grad_tokens_once)
             t = layer_times(b, compute_ms[name], network_gbps, nvlink_gbps)
             points.append({"shape": name, "hidden": s.hidden, "experts": E, "top_k": s.top_k,
                            "tokens_per_rank": s.tokens_per_rank, "nodes": N, "gpus_per_node": gpus_per_node,
@@ -249,6 +257,9 @@ def main(argv: Optional[list] = None) -> int:
     p.add_argument("--compute-ms", nargs="*", metavar="SHAPE=MS",
                    help="the layer's fwd+bwd ms inside one node (default: docs/performance.md's ep 4 rows)")
     p.add_argument("--experts", nargs="*", metavar="SHAPE=E", help="experts of a shape (default: the preset's)")
+    p.add_argument("--reference-path", action="store_true",
+                   help="model the reference backend's two-level path (a row per (token, slot) for the combine's "
+                   "gradient) instead of the megakernel across nodes")
     p.add_argument("--check", action="store_true",
                    help="also sample the routing (Monte Carlo, --check-tokens per rank) and compare")
     p.add_argument("--check-tokens", type=int, default=256)
@@ -258,11 +269,13 @@ def main(argv: Optional[list] = None) -> int:
         raise SystemExit("--nodes, --gpus-per-node, --network-gbps and --nvlink-gbps must be positive")
     compute = dict(DEFAULT_COMPUTE_MS, **_pairs(args.compute_ms, "compute-ms", float))
     experts = _pairs(args.experts, "experts", int)
+    once = not args.reference_path
     points, skipped = run_model(args.shapes, args.nodes, args.gpus_per_node, args.network_gbps, args.nvlink_gbps,
-                                compute, experts)
+                                compute, experts, once)
     print(f"Model (not a measurement): uniform routing, network {args.network_gbps:g} GB/s and NVLink "
           f"{args.nvlink_gbps:g} GB/s per GPU and direction; compute ms are inputs (one node, fwd+bwd); "
-          "bytes sent per GPU per layer step, forward and backward.")
+          "bytes sent per GPU per layer step, forward and backward; two-level: "
+          + ("the reference backend's path." if args.reference_path else "the megakernel across nodes."))
     for reason in skipped:
         print(reason)
     if args.check:
@@ -270,7 +283,7 @@ def main(argv: Optional[list] = None) -> int:
             s = PRESETS[pt["shape"]]
             T = min(args.check_tokens, s.tokens_per_rank)
             args_ = (s.hidden, pt["experts"], s.top_k, T, pt["nodes"], pt["gpus_per_node"], s.bytes_per_value)
-            exp, got = expected_bytes(*args_), sampled_bytes(*args_)
+            exp, got = expected_bytes(*args_, grad_tokens_once=once), sampled_bytes(*args_, grad_tokens_once=once)
             dev = max(abs(got[key] / exp[key] - 1) for key in exp if exp[key])
             pt["check"] = {"tokens_per_rank": T, "max_rel_deviation": dev}
             print(f"check {pt['shape']} {pt['nodes']} x {pt['gpus_per_node']} at T={T}: sampled bytes within "
@@ -280,6 +293,7 @@ def main(argv: Optional[list] = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "multinode_model.json"), "w") as f:
             json.dump({"model": "uniform routing; compute_ms an input; not a measurement",
+                       "two_level_path": "reference" if args.reference_path else "megakernel",
                        "network_gbps": args.network_gbps, "nvlink_gbps": args.nvlink_gbps,
                        "points": points, "skipped": skipped}, f, indent=1)
         if points:

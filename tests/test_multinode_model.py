@@ -20,9 +20,10 @@ KEYS = ("dispatch_rows", "routing", "combine_rows", "backward_rows", "two_level"
 # (M, E, k, T, N, P): nodes of 1, 2 and 4 ranks, k from 1 to E / 2
 @pytest.mark.parametrize("cfg", [(16, 8, 2, 4000, 2, 2), (32, 16, 3, 2000, 4, 2), (8, 12, 4, 2000, 3, 2),
                                  (16, 32, 8, 1000, 2, 4), (16, 8, 1, 3000, 4, 1)])
-def test_formula_matches_sampled_routing(cfg):
-    exp = mm.expected_bytes(*cfg)
-    got = mm.sampled_bytes(*cfg, seed=1)
+@pytest.mark.parametrize("once", [True, False], ids=["megakernel", "reference"])
+def test_formula_matches_sampled_routing(cfg, once):
+    exp = mm.expected_bytes(*cfg, grad_tokens_once=once)
+    got = mm.sampled_bytes(*cfg, seed=1, grad_tokens_once=once)
     assert set(KEYS) <= set(got)
     for key in KEYS:
         assert got[key] == pytest.approx(exp[key], rel=0.03), key
@@ -37,14 +38,21 @@ def test_probability_of_a_remote_node():
 @pytest.mark.parametrize("N", [2, 3, 8])
 @pytest.mark.parametrize("E,k", [(48, 1), (48, 6), (48, 24)])
 def test_two_level_never_sends_more_rows_across_nodes(N, E, k):
-    b = mm.expected_bytes(1024, E * N, k, 512, N, 2)
+    # The reference path: only the dispatch is deduplicated; combine and backward are 3 of flat's 4 row
+    # movements.
+    b = mm.expected_bytes(1024, E * N, k, 512, N, 2, grad_tokens_once=False)
     flat_rows = b["flat"] - (N - 1) * 2 * E * N * 8  # less the counts all-gather
     rows = b["dispatch_rows"] + b["combine_rows"] + b["backward_rows"]
     assert 0 < rows <= flat_rows * (1 + 1e-12)  # equal at k = 1
-    # Only the dispatch is deduplicated: combine and backward are 3 of flat's 4 row movements.
     assert b["combine_rows"] + b["backward_rows"] == pytest.approx(0.75 * flat_rows)
     if k == 1:  # nothing to deduplicate: the expert indices make two-level send a little more
         assert rows == pytest.approx(flat_rows) and b["flat"] < b["two_level"] < 1.01 * b["flat"]
+    # The megakernel across nodes: the combine's gradient is deduplicated too (grad_out once per node,
+    # 8 bytes of gate and gate gradient per remote (token, slot) beside it).
+    m = mm.expected_bytes(1024, E * N, k, 512, N, 2)
+    pairs = b["combine_rows"] / 2048
+    assert m["backward_rows"] == pytest.approx(b["dispatch_rows"] + b["combine_rows"] + 8 * pairs)
+    assert m["two_level"] <= b["two_level"] + 8 * pairs * (1 + 1e-12)  # less wherever a token has 2 slots there
 
 
 @pytest.mark.parametrize("shape", list(mm.PRESETS))
