@@ -30,7 +30,7 @@ from .env import logger
 from .hybrid.layer_state import HybridLayer
 from .experts import pack_experts
 from .topology import group_topology
-from .twolevel import TwoLevelNVLinkDispatcher, reference_dispatcher
+from .twolevel import TwoLevelNVLinkDispatcher, across_nodes_unsupported, reference_dispatcher
 from .schedules.common import Step
 from .tensor_parallel import tp_gather
 
@@ -177,10 +177,8 @@ class UniEPMoE(MoE):
             self._dispatchers.clear()
             return
         for d in self._dispatchers.values():
-            if hasattr(d, "set_config"):  # the megakernel across nodes
+            if hasattr(d, "set_config"):  # the megakernel's dispatchers, on one node or across nodes
                 d.set_config(cfg)
-            elif hasattr(d, "set_knobs"):
-                d.set_knobs(cfg.knobs())
 
     @property
     def ep_group(self):
@@ -311,12 +309,9 @@ class UniEPMoE(MoE):
             raise RuntimeError(f"{self.layer_name}: ep_size={self.ep_size} needs the expert-parallel group; "
                                "pass the model through deepspeed.initialize or call set_deepspeed_parallelism()")
         topo = group_topology(self.uniep_config.topology, self.ep_group, self.ep_size)
-        comp = self.uniep_config.compression
         name = backend_mod.resolve(self.uniep_config.backend, x.device, self.layer_name, topo,
                                    unsupported_across="inter-site pacing" if self._pacing is not None else
-                                   f"compression.dispatch_dtype {comp.dispatch_dtype!r}"
-                                   if comp.dispatch_dtype != "activation" else
-                                   f"compression.combine {comp.combine!r}" if comp.combine != "slots" else "")
+                                   across_nodes_unsupported(self.uniep_config))
         across = name == "megakernel" and topo.spans_nodes  # the megakernel inside each node, NCCL across
         schedules.say_unread_knobs(self.uniep_config.overlap, "megakernel across nodes" if across else name,
                                    self.layer_name,

@@ -43,6 +43,15 @@ from .topology import GroupTopology, subgroup
 STOP_FOR_TEST: Optional[Callable[[int], None]] = None
 
 
+def across_nodes_unsupported(config) -> str:
+    """What of a ``uniep`` block (a :class:`ds_uniep.config.UniEPConfig`) the megakernel across nodes
+    (:class:`TwoLevelNVLinkDispatcher`) does not run, or "": it moves activation-dtype rows and sums
+    slots at their source."""
+    comp = config.compression
+    return (f"compression.dispatch_dtype {comp.dispatch_dtype!r}" if comp.dispatch_dtype != "activation" else
+            f"compression.combine {comp.combine!r}" if comp.combine != "slots" else "")
+
+
 class NodeUnreachableError(UniEPCommError):
     """A peer did not answer an exchange of the two-level dispatch within ``uniep.overlap.timeout_s``
     (or its connection broke); the message names the layer, the step, the exchange and the peer's node."""
@@ -107,6 +116,14 @@ class _Plan:
         self.intra_recv: List[int] = []  #: rows this rank receives from each relay of its node
         self.rows: Optional[Tensor] = None  #: ``[R]`` expert-major row of each row received from the relays
         self.order: Optional[Tensor] = None  #: ``[R]`` argsort of ``rows``
+        # TwoLevelNVLinkDispatcher's: the node dispatcher's expert of each of this node's (token, slot)
+        # rows ([P1, 1] int32), the layout's row of each of its received rows, its dispatch's
+        # (expert_idx, dest_row, recv_pair, num_recv), and the combine's rows in its order (forward
+        # to the combine's backward)
+        self.nvl_idx: Optional[Tensor] = None
+        self.nvl_perm: Optional[Tensor] = None
+        self.nvl_handle: Optional[tuple] = None
+        self.nvl_y: Optional[Tensor] = None
 
 
 class _TokensToExperts(torch.autograd.Function):
@@ -334,16 +351,17 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         fwd = arrived.index_select(0, plan.relay_tok if tokens else plan.fwd_order)
         return self._intra(fwd, plan.intra_send, plan.intra_recv, step, what).index_select(0, plan.order)
 
-    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str) -> Tensor:
+    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str, forward: bool) -> Tensor:
         """The in-node half of a move back to the sources: this rank's rows ``y`` (layout order) ->
-        this relay's (token, slot) rows of its node, in (source node, token, slot) order."""
+        this relay's (token, slot) rows of its node, in (source node, token, slot) order (``forward``:
+        the combine's; else the dispatch's gradient)."""
         back = self._intra(y.index_select(0, plan.rows), plan.intra_recv, plan.intra_send, step, what)
         return back.new_zeros(back.shape).index_copy(0, plan.fwd_order, back)
 
     def _rows_to_sources(self, y: Tensor, plan: _Plan, direction: str) -> Tensor:
         step = plan.step if direction == "forward" else f"{plan.step} (backward)"
         what = "combine" if direction == "forward" else "dispatch gradient"
-        pair_buf = self._node_to_relays(y, plan, step, f"{what} inside the node")
+        pair_buf = self._node_to_relays(y, plan, step, f"{what} inside the node", direction == "forward")
         got = self._cross(list(pair_buf.split(plan.recv_pairs)), [len(p) for p in plan.send_pairs], y, step,
                           f"{what} across nodes")
         out = y.new_zeros(plan.T * plan.k, y.shape[1])
@@ -410,11 +428,10 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
                  k: int, dtype: torch.dtype, layer_name: str = "UniEPMoE"):
         from .config import UniEPConfig
         cfg = UniEPConfig.coerce(config)
-        comp = cfg.compression
-        if comp.dispatch_dtype != "activation" or comp.combine != "slots":
+        unsupported = across_nodes_unsupported(cfg)
+        if unsupported:
             raise ValueError(f"{layer_name}: the megakernel across nodes moves activation-dtype rows and sums slots "
-                             f"at their source; compression.dispatch_dtype {comp.dispatch_dtype!r} and combine "
-                             f"{comp.combine!r} run on backend 'reference'")
+                             f"at their source; {unsupported} runs on backend 'reference'")
         super().__init__(num_experts, ep_size, group, topology, layer_name, timeout_s=cfg.overlap.timeout_s)
         self.max_tokens = cfg.max_tokens_per_rank
         P, N, L = self.ranks_per_node, self.num_nodes, self.num_local_experts
@@ -486,12 +503,12 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
         plan.nvl_handle = (idx, dest_row, recv_pair, num_recv)
         return recv.index_select(0, plan.nvl_perm)  # a copy: the node's receive buffers are free again
 
-    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str) -> Tensor:
+    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str, forward: bool) -> Tensor:
         if self.nvl is None:
-            return super()._node_to_relays(y, plan, step, what)
+            return super()._node_to_relays(y, plan, step, what, forward)
         idx, _, recv_pair, num_recv = plan.nvl_handle
         there = y.new_empty(y.shape).index_copy_(0, plan.nvl_perm, y)
-        if isinstance(step, int):  # forward: the combine's backward reads the rows where the node has them
+        if forward:  # the combine's backward reads the rows where the node has them
             plan.nvl_y = there
             ones = torch.ones(idx.shape, dtype=torch.float32, device=y.device)
             return self.nvl._combine_fwd(there, ones, idx, recv_pair, num_recv)

@@ -22,7 +22,7 @@ def test_num_comm_sms_is_the_block_count_of_the_copy_kernels(monkeypatch):
     class FakeNVLinkDispatcher:
         """NVLinkDispatcher's own knob handling (set_knobs) on 132 SMs, without buffers."""
         sm_count, layer_name = 132, "fake"
-        set_knobs = mk.NVLinkDispatcher.set_knobs
+        set_knobs, set_config = mk.NVLinkDispatcher.set_knobs, mk.NVLinkDispatcher.set_config
 
         @classmethod
         def from_config(cls, layer_name, num_experts, ep_size, hidden_size, k, dtype, config, group=None):

@@ -214,6 +214,11 @@ class NVLinkDispatcher(_CombineSteps):
         """The same as the constructor (the name the layer, the tests and the benchmarks use)."""
         return cls(layer_name, num_experts, ep_size, hidden_size, k, dtype, config, group)
 
+    def set_config(self, config) -> None:
+        """Run the next calls under the knobs of ``config`` (a ``uniep`` block, e.g. a tuning plan's):
+        :meth:`set_knobs` of ``config.knobs()``."""
+        self.set_knobs(config.knobs())
+
     def set_knobs(self, knobs: Knobs) -> None:
         """Run the next calls under ``knobs`` (in place: the buffers stay). ``num_comm_sms`` is the
         block count of the copy kernels (None: one block per SM); under the fused schedule it is what

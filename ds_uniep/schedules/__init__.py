@@ -19,6 +19,7 @@ from torch import Tensor
 from .. import gating
 from ..env import logger
 from ..reference import ReferenceDispatcher
+from ..twolevel import TwoLevelDispatcher
 from ..tensor_parallel import tp_context
 from .common import Step, comm_blocks, gemm_configs, stack
 from .fused import Fused
@@ -80,7 +81,7 @@ def check_sync_free(layer, x: Tensor, d, tp: int) -> None:
     naming what reads the counts. (A pipelined or fused schedule runs sequential, said once.)"""
     gate = layer.deepspeed_moe.gate
     experts = layer.deepspeed_moe.experts.deepspeed_experts
-    why = (("across nodes the two-level dispatch" if hasattr(d, "topology") else "the reference backend") +
+    why = (("across nodes the two-level dispatch" if isinstance(d, TwoLevelDispatcher) else "the reference backend") +
            " exchanges row counts on the host" if isinstance(d, ReferenceDispatcher) else
            "HybridEP plans on the host" if layer._hybrid is not None else
            "tensor parallelism cuts the tokens on the host" if tp > 1 else
