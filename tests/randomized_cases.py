@@ -167,10 +167,44 @@ def gate_without_group(gate):
         gate.ep_group = group
 
 
+class _Rounding(torch.autograd.Function):
+    """One rounding of the rounding model: ``t * (1 + u * r)`` forward and ``g * (1 + u * r')``
+    backward, ``r`` and ``r'`` uniform in [-1, 1] from ``generator``."""
+
+    @staticmethod
+    def forward(ctx, t, u, generator):
+        ctx.u, ctx.generator = u, generator
+        return t * (1 + u * (2 * torch.rand(t.shape, generator=generator, dtype=t.dtype) - 1).to(t.device))
+
+    @staticmethod
+    def backward(ctx, g):
+        r = 2 * torch.rand(g.shape, generator=ctx.generator, dtype=g.dtype) - 1
+        return g * (1 + ctx.u * r.to(g.device)), None, None
+
+
+_ROUNDING: List[Optional[Tuple[float, torch.Generator]]] = [None]
+
+
+@contextlib.contextmanager
+def rounding_model(seed: int, u: float = 2.0**-8):
+    """Inside: every expert projection and activation of :func:`expert_forward`, forward and
+    backward, takes one random relative error of at most ``u`` (bf16's unit roundoff by default),
+    as a kernel that rounds its result to bf16 does, drawn from ``seed``."""
+    _ROUNDING[0] = (u, torch.Generator().manual_seed(seed))
+    try:
+        yield
+    finally:
+        _ROUNDING[0] = None
+
+
+def _rounded(t: Tensor) -> Tensor:
+    return t if _ROUNDING[0] is None else _Rounding.apply(t, *_ROUNDING[0])
+
+
 def _linear(x: Tensor, layer: nn.Linear) -> Tensor:
     """``layer(x)`` with the bias added to the product after its rounding to ``x``'s dtype, as
     ds_uniep's grouped GEMMs add it (``nn.Linear`` on CPU rounds once, after the bias)."""
-    y = torch.nn.functional.linear(x, layer.weight)
+    y = _rounded(torch.nn.functional.linear(x, layer.weight))
     return y if layer.bias is None else y + layer.bias
 
 
@@ -179,9 +213,9 @@ def expert_forward(expert: nn.Module, x: Tensor) -> Tensor:
     from ds_uniep import GeLUExpert, SwiGLUExpert
     x = x.to(next(expert.parameters()).dtype)
     if isinstance(expert, SwiGLUExpert):
-        return _linear(torch.nn.functional.silu(_linear(x, expert.w1)) * _linear(x, expert.w3), expert.w2)
+        return _linear(_rounded(torch.nn.functional.silu(_linear(x, expert.w1)) * _linear(x, expert.w3)), expert.w2)
     if isinstance(expert, GeLUExpert):
-        return _linear(torch.nn.functional.gelu(_linear(x, expert.fc1)), expert.fc2)
+        return _linear(_rounded(torch.nn.functional.gelu(_linear(x, expert.fc1))), expert.fc2)
     raise TypeError(f"no reference forward for {type(expert).__name__}")
 
 
@@ -274,6 +308,22 @@ def reference_pair(gate, case: Case, device, rank: int) -> Tuple[Reference, Refe
     ref = reference_moe(gate, low, xs, gys, AUX_COEF, rank, torch.float32, case.torch_dtype)
     hi = reference_moe(gate, high, [x.double() for x in xs], gys, AUX_COEF, rank, torch.float64, torch.float64)
     return ref, hi
+
+
+def rounding_draws(gate, case: Case, device, rank: int, draws: int = 8) -> List[Reference]:
+    """The high-precision reference ``draws`` times under :func:`rounding_model` (seeds from the
+    case's): how far roundings like a bf16 layer's, at other points than the bf16 reference's, can
+    move each result. A result with few terms (a rank with one token) or with cancellation (the
+    gate's gradient) can land anywhere in that spread, so one bf16 reference's error is no bound."""
+    xs, gys = zip(*(case_inputs(case, r) for r in range(case.world_size)))
+    xs = [x.to(device).double() for x in xs]
+    gys = [gy.to(device) for gy in gys]
+    high = [copy.deepcopy(e).to(device=device, dtype=case.torch_dtype).double() for e in case_experts(case)]
+    out = []
+    for d in range(draws):
+        with rounding_model(case.seed * 7919 + d):
+            out.append(reference_moe(gate, high, xs, gys, AUX_COEF, rank, torch.float64, torch.float64))
+    return out
 
 
 AUX_COEF = 0.01  # weight of the auxiliary loss in the backward
