@@ -78,9 +78,13 @@ class DeepEPLayer(nn.Module):
     def __init__(self, proto, device, dtype, num_sms=None):
         super().__init__()
         self.deep_ep = import_deep_ep()
-        moe = copy.deepcopy(proto).to(device=device, dtype=dtype)
+        # A proto whose groups are set (set_deepspeed_parallelism) keeps them: process groups do not copy.
+        groups = {id(v): v for m in proto.modules() for v in vars(m).values()
+                  if isinstance(v, torch.distributed.ProcessGroup)}
+        moe = copy.deepcopy(proto, groups).to(device=device, dtype=dtype)
         moe.deepspeed_moe.gate.wg.float()
-        moe.set_deepspeed_parallelism()
+        if moe.deepspeed_moe.ep_group is None:
+            moe.set_deepspeed_parallelism()
         self.moe = moe
         self.num_experts = moe.num_experts
         self.group = moe.deepspeed_moe.ep_group
