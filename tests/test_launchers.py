@@ -88,6 +88,27 @@ def test_gpt_under_mpirun_pr_moe_dropless():
     assert "backend=reference ranks=2" in _final_line(proc.stdout, "[gpt_moe] final:")
 
 
+def test_gpt_under_two_torchrun_nodes_is_bitwise_one_node(tmp_path):
+    """Two ``torchrun --nnodes 2`` agents of 2 ranks rendezvousing on localhost, as on two hosts: the
+    layer takes the node size from torchrun's local world size and runs the two-level transport; the
+    losses equal those of one 4-rank torchrun (one node, the flat exchange) bit for bit."""
+    args = [GPT, *GPT_TINY, "--deepspeed_config", os.path.join(CONFIGS, "ds_config_cpu_zero0.json"),
+            "--num-experts", "8", "--topk", "2", "--moe-expert-parallel-size", "4", "--create-moe-param-group",
+            "--backend", "reference"]
+    torchrun = os.path.join(BIN, "torchrun")
+    one, log = _run(lambda port: [torchrun, "--nproc_per_node", "4", "--master_addr", "127.0.0.1", "--master_port",
+                                  str(port), *args, "--loss-log", str(tmp_path / "one.json")])
+    assert one.returncode == 0, log
+    agents = " & ".join(f"{torchrun} --nnodes 2 --nproc_per_node 2 --node_rank {n} --master_addr 127.0.0.1 "
+                        "--master_port {port} " + " ".join(args) + f" --loss-log {tmp_path / 'two.json'}"
+                        for n in (0, 1))
+    two, log = _run(lambda port: ["bash", "-c", agents.format(port=port) + " & wait -n && wait -n"])
+    assert two.returncode == 0, log
+    assert "two-level" in two.stdout + two.stderr and "two-level" not in one.stdout + one.stderr, log
+    assert "ranks=4 steps=1-6" in _final_line(two.stdout, "[gpt_moe] final:")
+    assert (tmp_path / "two.json").read_text() == (tmp_path / "one.json").read_text()
+
+
 def test_cifar_under_deepspeed_launcher():
     proc, log = _run(lambda port: [
         os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(port), CIFAR,
