@@ -34,6 +34,10 @@ and ZeRO-1/2) only to a model it sees MoE layers in, so each ``ShardedLinear`` h
 parameter-less :class:`_DeepSpeedMoEMark` (a ``deepspeed.moe.layer.MoE`` with no experts): a model
 needs no MoE layer of its own. ZeRO-1/2 want these parameters in a param group of their own
 (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``), as for experts.
+Training is then bitwise that of the unsharded ``nn.Linear`` under ZeRO-1/2, and under ZeRO-0 without
+gradient clipping. ZeRO-0's clipping (``gradient_clipping``, DeepSpeed's default 1.0) takes each
+rank's norm over the gradients it holds and averages the ranks' norms, as for MoE experts: a rank
+holds its shard only, so the clipping factor, and the run, differ from the unsharded model's.
 
 Checkpoints: ``state_dict()`` holds the full weight and bias, gathered: every rank of the group
 calls it (a collective), or DeepSpeed's ``save_checkpoint``, whose MoE path visits each MoE module
