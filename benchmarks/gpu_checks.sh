@@ -81,16 +81,20 @@ want gpt && for backend in deepspeed reference megakernel megakernel_again; do
     --seq-length 256 --eval-interval 1000 --log-interval 5 --backend "${backend%_again}" \
     --loss-log "$OUT/loss_$backend.json" "${gemm_flag[@]}"
 done
-# SwiGLU experts (grouped GEMMs), ZeRO 2: the sequential schedule against the fused one (epilogue
-# combines only, twice) and the fused one with its dispatch in interleaved roles (twice)
-want gpt_swiglu && for run in sequential fused fused_again interleaved interleaved_again; do
-  cfg=configs/ds_config_uniep_fused.json; [[ $run == sequential ]] && cfg=configs/ds_config_uniep_default.json
+# SwiGLU experts (grouped GEMMs), dropless, ZeRO 2: stock DeepSpeed MoE; the megakernel's sequential
+# schedule, eager and replayed from CUDA graphs (--cuda-graph); the fused schedule (epilogue combines
+# only, twice) and the fused one with its dispatch in interleaved roles (twice)
+want gpt_swiglu && for run in stock sequential graph fused fused_again interleaved interleaved_again; do
+  cfg=configs/ds_config_uniep_fused.json; run_flags=(--expert-gemm uniep --backend megakernel)
+  [[ $run == stock || $run == sequential || $run == graph ]] && cfg=configs/ds_config_uniep_default.json
   [[ $run == interleaved* ]] && cfg=configs/ds_config_uniep_fused_interleaved.json
+  [[ $run == stock ]] && run_flags=(--backend deepspeed)
+  [[ $run == graph ]] && run_flags+=(--cuda-graph)
   step "gpt_swiglu_$run" python3 -m deepspeed.launcher.runner --num_gpus "$NGPU" examples/gpt_moe/train.py \
-    --deepspeed_config "$cfg" --expert-type swiglu --expert-gemm uniep --num-experts $((2 * NGPU)) \
+    --deepspeed_config "$cfg" --expert-type swiglu --num-experts $((2 * NGPU)) \
     --moe-expert-parallel-size "$NGPU" --topk 2 --disable-moe-token-dropping --create-moe-param-group \
     --train-iters 20 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --eval-interval 1000 \
-    --log-interval 5 --backend megakernel --loss-log "$OUT/loss_swiglu_$run.json"
+    --log-interval 5 "${run_flags[@]}" --loss-log "$OUT/loss_swiglu_$run.json"
 done
 
 echo "=== summary (ngpu=$NGPU)"
@@ -100,7 +104,8 @@ python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 logs = {}
-for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_sequential", "swiglu_fused",
+for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_stock", "swiglu_sequential",
+          "swiglu_graph", "swiglu_fused",
           "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again", "one_node", "two_nodes",
           "two_torchruns"):
     p = os.path.join(out, f"loss_{b}.json")
@@ -108,7 +113,7 @@ for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_se
         logs[b] = {int(k): float.fromhex(v) if isinstance(v, str) else v for k, v in json.load(open(p)).items()}
 if "megakernel" in logs and "megakernel_again" in logs:
     print("megakernel losses bitwise equal across two runs:", logs["megakernel"] == logs["megakernel_again"])
-for b in ("swiglu_fused", "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
+for b in ("swiglu_graph", "swiglu_fused", "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
     if b in logs and "swiglu_sequential" in logs:
         print(f"{b} losses bitwise equal to the sequential schedule's:", logs[b] == logs["swiglu_sequential"])
 for b in ("two_nodes", "two_torchruns"):
