@@ -296,15 +296,19 @@ def reference_moe(gate, experts: Sequence[nn.Module], xs: Sequence[Tensor], gys:
                      gate_grad)
 
 
+def _case_tensors(case: Case, device):
+    """Every rank's tokens and output gradients on ``device``, and all experts in the case's dtype
+    (as the layer holds them) and those weights in fp64."""
+    xs, gys = zip(*(case_inputs(case, r) for r in range(case.world_size)))
+    low = [copy.deepcopy(e).to(device=device, dtype=case.torch_dtype) for e in case_experts(case)]
+    return [x.to(device) for x in xs], [gy.to(device) for gy in gys], low, [copy.deepcopy(e).double() for e in low]
+
+
 def reference_pair(gate, case: Case, device, rank: int) -> Tuple[Reference, Reference]:
     """The reference at the case's precision (experts in its dtype, fp32 accumulation, output in its
     dtype: what the layer computes) and at high precision (the same weights and tokens in fp64,
     fp64 accumulation; the gate in fp32 as DeepSpeed's is)."""
-    xs, gys = zip(*(case_inputs(case, r) for r in range(case.world_size)))
-    xs = [x.to(device) for x in xs]
-    gys = [gy.to(device) for gy in gys]
-    low = [copy.deepcopy(e).to(device=device, dtype=case.torch_dtype) for e in case_experts(case)]
-    high = [copy.deepcopy(e).double() for e in low]
+    xs, gys, low, high = _case_tensors(case, device)
     ref = reference_moe(gate, low, xs, gys, AUX_COEF, rank, torch.float32, case.torch_dtype)
     hi = reference_moe(gate, high, [x.double() for x in xs], gys, AUX_COEF, rank, torch.float64, torch.float64)
     return ref, hi
@@ -315,10 +319,8 @@ def rounding_draws(gate, case: Case, device, rank: int, draws: int = 8) -> List[
     case's): how far roundings like a bf16 layer's, at other points than the bf16 reference's, can
     move each result. A result with few terms (a rank with one token) or with cancellation (the
     gate's gradient) can land anywhere in that spread, so one bf16 reference's error is no bound."""
-    xs, gys = zip(*(case_inputs(case, r) for r in range(case.world_size)))
-    xs = [x.to(device).double() for x in xs]
-    gys = [gy.to(device) for gy in gys]
-    high = [copy.deepcopy(e).to(device=device, dtype=case.torch_dtype).double() for e in case_experts(case)]
+    xs, gys, _, high = _case_tensors(case, device)
+    xs = [x.double() for x in xs]
     out = []
     for d in range(draws):
         with rounding_model(case.seed * 7919 + d):

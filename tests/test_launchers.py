@@ -13,6 +13,7 @@ to rank 0's host address and MASTER_PORT to the ``distributed_port`` the script 
 (the examples pass $MASTER_PORT, default 29500).
 """
 import os
+import shlex
 import sys
 
 import pytest
@@ -99,10 +100,11 @@ def test_gpt_under_two_torchrun_nodes_is_bitwise_one_node(tmp_path):
     one, log = _run(lambda port: [torchrun, "--nproc_per_node", "4", "--master_addr", "127.0.0.1", "--master_port",
                                   str(port), *args, "--loss-log", str(tmp_path / "one.json")])
     assert one.returncode == 0, log
-    agents = " & ".join(f"{torchrun} --nnodes 2 --nproc_per_node 2 --node_rank {n} --master_addr 127.0.0.1 "
-                        "--master_port {port} " + " ".join(args) + f" --loss-log {tmp_path / 'two.json'}"
-                        for n in (0, 1))
-    two, log = _run(lambda port: ["bash", "-c", agents.format(port=port) + " & wait -n && wait -n"])
+    def agents(port):
+        return " & ".join(shlex.join([torchrun, "--nnodes", "2", "--nproc_per_node", "2", "--node_rank", str(n),
+                                      "--master_addr", "127.0.0.1", "--master_port", str(port), *args,
+                                      "--loss-log", str(tmp_path / "two.json")]) for n in (0, 1))
+    two, log = _run(lambda port: ["bash", "-c", agents(port) + " & wait -n && wait -n"])
     assert two.returncode == 0, log
     assert "two-level" in two.stdout + two.stderr and "two-level" not in one.stdout + one.stderr, log
     assert "ranks=4 steps=1-6" in _final_line(two.stdout, "[gpt_moe] final:")

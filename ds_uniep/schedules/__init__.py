@@ -81,8 +81,8 @@ def check_sync_free(layer, x: Tensor, d, tp: int) -> None:
     naming what reads the counts. (A pipelined or fused schedule runs sequential, said once.)"""
     gate = layer.deepspeed_moe.gate
     experts = layer.deepspeed_moe.experts.deepspeed_experts
-    why = (("across nodes the two-level dispatch" if isinstance(d, TwoLevelDispatcher) else "the reference backend") +
-           " exchanges row counts on the host" if isinstance(d, ReferenceDispatcher) else
+    why = ("across nodes the two-level dispatch exchanges row counts on the host" if isinstance(d, TwoLevelDispatcher)
+           else "the reference backend exchanges row counts on the host" if isinstance(d, ReferenceDispatcher) else
            "HybridEP plans on the host" if layer._hybrid is not None else
            "tensor parallelism cuts the tokens on the host" if tp > 1 else
            "the gate reads counts on the host (DeepSpeed's top-1 gate, token dropping, or a gate of its own "
