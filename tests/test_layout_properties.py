@@ -46,6 +46,6 @@ def test_mirror_offsets_order_a_sources_pairs_by_expert_token_slot(case):
         _, mirror_off = source_layout(counts_all, s)
         kept = r >= 0
         rows = (lay.dest_row + mirror_off.long()[r.long().clamp_min(0)])[kept]
-        want = [(int(e), t, j) for t in range(r.shape[0]) for j in range(r.shape[1]) for e in [r[t, j]] if e >= 0]
-        order = sorted(range(len(want)), key=lambda i: want[i])  # (expert, token, slot)
-        assert rows.tolist() == [order.index(i) for i in range(len(want))]
+        # the kept pairs in (token, slot) order, as the mask reads them; each one's rank by (expert, token, slot)
+        keys = [(int(r[t, j]), t, j) for t in range(r.shape[0]) for j in range(r.shape[1]) if r[t, j] >= 0]
+        assert rows.tolist() == [sorted(keys).index(key) for key in keys]
