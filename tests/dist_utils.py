@@ -161,8 +161,10 @@ def _stale_locks_note() -> str:
 
 
 #: What the CPU ranks' fork server imports once, so that each rank starts without importing them
-#: again (seconds of CPU per rank). Not ds_uniep: it reads its environment variables at import.
-PRELOAD = ["torch", "torch.distributed", "deepspeed", "deepspeed.comm"]
+#: again (seconds of CPU per rank; ds_uniep's ``torch.compiler.disable`` imports ``torch._dynamo``,
+#: the Hugging Face tests ``transformers``; a module that cannot be imported is skipped). Not
+#: ds_uniep: it reads its environment variables at import.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "deepspeed", "deepspeed.comm", "transformers"]
 
 
 _OPS_BUILT = False

@@ -27,10 +27,10 @@ def _rank_one_is_killed(rank, world_size):
 def test_a_hang_names_the_ranks_and_where_they_wait():
     start = time.monotonic()
     with pytest.raises(AssertionError) as err:
-        run_distributed(_rank_one_sleeps_forever, 2, timeout=45)
+        run_distributed(_rank_one_sleeps_forever, 2, timeout=20)
     took = time.monotonic() - start
     message = str(err.value)
-    assert took < 90, took
+    assert took < 60, took
     if "still running after" not in message:
         # Under load rank 0's own collective timeout (0.8 of the limit) can come first: it then
         # fails the run, and the rank that hangs is still named.
