@@ -226,6 +226,7 @@ class ReferenceDispatcher:
         self.deadline = Deadline(layer_name, timeout_s) if timeout_s is not None else None
 
     # ------------------------------------------------------------------ dispatch
+    @torch.compiler.disable  # collectives and host reads of counts: eager under torch.compile
     def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None
                  ) -> Tuple[Tensor, Tensor, DispatchHandle]:
         stop_point("dispatch")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
@@ -286,6 +287,7 @@ class ReferenceDispatcher:
         return arrived.index_select(0, self._recv_slots(handle.layout, C))
 
     # ------------------------------------------------------------------ combine
+    @torch.compiler.disable
     def combine(self, y: Tensor, gates: Tensor, handle: DispatchHandle) -> Tensor:
         stop_point("combine")  # fault-injection tests only (UNIEP_TEST_STOP_AT)
         layout = handle.layout

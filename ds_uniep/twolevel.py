@@ -256,6 +256,7 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         return full
 
     # ------------------------------------------------------------------ dispatch
+    @torch.compiler.disable  # as ReferenceDispatcher's
     def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
         self.step += 1
         step = self.step
@@ -368,6 +369,7 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         return out.index_copy(0, torch.cat(plan.send_pairs), torch.cat(got))
 
     # ------------------------------------------------------------------ combine
+    @torch.compiler.disable
     def combine(self, y: Tensor, gates: Tensor, handle: DispatchHandle) -> Tensor:
         plan = handle.plan
         pair_rows = _RowsToSources.apply(y, self, plan).view(plan.T, plan.k, y.shape[1])
@@ -463,6 +465,7 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
         if self.nvl is not None:
             self.nvl.set_knobs(config.knobs(schedule="sequential"))
 
+    @torch.compiler.disable
     def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
         if expert_idx.shape[0] > self.max_tokens:
             from .megakernel.dispatcher import UniEPCapacityError
@@ -514,6 +517,7 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
             return self.nvl._combine_fwd(there, ones, idx, recv_pair, num_recv)
         return self.nvl._dispatch_bwd(there, idx, recv_pair, num_recv)  # one slot: each row as it is
 
+    @torch.compiler.disable
     def combine(self, y: Tensor, gates: Tensor, handle) -> Tensor:
         if self.nvl is None:
             return super().combine(y, gates, handle)

@@ -364,6 +364,7 @@ class PartialMigrationDispatcher(ReferenceDispatcher):
         self.load = None
         return load
 
+    @torch.compiler.disable  # as ReferenceDispatcher's
     def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
         if self.track_load:
             self._note_load(expert_idx)

@@ -1,0 +1,97 @@
+"""``torch.compile`` over a UniEPMoE layer.
+
+CPU: the reference backend under ``torch.compile(layer, backend="aot_eager")`` (Dynamo's graphs and
+AOTAutograd's forward and backward, run by torch's own kernels) gives the eager bits, forward and
+backward, on 1 and 2 gloo ranks, also on later calls with new tokens and other token counts.
+(Inductor generates its own fused kernels, whose rounding differs from eager's.)
+
+GPU: the default and the sync-free megakernel layer under ``backend="aot_eager"`` give the eager
+bits of the default layer on new tokens and routing.
+"""
+import pytest
+import torch
+
+from conftest import needs_gpus
+from dist_utils import rank_gpu, run_distributed
+
+M, F = 16, 32
+
+
+def _layer(world_size, backend="reference", extra=None, device="cpu", dtype=torch.float32):
+    from ds_uniep import SwiGLUExpert, UniEPMoE
+    torch.manual_seed(7)
+    layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=4 * world_size, ep_size=world_size, k=2, min_capacity=0,
+                     drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
+                     config={"backend": backend, **(extra or {})})
+    layer = layer.to(device=device, dtype=dtype)
+    layer.deepspeed_moe.gate.wg.float()
+    if world_size > 1:
+        layer.set_deepspeed_parallelism()
+    return layer
+
+
+def _step(fn, layer, x, gy):
+    """[output, l_aux, exp_counts, x.grad, every parameter's grad] of one step from cleared gradients."""
+    for p in layer.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    out, l_aux, counts = fn(x)
+    torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
+    return [out.detach().clone(), l_aux.detach().clone(), counts.clone(), x.grad.clone()] + \
+        [p.grad.clone() for p in layer.parameters()]
+
+
+def _same(got, want, where):
+    assert len(got) == len(want), where
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), \
+            f"{where}: tensor {i} differs (max {(a.double() - b.double()).abs().max().item():.3g})"
+
+
+def _reference_body(rank, world_size, extra=None):
+    layer = _layer(world_size, extra=extra)
+    compiled = torch.compile(layer, backend="aot_eager")
+    for case, T in enumerate((12, 12, 5 + 3 * rank)):  # the same T twice, then another per rank
+        g = torch.Generator().manual_seed(100 * case + rank)
+        x, gy = torch.randn(T, M, generator=g), torch.randn(T, M, generator=g)
+        want = _step(layer, layer, x, gy)
+        _same(_step(compiled, layer, x, gy), want, f"rank {rank} case {case} (T={T})")
+
+
+@pytest.mark.parametrize("world_size, extra", [(1, None), (2, None), (4, {"topology": {"node_size": 2}}),
+                                               (2, {"hybrid": {"enabled": True, "domain_size": 2}})],
+                         ids=["1", "2", "2x2-nodes", "2-hybrid"])
+def test_reference_backend_under_torch_compile_gives_the_eager_bits(world_size, extra):
+    """Flat, two-level (2 emulated nodes of 2) and HybridEP."""
+    run_distributed(_reference_body, world_size, extra)
+
+
+def _megakernel_body(rank, world_size):
+    device = rank_gpu(rank)
+    base = _layer(world_size, "megakernel", {"max_tokens_per_rank": 256}, device, torch.bfloat16)
+    free = _layer(world_size, "megakernel", {"max_tokens_per_rank": 256, "sync_free": True}, device, torch.bfloat16)
+    compiled = {"default": torch.compile(base, backend="aot_eager"), "sync-free": torch.compile(free, backend="aot_eager")}
+    T = 100 + 20 * rank
+    for case in range(4):
+        g = torch.Generator(device=device).manual_seed(100 * case + rank)
+        x = torch.randn(T, M, device=device, generator=g).to(torch.bfloat16)
+        gy = torch.randn(T, M, device=device, generator=g).to(torch.bfloat16)
+        wg = torch.randn(base.deepspeed_moe.gate.wg.weight.shape, device=device,
+                         generator=torch.Generator(device=device).manual_seed(case)) * M**-0.5
+        if case == 2:  # every token's first choice on the last expert
+            wg[-1] += 50.0
+        with torch.no_grad():
+            base.deepspeed_moe.gate.wg.weight.copy_(wg)
+            free.deepspeed_moe.gate.wg.weight.copy_(wg)
+        want = _step(base, base, x, gy)
+        for name, fn in compiled.items():
+            _same(_step(fn, base if name == "default" else free, x, gy), want, f"rank {rank} case {case} {name}")
+    torch.cuda.synchronize()
+    if rank == 0:
+        print(f"torch.compile ep {world_size}: 4 cases of the default and the sync-free layer (aot_eager) "
+              "bitwise the eager default layer", flush=True)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (1, 2)])
+def test_megakernel_layers_under_torch_compile_give_the_eager_bits(world_size):
+    run_distributed(_megakernel_body, world_size, backend="nccl")
