@@ -7,6 +7,9 @@ backward, on 1 and 2 gloo ranks, also on later calls with new tokens and other t
 
 GPU: the default and the sync-free megakernel layer under ``backend="aot_eager"`` give the eager
 bits of the default layer on new tokens and routing.
+
+CommFuse's modules (the TP-SP linears, ``ShardedLinear``, ``UlyssesAttention``) on 2 CPU ranks:
+the eager bits under ``backend="aot_eager"`` too.
 """
 import pytest
 import torch
@@ -64,6 +67,36 @@ def _reference_body(rank, world_size, extra=None):
 def test_reference_backend_under_torch_compile_gives_the_eager_bits(world_size, extra):
     """Flat, two-level (2 emulated nodes of 2) and HybridEP."""
     run_distributed(_reference_body, world_size, extra)
+
+
+def _commfuse_body(rank, world_size):
+    import torch.nn.functional as F
+    from ds_uniep.commfuse import ColumnParallelLinear, RowParallelLinear, ShardedLinear, UlyssesAttention
+
+    def attention(q, k, v, *args, **kwargs):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    torch.manual_seed(0)
+    modules = {"ColumnParallelLinear": (ColumnParallelLinear(M, 2 * M), (4, 2, M), ()),
+               "RowParallelLinear": (RowParallelLinear(2 * M, M), (8, 2, M), ()),
+               "ShardedLinear": (ShardedLinear(M, 3 * M), (6, M), ()),
+               "UlyssesAttention": (UlyssesAttention(attention, None, M, 4), (2, 4, M), (0, ))}
+    for name, (module, shape, args) in modules.items():
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
+        compiled = torch.compile(module, backend="aot_eager")
+        outs = []
+        for fn in (module, compiled):
+            for p in module.parameters():
+                p.grad = None
+            xx = x.clone().requires_grad_(True)
+            y = fn(xx, *args)
+            y.sum().backward()
+            outs.append([y.detach(), xx.grad.clone()] + [p.grad.clone() for p in module.parameters()])
+        _same(outs[1], outs[0], f"rank {rank} {name}")
+
+
+def test_commfuse_modules_under_torch_compile_give_the_eager_bits():
+    """The TP-SP linears, the data-parallel linear and Ulysses attention on 2 gloo ranks."""
+    run_distributed(_commfuse_body, 2)
 
 
 def _megakernel_body(rank, world_size):
