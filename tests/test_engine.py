@@ -119,3 +119,15 @@ def test_zero_0_1_2_train_like_stock_moe():
 
 def test_checkpoints_load_both_ways(tmp_path):
     run_distributed(_checkpoints, 2, str(tmp_path))
+
+
+def _zero_3(rank, world_size):
+    import pytest
+    from ds_uniep import UniEPMoE
+    with pytest.raises(AssertionError, match="ZeRO Stage 3"):
+        _engine(Net(UniEPMoE, ep_size=world_size), 3)
+
+
+def test_zero_3_is_refused_by_deepspeed_as_for_its_own_moe():
+    """The README says so: DeepSpeed's engine refuses MoE layers under ZeRO-3, UniEPMoE too."""
+    run_distributed(_zero_3, 2)
