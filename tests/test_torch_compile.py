@@ -54,18 +54,18 @@ def _same(got, want, where):
 def _reference_body(rank, world_size, extra=None):
     layer = _layer(world_size, extra=extra)
     compiled = torch.compile(layer, backend="aot_eager")
-    for case, T in enumerate((12, 12, 5 + 3 * rank)):  # the same T twice, then another per rank
+    for case, T in enumerate((12, 12, 5 + 3 * rank) if world_size > 1 else (12, 12)):  # then another T per rank
         g = torch.Generator().manual_seed(100 * case + rank)
         x, gy = torch.randn(T, M, generator=g), torch.randn(T, M, generator=g)
         want = _step(layer, layer, x, gy)
         _same(_step(compiled, layer, x, gy), want, f"rank {rank} case {case} (T={T})")
 
 
-@pytest.mark.parametrize("world_size, extra", [(1, None), (2, None), (4, {"topology": {"node_size": 2}}),
+@pytest.mark.parametrize("world_size, extra", [(1, None), (2, None), (2, {"topology": {"node_size": 1}}),
                                                (2, {"hybrid": {"enabled": True, "domain_size": 2}})],
-                         ids=["1", "2", "2x2-nodes", "2-hybrid"])
+                         ids=["1", "2", "2-nodes", "2-hybrid"])
 def test_reference_backend_under_torch_compile_gives_the_eager_bits(world_size, extra):
-    """Flat, two-level (2 emulated nodes of 2) and HybridEP."""
+    """Flat, two-level (2 emulated nodes of 1) and HybridEP."""
     run_distributed(_reference_body, world_size, extra)
 
 
