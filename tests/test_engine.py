@@ -131,3 +131,26 @@ def _zero_3(rank, world_size):
 def test_zero_3_is_refused_by_deepspeed_as_for_its_own_moe():
     """The README says so: DeepSpeed's engine refuses MoE layers under ZeRO-3, UniEPMoE too."""
     run_distributed(_zero_3, 2)
+
+
+def _other_ep_size(rank, world_size, tmp):
+    import deepspeed.comm as dist
+    from ds_uniep import UniEPMoE
+    x = torch.randn(4, 6, 8, generator=torch.Generator().manual_seed(rank))
+    torch.manual_seed(0)
+    src = _engine(Net(UniEPMoE, ep_size=2), 0)
+    _train(src, rank, steps=2)
+    src.save_checkpoint(tmp, tag="ep2")
+    dist.barrier()
+    torch.manual_seed(1)  # other initial weights: the load must overwrite all of them
+    dst = _engine(Net(UniEPMoE, ep_size=1), 0)  # every rank holds all 4 experts
+    dst.load_checkpoint(tmp, tag="ep2", load_optimizer_states=False, load_lr_scheduler_states=False)
+    src.eval(), dst.eval()
+    with torch.no_grad():
+        assert torch.equal(dst(x)[0], src(x)[0])
+
+
+def test_a_checkpoint_loads_at_another_ep_size_without_optimizer_states(tmp_path):
+    """DeepSpeed keeps each expert in a file of its own, so the module loads at another ep_size (the
+    optimizer's states are kept per expert-parallel partition: those need the same ep_size)."""
+    run_distributed(_other_ep_size, 2, str(tmp_path))
