@@ -8,8 +8,8 @@ backward, on 1 and 2 gloo ranks, also on later calls with new tokens and other t
 GPU: the default and the sync-free megakernel layer under ``backend="aot_eager"`` give the eager
 bits of the default layer on new tokens and routing.
 
-CommFuse's modules (the TP-SP linears, ``ShardedLinear``, ``UlyssesAttention``) on 2 CPU ranks:
-the eager bits under ``backend="aot_eager"`` too.
+CommFuse's modules (the TP-SP linears, ``ShardedLinear``, ``UlyssesAttention``) and a converted
+Hugging Face model on 2 CPU ranks: the eager bits under ``backend="aot_eager"`` too.
 """
 import pytest
 import torch
@@ -97,6 +97,29 @@ def _commfuse_body(rank, world_size):
 def test_commfuse_modules_under_torch_compile_give_the_eager_bits():
     """The TP-SP linears, the data-parallel linear and Ulysses attention on 2 gloo ranks."""
     run_distributed(_commfuse_body, 2)
+
+
+def _hf_body(rank, world_size):
+    import ds_uniep
+    from hf_moe_models import VOCAB, tiny_model
+    ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(rank))
+    model = tiny_model("deepseek_v3")
+    ds_uniep.convert_hf_model(model, {"uniep": {"backend": "reference"}}, ep_size=world_size)
+    model.train()
+    outs = []
+    for fn in (model, torch.compile(model, backend="aot_eager")):
+        for p in model.parameters():
+            p.grad = None
+        logits = fn(ids).logits
+        logits.float().square().mean().backward()
+        outs.append([logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    assert len(outs[1]) == len(outs[0])
+    _same(outs[1], outs[0], f"rank {rank} deepseek_v3")
+
+
+def test_converted_hugging_face_model_under_torch_compile_gives_the_eager_bits():
+    """A converted DeepSeek-V3 (group-limited routing, expert bias, shared experts) on 2 gloo ranks."""
+    run_distributed(_hf_body, 2)
 
 
 def _megakernel_body(rank, world_size):
