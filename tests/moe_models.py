@@ -164,3 +164,26 @@ def expert_layouts(kind, M, F, L, device="cpu"):
                 off += p.numel()
         out[layout] = experts
     return out
+
+
+def tiny_swiglu_moe(world_size, config, device="cpu", dtype=torch.float32, hidden=16, **moe_kw):
+    """A dropless top-2 ``UniEPMoE`` (SwiGLU experts ``hidden`` -> 2 * ``hidden``, 4 experts per rank) with
+    the same weights on every call, fp32 gate; in the expert-parallel group of ``world_size`` ranks.
+    ``moe_kw``: more of the constructor's arguments (DeepSpeed's gate options)."""
+    from ds_uniep import SwiGLUExpert, UniEPMoE
+    torch.manual_seed(7)
+    layer = UniEPMoE(hidden, SwiGLUExpert(hidden, 2 * hidden), num_experts=4 * world_size, ep_size=world_size, k=2,
+                     min_capacity=0, drop_tokens=False, config=config, **moe_kw)
+    layer = layer.to(device=device, dtype=dtype)
+    layer.deepspeed_moe.gate.wg.float()
+    if world_size > 1:
+        layer.set_deepspeed_parallelism()
+    return layer
+
+
+def assert_bitwise(got, want, where):
+    """Two lists of tensors: as many, each with the same dtype, shape and bits."""
+    assert len(got) == len(want), f"{where}: {len(got)} tensors, {len(want)} wanted"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), \
+            f"{where}: tensor {i} differs (max {(a.double() - b.double()).abs().max().item():.3g})"

@@ -14,21 +14,14 @@ import torch
 
 from conftest import needs_gpus
 from dist_utils import rank_gpu, run_distributed
+from moe_models import assert_bitwise, tiny_swiglu_moe
 
 M = 16
 MODES = ("plain", "reentrant", "non-reentrant")
 
 
 def _layer(world_size, config, device="cpu", dtype=torch.float32):
-    from ds_uniep import SwiGLUExpert, UniEPMoE
-    torch.manual_seed(7)
-    layer = UniEPMoE(M, SwiGLUExpert(M, 32), num_experts=4 * world_size, ep_size=world_size, k=2, min_capacity=0,
-                     drop_tokens=False, config=config)  # DeepSpeed's default top-2: second expert sampled
-    layer = layer.to(device=device, dtype=dtype)
-    layer.deepspeed_moe.gate.wg.float()
-    if world_size > 1:
-        layer.set_deepspeed_parallelism()
-    return layer
+    return tiny_swiglu_moe(world_size, config, device, dtype, hidden=M)  # DeepSpeed's top-2: 2nd expert sampled
 
 
 def _count_forwards(layers):
@@ -58,11 +51,6 @@ def _run(layer, x0, mode):
     return [out.detach(), l_aux.detach(), x.grad] + [p.grad for p in layer.parameters()]
 
 
-def _same(got, want, where):
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert torch.equal(a, b), f"{where}: tensor {i} differs"
-
-
 def _layer_body(rank, world_size):
     layer = _layer(world_size, {"backend": "reference"})
     calls = _count_forwards([layer])
@@ -70,7 +58,7 @@ def _layer_body(rank, world_size):
     want = _run(layer, x0, "plain")
     for mode in MODES[1:]:
         calls.clear()
-        _same(_run(layer, x0, mode), want, f"rank {rank} {mode}")
+        assert_bitwise(_run(layer, x0, mode), want, f"rank {rank} {mode}")
         assert len(calls) == 2, f"{mode}: {len(calls)} forwards, not the forward and its recomputation"
 
 
@@ -102,7 +90,7 @@ def _hf_body(rank, world_size):
                                                 for p in model.parameters()] +
                            [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")])
         assert len(results[0]) == len(results[1])
-        _same(results[1], results[0], f"rank {rank} {family}")
+        assert_bitwise(results[1], results[0], f"rank {rank} {family}")
 
 
 def test_hugging_face_gradient_checkpointing_gives_the_plain_bits():
@@ -120,7 +108,7 @@ def _megakernel_body(rank, world_size):
         want = _run(layer, x0, "plain")
         for mode in MODES[1:]:
             calls.clear()
-            _same(_run(layer, x0, mode), want, f"rank {rank} {extra} {mode}")
+            assert_bitwise(_run(layer, x0, mode), want, f"rank {rank} {extra} {mode}")
             assert len(calls) == 2, f"{mode}: {len(calls)} forwards"
     torch.cuda.synchronize()
     if rank == 0:

@@ -14,11 +14,10 @@ import torch
 from conftest import needs_gpus
 
 _CHECK = r'''
-import sys, torch
+import os, sys, torch
 from ds_uniep import swiglu as S
 dev = sys.argv[1]
 force = len(sys.argv) > 2
-import os
 big = 5 if os.environ.get("TRITON_INTERPRET") == "1" else 300  # the interpreter runs each program in Python
 for R, F in ((1, 8), (19, 24), (big, 1032)):  # F past one 1024-wide block
     g = torch.Generator().manual_seed(R)

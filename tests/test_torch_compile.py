@@ -16,21 +16,14 @@ import torch
 
 from conftest import needs_gpus
 from dist_utils import rank_gpu, run_distributed
+from moe_models import assert_bitwise, tiny_swiglu_moe
 
-M, F = 16, 32
+M = 16
 
 
 def _layer(world_size, backend="reference", extra=None, device="cpu", dtype=torch.float32):
-    from ds_uniep import SwiGLUExpert, UniEPMoE
-    torch.manual_seed(7)
-    layer = UniEPMoE(M, SwiGLUExpert(M, F), num_experts=4 * world_size, ep_size=world_size, k=2, min_capacity=0,
-                     drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False,
-                     config={"backend": backend, **(extra or {})})
-    layer = layer.to(device=device, dtype=dtype)
-    layer.deepspeed_moe.gate.wg.float()
-    if world_size > 1:
-        layer.set_deepspeed_parallelism()
-    return layer
+    return tiny_swiglu_moe(world_size, {"backend": backend, **(extra or {})}, device, dtype, hidden=M, use_rts=False,
+                           top2_2nd_expert_sampling=False)
 
 
 def _step(fn, layer, x, gy):
@@ -44,13 +37,6 @@ def _step(fn, layer, x, gy):
         [p.grad.clone() for p in layer.parameters()]
 
 
-def _same(got, want, where):
-    assert len(got) == len(want), where
-    for i, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), \
-            f"{where}: tensor {i} differs (max {(a.double() - b.double()).abs().max().item():.3g})"
-
-
 def _reference_body(rank, world_size, extra=None):
     layer = _layer(world_size, extra=extra)
     compiled = torch.compile(layer, backend="aot_eager")
@@ -58,7 +44,7 @@ def _reference_body(rank, world_size, extra=None):
         g = torch.Generator().manual_seed(100 * case + rank)
         x, gy = torch.randn(T, M, generator=g), torch.randn(T, M, generator=g)
         want = _step(layer, layer, x, gy)
-        _same(_step(compiled, layer, x, gy), want, f"rank {rank} case {case} (T={T})")
+        assert_bitwise(_step(compiled, layer, x, gy), want, f"rank {rank} case {case} (T={T})")
 
 
 @pytest.mark.parametrize("world_size, extra", [(1, None), (2, None), (2, {"topology": {"node_size": 1}}),
@@ -91,7 +77,7 @@ def _commfuse_body(rank, world_size):
             y = fn(xx, *args)
             y.sum().backward()
             outs.append([y.detach(), xx.grad.clone()] + [p.grad.clone() for p in module.parameters()])
-        _same(outs[1], outs[0], f"rank {rank} {name}")
+        assert_bitwise(outs[1], outs[0], f"rank {rank} {name}")
 
 
 def test_commfuse_modules_under_torch_compile_give_the_eager_bits():
@@ -114,7 +100,7 @@ def _hf_body(rank, world_size):
         logits.float().square().mean().backward()
         outs.append([logits.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
     assert len(outs[1]) == len(outs[0])
-    _same(outs[1], outs[0], f"rank {rank} deepseek_v3")
+    assert_bitwise(outs[1], outs[0], f"rank {rank} deepseek_v3")
 
 
 def test_converted_hugging_face_model_under_torch_compile_gives_the_eager_bits():
@@ -141,7 +127,7 @@ def _megakernel_body(rank, world_size):
             free.deepspeed_moe.gate.wg.weight.copy_(wg)
         want = _step(base, base, x, gy)
         for name, fn in compiled.items():
-            _same(_step(fn, base if name == "default" else free, x, gy), want, f"rank {rank} case {case} {name}")
+            assert_bitwise(_step(fn, base if name == "default" else free, x, gy), want, f"rank {rank} case {case} {name}")
     torch.cuda.synchronize()
     if rank == 0:
         print(f"torch.compile ep {world_size}: 4 cases of the default and the sync-free layer (aot_eager) "
