@@ -44,6 +44,10 @@ Baselines and bounds are measured in the same run:
 - megakernel-graph: megakernel-sync-free's step (forward, or forward and backward) captured once in a CUDA
   graph and replayed, the input and output gradient copied into the graph's tensors first (timed with it);
   its outputs and gradients are the eager layer's bits (``tests/test_cuda_graph.py``);
+- megakernel-pipelined-nodes (with ``--node-size`` below the expert-parallel size only): megakernel under
+  the pipelined schedule across nodes (the rows of a rank's own node start the first expert GEMM while
+  the other nodes' rows cross; ``ds_uniep/schedules/across_nodes.py``); timed again alternately with
+  megakernel (``--schedule-rounds``): what that overlap gains, the same bits;
 - megakernel-late-route: megakernel-torch-gemm with its dispatch queued after the whole gate and the
   experts' stacking (``UniEPMoE.route_early = False``) instead of right after the gate's routes (the
   default); timed again alternately with megakernel-torch-gemm (``--schedule-rounds``, medians): what
@@ -109,7 +113,8 @@ from timing import bench, rotating  # noqa: E402
 BACKENDS = ["stock", "reference", "megakernel", "megakernel-torch-gemm", "megakernel-pipelined",
             "megakernel-pipelined-sm", "megakernel-fused", "megakernel-fused-push", "megakernel-fused-epilogue",
             "megakernel-fused-interleaved", "megakernel-rank-partials", "megakernel-late-route",
-            "megakernel-sync-free", "megakernel-graph", "autoep", "autoep-deepep", "deepep"]
+            "megakernel-sync-free", "megakernel-graph", "megakernel-pipelined-nodes", "autoep", "autoep-deepep",
+            "deepep"]
 MEGAKERNEL_CONFIGS = {
     "megakernel": {"backend": "megakernel", "expert_gemm": "uniep"},
     "megakernel-torch-gemm": {"backend": "megakernel", "expert_gemm": "torch"},
@@ -143,6 +148,9 @@ MEGAKERNEL_CONFIGS = {
     "megakernel-sync-free": {"backend": "megakernel", "expert_gemm": "torch", "sync_free": True},
     # the same layer's step captured in a CUDA graph and replayed (GraphedLayer)
     "megakernel-graph": {"backend": "megakernel", "expert_gemm": "torch", "sync_free": True},
+    # megakernel across emulated nodes (--node-size) under the pipelined schedule: this node's rows start
+    # the first GEMM while the other nodes' rows cross
+    "megakernel-pipelined-nodes": {"backend": "megakernel", "expert_gemm": "uniep", "overlap": {"schedule": "pipelined"}},
 }
 
 def parse_args(argv=None):
@@ -151,7 +159,9 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=None, help="override E (default: the shape's; dsv3-like: "
                    "32 up to ep 4, 256 from ep 8)")
     p.add_argument("--tokens", type=int, default=None, help="override T tokens per rank")
-    p.add_argument("--backends", nargs="+", default=BACKENDS, choices=BACKENDS)
+    p.add_argument("--backends", nargs="+", default=None, choices=BACKENDS,
+                   help="the rows to time (default: every one; megakernel-pipelined-nodes only with --node-size "
+                   "below the expert-parallel size)")
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
     p.add_argument("--deepep-sms", type=int, default=None,
                    help="SMs of the deepep row's dispatch and combine (even; default: DeepEP's own, 20)")
@@ -201,6 +211,8 @@ def parse_args(argv=None):
     p.add_argument("--autotune-cache", default=None, help="plan cache directory (default OUT/plan_cache; a cached "
                    "plan is used without tuning)")
     args = p.parse_args(argv)
+    if args.backends is None:
+        args.backends = [b for b in BACKENDS if b != "megakernel-pipelined-nodes" or args.node_size]
     if args.breakdown and args.profile_steps <= 0:
         args.profile_steps = 5
     return args
@@ -274,6 +286,10 @@ def build_layers(shape, E, ep, backends, status, why_not=None, deepep_sms=None, 
             if name.startswith("megakernel") and not status[0]:
                 continue
             config = copy.deepcopy(MEGAKERNEL_CONFIGS.get(name, {"backend": name}))
+            if name == "megakernel-pipelined-nodes" and not (node_size and node_size < ep):
+                if why_not is not None:
+                    why_not[name] = "runs across nodes only (--node-size below the expert-parallel size)"
+                continue
             if node_size:
                 if node_size < ep and config.get("sync_free"):
                     if why_not is not None:
@@ -597,7 +613,8 @@ def main(argv=None):
                     ("megakernel", "megakernel-fused-interleaved", "schedule_interleaved", args.schedule_rounds),
                     ("megakernel", "megakernel-rank-partials", "rank_partials", args.schedule_rounds),
                     ("megakernel-late-route", "megakernel-torch-gemm", "route_early", args.schedule_rounds),
-                    ("megakernel-torch-gemm", "megakernel-graph", "graph", args.schedule_rounds)):
+                    ("megakernel-torch-gemm", "megakernel-graph", "graph", args.schedule_rounds),
+                    ("megakernel", "megakernel-pipelined-nodes", "schedule_nodes", args.schedule_rounds)):
                 pair = (base, other)
                 if all(b + "_ms" in row for b in pair) and rounds > 0:
                     times = {b: [] for b in pair}
@@ -613,6 +630,8 @@ def main(argv=None):
                         row[key]["early_ms"] = times[pair[1]]
                     elif key == "graph":
                         row[key]["graph_ms"] = times[pair[1]]
+                    elif key == "schedule_nodes":
+                        row[key]["pipelined_ms"] = times[pair[1]]
                     else:
                         row[key].update(pipelined_ms=times[pair[1]], num_chunks=args.pipeline_chunks)
             for bname, layer in layers.items():

@@ -8,7 +8,7 @@ _LABELS = {"stock": "stock", "autoep": "autoep", "autoep-deepep": "autoep deepep
            "megakernel-fused": "mk fused", "megakernel-fused-push": "mk fused push",
            "megakernel-fused-epilogue": "mk fused epilogue", "megakernel-fused-interleaved": "mk fused interleaved",
            "megakernel-rank-partials": "mk rank partials", "megakernel-sync-free": "mk sync free",
-           "megakernel-graph": "mk graph"}
+           "megakernel-graph": "mk graph", "megakernel-pipelined-nodes": "mk pipelined nodes"}
 _TIMED = tuple(_LABELS)
 _PEERS = ("autoep", "autoep-deepep", "deepep")  # the other stacks' layers (stock aside)
 _OURS = tuple(b for b in _TIMED if b not in _PEERS + ("stock", ))  # the ds_uniep layers
@@ -88,6 +88,8 @@ _ALTERNATING = {
     "route_early": ("dispatch queued after the routes vs after the whole gate (torch's GEMM)", "late", "early",
                     "early_ms"),
     "graph": ("CUDA graph replay (sync_free) vs eager (torch's GEMM)", "eager", "graph", "graph_ms"),
+    "schedule_nodes": ("pipelined across nodes (this node's rows' GEMM while the others cross) vs sequential "
+                       "(ds_uniep's GEMM)", "sequential", "pipelined", "pipelined_ms"),
 }
 
 

@@ -38,11 +38,15 @@ want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/
 if want multinode; then
   if [[ $NGPU -eq 4 ]]; then
     step bench_multinode torchrun --nproc_per_node 4 benchmarks/bench_moe_layer.py --node-size 2 \
-      --backends reference autoep megakernel --out "$OUT/multinode"
-    # 20 GPT-MoE steps on one node of 4, on 2 emulated nodes of 2 (node_size in the config), and as
-    # two 2-GPU torchrun "nodes" rendezvousing on localhost: the same losses bit for bit
+      --backends reference autoep megakernel megakernel-pipelined-nodes --out "$OUT/multinode"
+    # 20 GPT-MoE steps on one node of 4, on 2 emulated nodes of 2 (node_size in the config; also under
+    # the pipelined schedule across nodes), and as two 2-GPU torchrun "nodes" rendezvousing on
+    # localhost: the same losses bit for bit
     python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c.setdefault("uniep", {})["topology"] = {"node_size": 2}
-json.dump(c, open(sys.argv[2], "w"), indent=2)' configs/ds_config_uniep_default.json "$OUT/ds_config_node_size_2.json"
+json.dump(c, open(sys.argv[2], "w"), indent=2)
+c["uniep"].setdefault("overlap", {})["schedule"] = "pipelined"
+json.dump(c, open(sys.argv[3], "w"), indent=2)' configs/ds_config_uniep_default.json "$OUT/ds_config_node_size_2.json" \
+      "$OUT/ds_config_node_size_2_pipelined.json"
     gpt_mn=(examples/gpt_moe/train.py --expert-type swiglu --expert-gemm uniep --num-experts 8
       --moe-expert-parallel-size 4 --topk 2 --disable-moe-token-dropping --create-moe-param-group --train-iters 20
       --hidden-size 256 --num-attention-heads 4 --seq-length 256 --eval-interval 1000 --log-interval 5
@@ -51,6 +55,8 @@ json.dump(c, open(sys.argv[2], "w"), indent=2)' configs/ds_config_uniep_default.
       --loss-log "$OUT/loss_one_node.json"
     step gpt_two_nodes torchrun --nproc_per_node 4 "${gpt_mn[@]}" --deepspeed_config "$OUT/ds_config_node_size_2.json" \
       --loss-log "$OUT/loss_two_nodes.json"
+    step gpt_two_nodes_pipelined torchrun --nproc_per_node 4 "${gpt_mn[@]}" \
+      --deepspeed_config "$OUT/ds_config_node_size_2_pipelined.json" --loss-log "$OUT/loss_two_nodes_pipelined.json"
     two_torchruns() {
       local n pids=()
       for n in 0 1; do
@@ -110,7 +116,7 @@ logs = {}
 for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_stock", "swiglu_sequential",
           "swiglu_graph", "swiglu_fused",
           "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again", "one_node", "two_nodes",
-          "two_torchruns"):
+          "two_nodes_pipelined", "two_torchruns"):
     p = os.path.join(out, f"loss_{b}.json")
     if os.path.exists(p):
         logs[b] = {int(k): float.fromhex(v) if isinstance(v, str) else v for k, v in json.load(open(p)).items()}
@@ -119,7 +125,7 @@ if "megakernel" in logs and "megakernel_again" in logs:
 for b in ("swiglu_graph", "swiglu_fused", "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
     if b in logs and "swiglu_sequential" in logs:
         print(f"{b} losses bitwise equal to the sequential schedule's:", logs[b] == logs["swiglu_sequential"])
-for b in ("two_nodes", "two_torchruns"):
+for b in ("two_nodes", "two_nodes_pipelined", "two_torchruns"):
     if b in logs and "one_node" in logs:
         print(f"{b} losses bitwise equal to one node's:", logs[b] == logs["one_node"])
 if "megakernel" in logs and "reference" in logs:

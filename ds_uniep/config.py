@@ -54,7 +54,9 @@ class OverlapConfig(_Block):
         "local experts in num_chunks chunks, each chunk's output rows copied back while the next computes; fused "
         "(megakernel, expert_gemm 'uniep', bf16): the dispatch runs beside the first expert GEMM, whose tiles wait "
         "for their rows, and the second GEMM's epilogue stores the output rows into their sources' combine "
-        "buffers. Set pipelined or fused to hide communication behind the GEMMs, or let autotune choose.")
+        "buffers. Across nodes (megakernel, expert_gemm 'uniep'), pipelined starts the first expert GEMM on the "
+        "rows of the rank's own node while the other nodes' rows cross. Set pipelined or fused to hide communication "
+        "behind the GEMMs, or let autotune choose.")
     num_chunks: int = Field(2, description="Chunks of local experts the pipelined schedule splits the GEMMs "
                             "into (at most one per local expert). Read by the pipelined schedule only.")
     num_comm_sms: Optional[int] = Field(

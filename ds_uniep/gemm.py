@@ -275,6 +275,16 @@ class ArrivalWaits:
     comm_job: Optional[Tensor] = None
 
 
+@dataclass
+class ComputedRows:
+    """A forward grouped GEMM computed beforehand over segments as its rows arrived (the two-level
+    dispatch's phases, ``ds_uniep.schedules.across_nodes``): :func:`grouped_linear` given it as
+    ``waits`` adopts ``result``, the same bits as its own forward (a row's result never depends on
+    its tile); the backward is the usual one, over every row."""
+    result: Optional[Tensor] = None
+    done: Optional[torch.cuda.Event] = None
+
+
 FUSED_DEFAULT = "coop128x256"
 """The fused schedule's waiting GEMM's configuration unless the block's tiles name one (band 1:
 the scheduler rounds every group's tiles up to a whole band, and that GEMM's groups are runs of
@@ -393,7 +403,8 @@ def grouped_linear(x: Tensor, w: Tensor, offs: Tensor, configs: Optional[Mapping
     ``configs``: tile configuration per op (missing ops take :data:`DEFAULT_CONFIGS`).
     ``sm_count``: SMs the forward and backward GEMMs use (0: all; else even), the same bits.
     ``waits``: the forward is the GEMM the fused dispatch queued over segments while the rows
-    arrive (:class:`ArrivalWaits`, its ``result``); the backward is the usual one.
+    arrive (:class:`ArrivalWaits`, its ``result``), or one computed over them beforehand
+    (:class:`ComputedRows`); the backward is the usual one.
     ``into``: ``x`` is the output of a dispatch and ``into`` runs the dgrad together with that
     dispatch's backward (:class:`ds_uniep.epilogue_combine.DgradCombine`: ``start(grad, w, offs,
     configs)``, then the wgrad, then ``finish()`` gives the gradient of ``into.source``, the

@@ -21,11 +21,18 @@ step, the exchange and the peer's node.
 
 :class:`TwoLevelNVLinkDispatcher` runs the moves inside each node on the megakernel's NVLink
 dispatch and combine instead (the backend "megakernel" on a group spanning nodes).
+
+Phases. A relay hands on the rows of its own node's sources (itself) without waiting for the
+network; ``dispatch(..., on_phase=...)`` moves those first, inside the node, while the other nodes'
+token rows cross, and calls back after each phase, so that the first expert GEMM starts on the
+local rows (``ds_uniep.schedules.across_nodes``). The way back returns the other nodes' rows first,
+so they cross while the node's own rows move inside it. Each row lands where the one-phase move
+puts it: the same bits.
 """
 
 import datetime
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as torch_dist
@@ -57,11 +64,32 @@ class NodeUnreachableError(UniEPCommError):
     (or its connection broke); the message names the layer, the step, the exchange and the peer's node."""
 
 
-def exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: int, timeout_s: float,
-             fail: Callable[[int, BaseException], Exception]) -> None:
-    """Send ``sends[p]`` to group rank ``p`` of ``group`` and fill ``recvs[p]`` from it (``me``'s own
-    are copied; empty tensors do not travel, both sides know the sizes). Each transfer is waited
-    for until ``timeout_s`` after the start; one that fails or times out raises ``fail(p, error)``."""
+class PendingExchange:
+    """Transfers of :func:`start_exchange` in flight; :meth:`wait` waits for them (each until the
+    deadline set at the start) and returns what arrived."""
+
+    def __init__(self, recvs: List[List[Tensor]], works=(), peers=(), deadline: float = 0.0,
+                 fail: Optional[Callable[[int, BaseException], Exception]] = None):
+        self.recvs, self.works, self.peers, self.deadline, self.fail = recvs, works, peers, deadline, fail
+
+    def wait(self) -> List[List[Tensor]]:
+        # One work per operation (gloo); a backend that coalesces the batch into one work cannot say
+        # which peer is late: the error then names the first peer of the batch.
+        works, self.works = self.works, ()
+        for work, peer in zip(works, self.peers if len(works) == len(self.peers) else self.peers[:1]):
+            try:
+                work.wait(datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 1e-3)))
+            except Exception as err:  # noqa: BLE001 - re-raised with the names
+                raise self.fail(peer, err) from err
+        return self.recvs
+
+
+def start_exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: int, timeout_s: float,
+                   fail: Callable[[int, BaseException], Exception]) -> PendingExchange:
+    """Start sending ``sends[p]`` to group rank ``p`` of ``group`` and filling ``recvs[p]`` from it
+    (``me``'s own are copied now; empty tensors do not travel, both sides know the sizes). Each
+    transfer may take until ``timeout_s`` after the start; one that fails or times out makes
+    :meth:`PendingExchange.wait` raise ``fail(p, error)``."""
     for src, dst in zip(sends[me], recvs[me]):
         dst.copy_(src)
     if any(t.is_cuda for ts in sends + recvs for t in ts) and torch_dist.get_backend(group) == "gloo":
@@ -73,7 +101,7 @@ def exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: in
         for ts, hs in zip(recvs, got):
             for t, h in zip(ts, hs):
                 t.copy_(h)
-        return
+        return PendingExchange(recvs)
     ops, peers = [], []
     for p in range(len(sends)):
         if p == me:
@@ -87,16 +115,53 @@ def exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: in
                 ops.append(torch_dist.P2POp(torch_dist.irecv, t, group=group, group_peer=p))
                 peers.append(p)
     if not ops:
-        return
+        return PendingExchange(recvs)
     deadline = time.monotonic() + timeout_s
-    works = torch_dist.batch_isend_irecv(ops)
-    # One work per operation (gloo); a backend that coalesces the batch into one work cannot say
-    # which peer is late: the error then names the first peer of the batch.
-    for work, peer in zip(works, peers if len(works) == len(ops) else peers[:1]):
-        try:
-            work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
-        except Exception as err:  # noqa: BLE001 - re-raised with the names
-            raise fail(peer, err) from err
+    return PendingExchange(recvs, torch_dist.batch_isend_irecv(ops), peers, deadline, fail)
+
+
+def exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: int, timeout_s: float,
+             fail: Callable[[int, BaseException], Exception]) -> None:
+    """:func:`start_exchange`, waited for."""
+    start_exchange(sends, recvs, group, me, timeout_s, fail).wait()
+
+
+class _Phase:
+    """The rows of one phase of a dispatch: those from the source nodes ``nodes`` (see
+    :meth:`TwoLevelDispatcher.dispatch`). ``local``: only this rank's own node, whose rows never cross."""
+
+    def __init__(self, nodes: List[int], local: bool):
+        self.nodes, self.local = nodes, local
+        self.relay_pairs: Optional[Tensor] = None  #: ``[H]`` the node's pairs this relay hands on, in that order
+        self.relay_tok: Optional[Tensor] = None  #: ``[H]`` the received token of each
+        self.intra_send: List[int] = []  #: rows this relay hands to each rank of its node
+        self.intra_recv: List[int] = []  #: rows this rank receives from each relay of its node
+        self.pos: Optional[Tensor] = None  #: ``[R_p]`` the layout row of each row received, in arrival order
+        #: the layout's runs this phase fills: local expert, first row and rows of each (expert, source)
+        self.run_expert: Optional[Tensor] = None
+        self.run_start: Optional[Tensor] = None
+        self.run_rows: Optional[Tensor] = None
+        # TwoLevelNVLinkDispatcher's: the node dispatcher's expert of each row handed on ([H, 1] int32),
+        # its dispatch's (expert_idx, dest_row, recv_pair, num_recv), and the combine's rows in its
+        # order (forward to the combine's backward)
+        self.nvl_idx: Optional[Tensor] = None
+        self.nvl_handle: Optional[tuple] = None
+        self.nvl_y: Optional[Tensor] = None
+
+    def segments(self) -> Tensor:
+        """``[S, 4]`` int32 (first row, rows, local expert, 0): the runs of layout rows this phase
+        fills, adjacent runs of one expert merged (ds_uniep's grouped GEMM's segments)."""
+        order = torch.argsort(self.run_start)
+        runs = torch.stack([self.run_start[order], self.run_rows[order], self.run_expert[order]], 1).tolist()
+        segs: List[List[int]] = []
+        for start, rows, expert in runs:
+            if rows == 0:
+                continue
+            if segs and segs[-1][2] == expert and segs[-1][0] + segs[-1][1] == start:
+                segs[-1][1] += rows
+            else:
+                segs.append([start, rows, expert, 0])
+        return torch.tensor(segs, dtype=torch.int32, device=self.pos.device).view(-1, 4)
 
 
 class _Plan:
@@ -110,20 +175,24 @@ class _Plan:
         self.recv_pairs: List[int] = []  #: per source node: its (token, slot) rows for this node
         self.pair_tok: Optional[Tensor] = None  #: ``[P1]`` received token of each (token, slot) row of this node
         self.pair_expert: Optional[Tensor] = None  #: ``[P1]`` the expert of each of those rows
-        self.relay_tok: Optional[Tensor] = None  #: ``[P1]`` received token of each row this relay forwards
-        self.fwd_order: Optional[Tensor] = None  #: ``[P1]`` received pair of each row this relay forwards
-        self.intra_send: List[int] = []  #: rows this relay forwards to each rank of its node
-        self.intra_recv: List[int] = []  #: rows this rank receives from each relay of its node
-        self.rows: Optional[Tensor] = None  #: ``[R]`` expert-major row of each row received from the relays
-        self.order: Optional[Tensor] = None  #: ``[R]`` argsort of ``rows``
-        # TwoLevelNVLinkDispatcher's: the node dispatcher's expert of each of this node's (token, slot)
-        # rows ([P1, 1] int32), the layout's row of each of its received rows, its dispatch's
-        # (expert_idx, dest_row, recv_pair, num_recv), and the combine's rows in its order (forward
-        # to the combine's backward)
-        self.nvl_idx: Optional[Tensor] = None
-        self.nvl_perm: Optional[Tensor] = None
-        self.nvl_handle: Optional[tuple] = None
-        self.nvl_y: Optional[Tensor] = None
+        self.pair_src: Optional[Tensor] = None  #: ``[P1]`` the source node of each
+        self.pair_dest: Optional[Tensor] = None  #: ``[P1]`` the local rank of its expert
+        self.fwd_order: Optional[Tensor] = None  #: ``[P1]`` the pairs by destination, source node, expert
+        self.phases: List[_Phase] = []
+        #: called as ``on_phase(recv, phase)`` once each phase's rows are in ``recv`` (the layout's rows)
+        self.on_phase: Optional[Callable[[Tensor, _Phase], None]] = None
+
+    @property
+    def rows(self) -> int:
+        return sum(sum(ph.intra_recv) for ph in self.phases)
+
+
+def _runs_rows(start: Tensor, rows: Tensor, total: int) -> Tensor:
+    """``[total]``: the rows of the runs ``(start[i], rows[i])`` one after another."""
+    if total == 0:
+        return start.new_zeros(0)
+    shift = torch.repeat_interleave(start - (torch.cumsum(rows, 0) - rows), rows, output_size=total)
+    return torch.arange(total, device=start.device) + shift
 
 
 class _TokensToExperts(torch.autograd.Function):
@@ -167,14 +236,15 @@ class _CombineAcrossNodes(torch.autograd.Function):
     def forward(ctx, y: Tensor, gates: Tensor, d: "TwoLevelNVLinkDispatcher", plan: _Plan) -> Tensor:
         pair_rows = d._rows_to_sources(y, plan, "forward").view(plan.T, plan.k, y.shape[1])
         ctx.d, ctx.plan = d, plan
-        ctx.save_for_backward(gates, plan.nvl_y)
-        plan.nvl_y = None
+        ctx.save_for_backward(gates, *[ph.nvl_y for ph in plan.phases])
+        for ph in plan.phases:
+            ph.nvl_y = None
         return weighted_slot_sum(pair_rows, gates, y.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        gates, nvl_y = ctx.saved_tensors
-        grad_y, grad_gates = ctx.d._combine_backward(grad_out, gates, nvl_y, ctx.plan)
+        gates, *nvl_ys = ctx.saved_tensors
+        grad_y, grad_gates = ctx.d._combine_backward(grad_out, gates, nvl_ys, ctx.plan)
         return grad_y, grad_gates, None, None
 
 
@@ -219,8 +289,9 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         return 0 if group is None else torch_dist.get_group_rank(group, global_rank)
 
     # ------------------------------------------------------------------ exchanges
-    def _exchange(self, level: str, sends, recvs, step: int, what: str) -> None:
-        """``sends[i]``/``recvs[i]`` for node ``i`` (``level`` "cross") or local rank ``i`` ("intra")."""
+    def _exchange(self, level: str, sends, recvs, step, what: str, wait: bool = True) -> PendingExchange:
+        """``sends[i]``/``recvs[i]`` for node ``i`` (``level`` "cross") or local rank ``i`` ("intra");
+        waited for, unless ``wait`` is False (then the caller waits)."""
         cross = level == "cross"
         peer_of = self._cross_peer if cross else self._intra_peer
         n = len(peer_of)
@@ -240,7 +311,10 @@ class TwoLevelDispatcher(ReferenceDispatcher):
             return NodeUnreachableError(f"{self.layer_name}: step {step}: no answer from {who} in the {what} "
                                         f"within {self.timeout_s:g} s ({first})")
 
-        exchange(s, r, group, me, self.timeout_s, fail)
+        pending = start_exchange(s, r, group, me, self.timeout_s, fail)
+        if wait:
+            pending.wait()
+        return pending
 
     def _gather_counts(self, vec: Tensor, step: int) -> Tensor:
         """``[G, V]``: every rank's ``[V]`` vector, gathered inside the node, then across nodes."""
@@ -257,7 +331,13 @@ class TwoLevelDispatcher(ReferenceDispatcher):
 
     # ------------------------------------------------------------------ dispatch
     @torch.compiler.disable  # as ReferenceDispatcher's
-    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
+    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None,
+                 on_phase: Optional[Callable[[Tensor, _Phase], None]] = None):
+        """The reference dispatcher's ``dispatch``. ``on_phase``: the rows move in two phases, those of
+        this rank's own node (inside the node only), then those of the other nodes (once they have
+        crossed), and ``on_phase(recv, phase)`` is called after each, with ``recv`` (the layout's
+        rows) holding the rows of that phase and of those before; ``phase.segments()`` says which.
+        The rows and results are the same either way."""
         self.step += 1
         step = self.step
         if STOP_FOR_TEST is not None:
@@ -276,16 +356,18 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         counts_all, tok_all = full[:, :E], full[:, E:]
         layout = build_layout(expert_idx, counts_all, self.rank)
         handle = DispatchHandle(layout, expert_idx, capacity)
-        handle.plan = plan = self._plan(expert_idx, pair_node, on_node, counts_all, tok_all, layout, step)
+        handle.plan = plan = self._plan(expert_idx, pair_node, on_node, counts_all, tok_all, step, on_phase is not None)
+        plan.on_phase = on_phase
         self._count_bytes(counts_all, tok_all, x, k, step)
         slot_rank = slot_ranks(expert_idx, L) if self.combine_mode == "rank_partials" else None
         xs = _FP8Dispatch.apply(x) if self.fp8 else x
         recv = _TokensToExperts.apply(xs, self, plan, slot_rank)
+        plan.on_phase = None
         return recv, layout.local_expert_counts, handle
 
-    def _plan(self, expert_idx, pair_node, on_node, counts_all, tok_all, layout, step) -> _Plan:
+    def _plan(self, expert_idx, pair_node, on_node, counts_all, tok_all, step, split: bool) -> _Plan:
         T, k = expert_idx.shape
-        E, N, P, L = self.num_experts, self.num_nodes, self.ranks_per_node, self.num_local_experts
+        E, N, L = self.num_experts, self.num_nodes, self.num_local_experts
         dev = expert_idx.device
         plan = _Plan(step, T, k)
         plan.send_tok = [on_node[:, n].nonzero().view(-1) for n in range(N)]
@@ -303,70 +385,135 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         here = (ridx >= 0) & (node_of[ridx.clamp_min(0) // L] == self.node)
         pairs = here.nonzero().view(-1)  # the received pairs for this node, in the pair buffers' order
         src_node = torch.repeat_interleave(torch.arange(N, device=dev), torch.tensor(plan.recv_tok, device=dev))
-        e = ridx[pairs]
-        dest_local = local_of[e // L]
-        # Forwarded rows by destination, then source node, expert and token: the layout's order.
-        key = (dest_local * N + src_node[pairs // k]) * E + e
+        plan.pair_tok, plan.pair_expert = pairs // k, ridx[pairs]
+        plan.pair_src, plan.pair_dest = src_node[plan.pair_tok], local_of[plan.pair_expert // L]
+        # Handed on by destination, then source node, expert and token: the layout's order.
+        key = (plan.pair_dest * N + plan.pair_src) * E + plan.pair_expert
         plan.fwd_order = torch.sort(key, stable=True).indices
-        plan.pair_tok, plan.pair_expert = pairs // k, e
-        plan.relay_tok = plan.pair_tok[plan.fwd_order]
-        plan.intra_send = torch.bincount(dest_local, minlength=P).tolist()
-        me = slice(self.rank * L, (self.rank + 1) * L)
-        from_rank = counts_all[:, me].sum(1)  # [G] rows of every source for this rank
-        plan.intra_recv = [int(from_rank[[self._nodes[n][p] for n in range(N)]].sum()) for p in range(P)]
-        # Rows arrive by relay, then source node; the flat arrival order is by source rank.
-        offs = torch.cumsum(layout.recv_counts, 0) - layout.recv_counts
-        sources = [self._nodes[n][p] for p in range(P) for n in range(N)]
-        cnt, off = layout.recv_counts.tolist(), offs.tolist()
-        perm = torch.cat([torch.arange(off[s], off[s] + cnt[s], device=dev) for s in sources])
-        plan.rows = layout.recv_rows[perm]
-        plan.order = torch.argsort(plan.rows)
+        # This rank's rows of local expert e from source g are rows start[e, g] .. + sizes[e, g] of the
+        # layout (an expert's rows by source rank, then token and slot).
+        sizes = counts_all[:, self.rank * L:(self.rank + 1) * L].t().contiguous()  # [L, G]
+        flat = sizes.reshape(-1)
+        start = (torch.cumsum(flat, 0) - flat).view(sizes.shape)
+        from_rank = sizes.sum(0).tolist()
+        groups = [[self.node], [n for n in range(N) if n != self.node]] if split else [list(range(N))]
+        plan.phases = [self._phase(plan, nodes, sizes, start, from_rank) for nodes in groups]
         return plan
 
-    # ------------------------------------------------------------------ row movement
-    def _cross(self, chunks: List[Tensor], sizes: List[int], like: Tensor, step: int, what: str) -> List[Tensor]:
-        got = [[like.new_empty((n, ) + tuple(like.shape[1:]))] for n in sizes]
-        self._exchange("cross", [[c] for c in chunks], got, step, what)
-        return [g[0] for g in got]
+    def _phase(self, plan: _Plan, nodes: List[int], sizes: Tensor, start: Tensor, from_rank: List[int]) -> _Phase:
+        """The routes of the rows of source nodes ``nodes`` (``sizes``, ``start``: the layout's runs,
+        ``[L, G]``; ``from_rank``: this rank's rows from each source)."""
+        P, N = self.ranks_per_node, self.num_nodes
+        dev = sizes.device
+        ph = _Phase(nodes, nodes == [self.node])
+        member = torch.zeros(N, dtype=torch.bool, device=dev)
+        member[nodes] = True
+        ph.relay_pairs = self._handed_on(plan, member[plan.pair_src])
+        ph.relay_tok = plan.pair_tok[ph.relay_pairs]
+        ph.intra_send = torch.bincount(plan.pair_dest[ph.relay_pairs], minlength=P).tolist()
+        ph.intra_recv = [sum(from_rank[self._nodes[n][q]] for n in nodes) for q in range(P)]
+        e, g = self._arrival_runs(nodes, sizes.shape[0], dev)
+        ph.run_expert, ph.run_start, ph.run_rows = e, start[e, g], sizes[e, g]
+        ph.pos = _runs_rows(ph.run_start, ph.run_rows, sum(ph.intra_recv))
+        return ph
 
-    def _intra(self, rows: Tensor, send: List[int], recv: List[int], step: int, what: str) -> Tensor:
+    def _handed_on(self, plan: _Plan, in_phase: Tensor) -> Tensor:
+        """The node's pairs (``in_phase``: of this phase) in the order this relay hands them on."""
+        return plan.fwd_order[in_phase[plan.fwd_order]]
+
+    def _arrival_runs(self, nodes: List[int], L: int, dev) -> Tuple[Tensor, Tensor]:
+        """(local expert, source rank) of the runs of rows as they arrive from the relays of this
+        node: by relay, then source node, then expert."""
+        sources = torch.tensor([self._nodes[n][q] for q in range(self.ranks_per_node) for n in nodes], device=dev)
+        return torch.arange(L, device=dev).repeat(len(sources)), sources.repeat_interleave(L)
+
+    # ------------------------------------------------------------------ row movement
+    def _cross(self, chunks: List[Tensor], sizes: List[int], like: Tensor, step, what: str,
+               wait: bool = True):
+        """``chunks[n]`` to node ``n``, ``sizes[n]`` rows from it (this node's not moved: None);
+        the arrived rows, or (``wait`` False) the :class:`PendingExchange` whose wait gives them."""
+        me = self.node
+        got = [[like.new_empty((0 if n == me else s, ) + tuple(like.shape[1:]))] for n, s in enumerate(sizes)]
+        sends = [[c if n != me else c[:0]] for n, c in enumerate(chunks)]
+        pending = self._exchange("cross", sends, got, step, what, wait=False)
+        if not wait:
+            return pending
+        return [None if n == me else g[0] for n, g in enumerate(pending.wait())]
+
+    def _intra(self, rows: Tensor, send: List[int], recv: List[int], step, what: str) -> Tensor:
         got = [[rows.new_empty((n, ) + tuple(rows.shape[1:]))] for n in recv]
         self._exchange("intra", [[c] for c in rows.split(send)], got, step, what)
         return torch.cat([g[0] for g in got])
 
+    def _to_experts(self, sends: List[Tensor], sizes: List[int], tokens: bool, plan: _Plan, step, what: str) -> Tensor:
+        """This rank's rows for each node (``sends[n]``: token rows if ``tokens``, else (token, slot)
+        rows; ``sizes[n]``: what the relay here gets from node ``n``) -> this rank's rows in the
+        layout's order, phase by phase: a local phase's rows go inside the node while the other
+        nodes' rows cross."""
+        me = self.node
+        pending = self._cross(sends, sizes, sends[me], step, f"{what} across nodes", wait=False)
+        first = sum(sizes[:me])  # this node's rows in the arrival order
+        out = sends[me].new_empty((plan.rows, ) + tuple(sends[me].shape[1:]))
+        arrived = None
+        for ph in plan.phases:
+            pick = ph.relay_tok if tokens else ph.relay_pairs
+            if ph.local:
+                rows = sends[me].index_select(0, pick - first)
+            else:
+                if arrived is None:
+                    got = [g[0] for g in pending.wait()]
+                    got[me] = sends[me]
+                    arrived = torch.cat(got)
+                rows = arrived.index_select(0, pick)
+            out.index_copy_(0, ph.pos, self._node_to_experts(rows, ph, step, f"{what} inside the node"))
+            if plan.on_phase is not None:
+                plan.on_phase(out, ph)
+        return out
+
+    def _to_sources(self, y: Tensor, plan: _Plan, step, what: str, forward: bool) -> Tensor:
+        """This rank's rows ``y`` (layout order) -> ``[T * k, M]`` at their sources (zeros for dropped
+        slots): the other nodes' rows first, which cross while this node's move inside it."""
+        me = self.node
+        buf = y.new_empty((sum(plan.recv_pairs), ) + tuple(y.shape[1:]))  # the node's pairs, as the relay holds them
+        chunks = list(buf.split(plan.recv_pairs))
+        pending = None
+        for ph in sorted(plan.phases, key=lambda p: p.local):
+            if ph.local and pending is None:
+                pending = self._cross(chunks, [len(p) for p in plan.send_pairs], y, step, f"{what} across nodes",
+                                      wait=False)
+            back = self._node_to_relays(y.index_select(0, ph.pos), ph, step, f"{what} inside the node", forward)
+            buf.index_copy_(0, ph.relay_pairs, back)
+        if pending is None:
+            pending = self._cross(chunks, [len(p) for p in plan.send_pairs], y, step, f"{what} across nodes",
+                                  wait=False)
+        got = [g[0] for g in pending.wait()]
+        got[me] = chunks[me]
+        out = y.new_zeros(plan.T * plan.k, y.shape[1])
+        return out.index_copy(0, torch.cat(plan.send_pairs), torch.cat(got))
+
     def _tokens_to_experts(self, x: Tensor, plan: _Plan) -> Tensor:
-        got = self._cross([x.index_select(0, t) for t in plan.send_tok], plan.recv_tok, x, plan.step,
-                          "dispatch of token rows across nodes")
-        return self._node_to_experts(torch.cat(got), True, plan, plan.step, "dispatch inside the node")
+        return self._to_experts([x.index_select(0, t) for t in plan.send_tok], plan.recv_tok, True, plan, plan.step,
+                                "dispatch")
 
     def _pairs_to_experts(self, per_pair: Tensor, plan: _Plan) -> Tensor:
-        step = f"{plan.step} (backward)"
-        got = self._cross([per_pair.index_select(0, p) for p in plan.send_pairs], plan.recv_pairs, per_pair, step,
-                          "combine gradient across nodes")
-        return self._node_to_experts(torch.cat(got), False, plan, step, "combine gradient inside the node")
+        return self._to_experts([per_pair.index_select(0, p) for p in plan.send_pairs], plan.recv_pairs, False, plan,
+                                f"{plan.step} (backward)", "combine gradient")
 
-    def _node_to_experts(self, arrived: Tensor, tokens: bool, plan: _Plan, step, what: str) -> Tensor:
-        """The in-node half of a move to the experts: ``arrived``, what this relay got across nodes in
-        (source node, token) order (token rows if ``tokens``, else this node's (token, slot) rows),
-        -> this rank's rows in the layout's order."""
-        fwd = arrived.index_select(0, plan.relay_tok if tokens else plan.fwd_order)
-        return self._intra(fwd, plan.intra_send, plan.intra_recv, step, what).index_select(0, plan.order)
+    def _node_to_experts(self, rows: Tensor, ph: _Phase, step, what: str) -> Tensor:
+        """The in-node half of a move to the experts: the rows this relay hands on in phase ``ph``
+        (in its order) -> the rows this rank receives in it, in arrival order."""
+        return self._intra(rows, ph.intra_send, ph.intra_recv, step, what)
 
-    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str, forward: bool) -> Tensor:
-        """The in-node half of a move back to the sources: this rank's rows ``y`` (layout order) ->
-        this relay's (token, slot) rows of its node, in (source node, token, slot) order (``forward``:
-        the combine's; else the dispatch's gradient)."""
-        back = self._intra(y.index_select(0, plan.rows), plan.intra_recv, plan.intra_send, step, what)
-        return back.new_zeros(back.shape).index_copy(0, plan.fwd_order, back)
+    def _node_to_relays(self, rows: Tensor, ph: _Phase, step, what: str, forward: bool) -> Tensor:
+        """The in-node half of a move back to the sources: this rank's rows of phase ``ph`` in
+        arrival order -> the rows this relay handed on in it, in its order (``forward``: the
+        combine's; else the dispatch's gradient)."""
+        return self._intra(rows, ph.intra_recv, ph.intra_send, step, what)
 
     def _rows_to_sources(self, y: Tensor, plan: _Plan, direction: str) -> Tensor:
         step = plan.step if direction == "forward" else f"{plan.step} (backward)"
-        what = "combine" if direction == "forward" else "dispatch gradient"
-        pair_buf = self._node_to_relays(y, plan, step, f"{what} inside the node", direction == "forward")
-        got = self._cross(list(pair_buf.split(plan.recv_pairs)), [len(p) for p in plan.send_pairs], y, step,
-                          f"{what} across nodes")
-        out = y.new_zeros(plan.T * plan.k, y.shape[1])
-        return out.index_copy(0, torch.cat(plan.send_pairs), torch.cat(got))
+        return self._to_sources(y, plan, step, "combine" if direction == "forward" else "dispatch gradient",
+                                direction == "forward")
 
     # ------------------------------------------------------------------ combine
     @torch.compiler.disable
@@ -423,8 +570,9 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
     experts' row gradients and the gate gradients where the rows are (the single-node megakernel's
     kernels and bits), and the gate gradients cross back. Activation-dtype rows and slot-order sums
     only (FP8 dispatch and rank partials run on the reference backend); the layer runs the
-    sequential schedule on it. The node's dispatcher takes ``max_tokens_per_rank * nodes * k``
-    one-slot tokens per relay (its symmetric buffers are sized for them)."""
+    sequential schedule on it, or the pipelined one across nodes (two phases, see the module).
+    The node's dispatcher takes ``max_tokens_per_rank * nodes * k`` one-slot tokens per relay (its
+    symmetric buffers are sized for them)."""
 
     def __init__(self, num_experts: int, ep_size: int, group, topology: GroupTopology, config, hidden_size: int,
                  k: int, dtype: torch.dtype, layer_name: str = "UniEPMoE"):
@@ -450,7 +598,7 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
         self._node_expert = torch.where(self._node_of[e // L] == self.node, peer[self._local_of[e // L]] * L + e % L,
                                         -1)
         local_by_peer = {q: p for p, q in enumerate(self._intra_peer)}
-        self._nvl_sources = torch.tensor([self._nodes[n][local_by_peer[q]] for q in range(P) for n in range(N)])
+        self._by_peer = [local_by_peer[q] for q in range(P)]  # the node group's ranks as local ranks
 
     def _node_dispatcher(self, config, hidden_size: int, dtype: torch.dtype):
         """The NVLink dispatcher of this rank's node: ``P * L`` experts, one slot per token."""
@@ -466,56 +614,56 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
             self.nvl.set_knobs(config.knobs(schedule="sequential"))
 
     @torch.compiler.disable
-    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None):
+    def dispatch(self, x: Tensor, expert_idx: Tensor, capacity: Optional[int] = None,
+                 on_phase: Optional[Callable[[Tensor, _Phase], None]] = None):
         if expert_idx.shape[0] > self.max_tokens:
             from .megakernel.dispatcher import UniEPCapacityError
             raise UniEPCapacityError(
                 f"{self.layer_name}: rank {self.rank} got {expert_idx.shape[0]} tokens but the buffers were sized for "
                 f"max_tokens_per_rank = {self.max_tokens}; set \"uniep\": {{\"max_tokens_per_rank\": "
                 f"{expert_idx.shape[0]}}} or more")
-        return super().dispatch(x, expert_idx, capacity)
+        return super().dispatch(x, expert_idx, capacity, on_phase)
 
-    def _plan(self, expert_idx, pair_node, on_node, counts_all, tok_all, layout, step) -> _Plan:
-        plan = super()._plan(expert_idx, pair_node, on_node, counts_all, tok_all, layout, step)
-        if self.nvl is None:
-            return plan
-        dev = expert_idx.device
-        L = self.num_local_experts
-        plan.nvl_idx = self._node_expert.to(dev)[plan.pair_expert].view(-1, 1).to(torch.int32).contiguous()
-        # Row i of the layout is row perm[i] of the node dispatcher's: blocks (local expert, source rank)
-        # of the same sizes, ordered by source rank here, by (relay, source node) there.
-        sizes = counts_all[:, self.rank * L:(self.rank + 1) * L].t().contiguous()  # [L, G]
-        there = sizes[:, self._nvl_sources.to(dev)].reshape(-1)
-        start = torch.empty_like(sizes)
-        start[:, self._nvl_sources.to(dev)] = (torch.cumsum(there, 0) - there).view(L, -1)
-        flat = sizes.reshape(-1)
-        R = sum(plan.intra_recv)
-        shift = torch.repeat_interleave(start.reshape(-1) - (torch.cumsum(flat, 0) - flat), flat, output_size=R)
-        plan.nvl_perm = torch.arange(R, device=dev) + shift
-        return plan
+    def _phase(self, plan: _Plan, nodes: List[int], sizes: Tensor, start: Tensor, from_rank: List[int]) -> _Phase:
+        ph = super()._phase(plan, nodes, sizes, start, from_rank)
+        if self.nvl is not None:
+            ph.nvl_idx = self._node_expert.to(sizes.device)[plan.pair_expert[ph.relay_pairs]].view(-1, 1).to(
+                torch.int32).contiguous()
+        return ph
 
-    def _node_to_experts(self, arrived: Tensor, tokens: bool, plan: _Plan, step, what: str) -> Tensor:
+    def _handed_on(self, plan: _Plan, in_phase: Tensor) -> Tensor:
         if self.nvl is None:
-            return super()._node_to_experts(arrived, tokens, plan, step, what)
-        rows = arrived.index_select(0, plan.pair_tok) if tokens else arrived
-        x, idx = self.nvl.checked_inputs(rows, plan.nvl_idx)
+            return super()._handed_on(plan, in_phase)
+        return in_phase.nonzero().view(-1)  # as received: the node's dispatcher orders them by expert
+
+    def _arrival_runs(self, nodes: List[int], L: int, dev) -> Tuple[Tensor, Tensor]:
+        if self.nvl is None:
+            return super()._arrival_runs(nodes, L, dev)
+        # The node's dispatcher delivers each local expert's rows by relay (in the node group's
+        # order), then the relay's order: source node, token, slot.
+        sources = torch.tensor([self._nodes[n][q] for q in self._by_peer for n in nodes], device=dev)
+        return torch.arange(L, device=dev).repeat_interleave(len(sources)), sources.repeat(L)
+
+    def _node_to_experts(self, rows: Tensor, ph: _Phase, step, what: str) -> Tensor:
+        if self.nvl is None:
+            return super()._node_to_experts(rows, ph, step, what)
+        x, idx = self.nvl.checked_inputs(rows, ph.nvl_idx)
         recv, _, dest_row, recv_pair, num_recv, _ = self.nvl._dispatch_fwd(x, idx)
-        if recv.shape[0] != plan.nvl_perm.shape[0]:
+        if recv.shape[0] != ph.pos.shape[0]:
             raise RuntimeError(f"{self.layer_name}: step {step}: {what} brought {recv.shape[0]} rows, the counts say "
-                               f"{plan.nvl_perm.shape[0]}")
-        plan.nvl_handle = (idx, dest_row, recv_pair, num_recv)
-        return recv.index_select(0, plan.nvl_perm)  # a copy: the node's receive buffers are free again
+                               f"{ph.pos.shape[0]}")
+        ph.nvl_handle = (idx, dest_row, recv_pair, num_recv)
+        return recv  # copied out by the caller before the node's dispatcher moves rows again
 
-    def _node_to_relays(self, y: Tensor, plan: _Plan, step, what: str, forward: bool) -> Tensor:
+    def _node_to_relays(self, rows: Tensor, ph: _Phase, step, what: str, forward: bool) -> Tensor:
         if self.nvl is None:
-            return super()._node_to_relays(y, plan, step, what, forward)
-        idx, _, recv_pair, num_recv = plan.nvl_handle
-        there = y.new_empty(y.shape).index_copy_(0, plan.nvl_perm, y)
+            return super()._node_to_relays(rows, ph, step, what, forward)
+        idx, _, recv_pair, num_recv = ph.nvl_handle
         if forward:  # the combine's backward reads the rows where the node has them
-            plan.nvl_y = there
-            ones = torch.ones(idx.shape, dtype=torch.float32, device=y.device)
-            return self.nvl._combine_fwd(there, ones, idx, recv_pair, num_recv)
-        return self.nvl._dispatch_bwd(there, idx, recv_pair, num_recv)  # one slot: each row as it is
+            ph.nvl_y = rows
+            ones = torch.ones(idx.shape, dtype=torch.float32, device=rows.device)
+            return self.nvl._combine_fwd(rows, ones, idx, recv_pair, num_recv)
+        return self.nvl._dispatch_bwd(rows, idx, recv_pair, num_recv)  # one slot: each row as it is
 
     @torch.compiler.disable
     def combine(self, y: Tensor, gates: Tensor, handle) -> Tensor:
@@ -523,25 +671,34 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
             return super().combine(y, gates, handle)
         return _CombineAcrossNodes.apply(y, gates, self, handle.plan)
 
-    def _combine_backward(self, grad_out: Tensor, gates: Tensor, nvl_y: Tensor, plan: _Plan):
+    def _combine_backward(self, grad_out: Tensor, gates: Tensor, nvl_ys: List[Tensor], plan: _Plan):
         """(grad of y, grad of gates) of :meth:`combine`: grad_out's rows cross once per node, with the
         gates of the (token, slot) rows there; the node's NVLink dispatcher scales them into the
         experts' row gradients and forms the gate gradients where the rows are, as the single-node
-        megakernel does (the same kernels, the same bits); those cross back to the sources."""
-        step = f"{plan.step} (backward)"
-        g, flat_gates = grad_out.to(nvl_y.dtype).contiguous(), gates.reshape(-1).float().contiguous()
-        got = self._cross([g.index_select(0, t) for t in plan.send_tok], plan.recv_tok, g, step,
-                          "combine gradient across nodes")
-        got_gates = self._cross([flat_gates.index_select(0, p) for p in plan.send_pairs], plan.recv_pairs,
-                                flat_gates, step, "gates across nodes")
-        idx, dest_row, recv_pair, num_recv = plan.nvl_handle
-        rows = torch.cat(got).index_select(0, plan.pair_tok)
-        grad_y, pair_grads = self.nvl._combine_bwd(rows, nvl_y, torch.cat(got_gates).view(-1, 1), idx, dest_row,
-                                                   recv_pair, num_recv)
-        back = self._cross(list(pair_grads.reshape(-1).split(plan.recv_pairs)), [len(p) for p in plan.send_pairs],
-                           flat_gates, step, "gate gradients across nodes")
+        megakernel does (the same kernels, the same bits), phase by phase (``nvl_ys``: each phase's
+        rows); those cross back to the sources."""
+        step, me = f"{plan.step} (backward)", self.node
+        g, flat_gates = grad_out.to(nvl_ys[0].dtype).contiguous(), gates.reshape(-1).float().contiguous()
+        sends = [g.index_select(0, t) for t in plan.send_tok]
+        gate_sends = [flat_gates.index_select(0, p) for p in plan.send_pairs]
+        got = self._cross(sends, plan.recv_tok, g, step, "combine gradient across nodes")
+        got_gates = self._cross(gate_sends, plan.recv_pairs, flat_gates, step, "gates across nodes")
+        got[me], got_gates[me] = sends[me], gate_sends[me]
+        toks, node_gates = torch.cat(got), torch.cat(got_gates)
+        grad_y = g.new_empty(plan.rows, g.shape[1])
+        pair_grads = flat_gates.new_empty(sum(plan.recv_pairs))
+        for ph, nvl_y in zip(plan.phases, nvl_ys):
+            idx, dest_row, recv_pair, num_recv = ph.nvl_handle
+            gy, pg = self.nvl._combine_bwd(toks.index_select(0, ph.relay_tok), nvl_y,
+                                           node_gates.index_select(0, ph.relay_pairs).view(-1, 1), idx, dest_row,
+                                           recv_pair, num_recv)
+            grad_y.index_copy_(0, ph.pos, gy)
+            pair_grads.index_copy_(0, ph.relay_pairs, pg.reshape(-1))
+        chunks = list(pair_grads.split(plan.recv_pairs))
+        back = self._cross(chunks, [len(p) for p in plan.send_pairs], flat_gates, step, "gate gradients across nodes")
+        back[me] = chunks[me]
         grad_gates = flat_gates.new_zeros(flat_gates.shape).index_copy(0, torch.cat(plan.send_pairs), torch.cat(back))
-        return grad_y.index_select(0, plan.nvl_perm), grad_gates.view(gates.shape)
+        return grad_y, grad_gates.view(gates.shape)
 
 
 def reference_dispatcher(layer, topology: GroupTopology) -> ReferenceDispatcher:

@@ -106,21 +106,43 @@ def _run_case(case, rank, world_size, node_size, group, device="cpu", node=None)
         ds.append((node or _node_on_reference())(E, world_size, group, topo, {"max_tokens_per_rank": 64,
                                                  "overlap": {"timeout_s": 60.0}}, M, case["k"], dtype,
                                                  "UniEPMoE[test]"))
+    names = ["flat", "two-level", "two-level, in node as the NVLink dispatcher"]
+    runs = [(d, name, False) for d, name in zip(ds, names)]
+    runs += [(d, name + ", in two phases", True) for d, name in zip(ds[1:], names[1:])]
     results = []
-    for d in ds:
+    for d, name, phased in runs:
         xi, gi, wi = x.clone().requires_grad_(), gates.clone().requires_grad_(), w.clone().requires_grad_()
-        recv, counts, handle = d.dispatch(xi, idx, case.get("capacity"))
+        seen = []
+        on_phase = {"on_phase": lambda recv, ph: seen.append((ph.segments(), recv.detach().clone()))} if phased else {}
+        recv, counts, handle = d.dispatch(xi, idx, case.get("capacity"), **on_phase)
+        if phased:
+            _check_phases(seen, recv.detach(), f"rank {rank}: {name} in case {case}")
         y = torch.tanh(recv @ wi)
         out = d.combine(y, gi, handle)
         (out.float() * grad_out.float()).sum().backward()
-        results.append((recv.detach(), counts, out.detach(), xi.grad, gi.grad, wi.grad))
-    for other, name in zip(results[1:], ("two-level", "two-level, in node as the NVLink dispatcher")):
-        for what, a, b in zip(("recv", "counts", "out", "x.grad", "gates.grad", "w.grad"), results[0], other):
-            if what == "gates.grad" and node is not None and name != "two-level":
+        results.append((name, (recv.detach(), counts, out.detach(), xi.grad, gi.grad, wi.grad)))
+    for name, other in results[1:]:
+        for what, a, b in zip(("recv", "counts", "out", "x.grad", "gates.grad", "w.grad"), results[0][1], other):
+            if what == "gates.grad" and node is not None and "NVLink" in name:
                 torch.testing.assert_close(b, a, msg=lambda m: f"rank {rank}: {name}: {what} in case {case}: {m}")
                 continue
             assert a.dtype == b.dtype and torch.equal(a, b), f"rank {rank}: {name}: {what} differs in case {case}"
     return ds[1]
+
+
+def _check_phases(seen, recv, what):
+    """The dispatch in two phases called back twice (this rank's own node, then the others): the
+    phases' segments cover every received row once, and when a phase is called back its rows, and
+    those of the phase before, already hold their final values."""
+    assert len(seen) == 2, f"{what}: {len(seen)} phases called back"
+    covered = torch.zeros(recv.shape[0], dtype=torch.int64)
+    for i, (segs, snapshot) in enumerate(seen):
+        assert segs.dtype == torch.int32 and segs.shape[1] == 4 and (segs[:, 1] > 0).all(), what
+        for start, rows, _, _ in segs.tolist():
+            covered[start:start + rows] += 1
+        ready = covered > 0
+        assert torch.equal(snapshot[ready], recv[ready]), f"{what}: phase {i} called back before its rows were in"
+    assert (covered == 1).all(), f"{what}: the phases' segments cover rows {covered.tolist()}"
 
 
 CASES = [dict(k=k, seed=k, drop=k == 2) for k in (1, 2, 6, 8)] + [
@@ -374,3 +396,31 @@ def test_megakernel_across_nodes_takes_a_plans_knobs_on_the_sequential_kernels()
     assert (got[0].num_comm_sms, got[0].combine_chunks) == (8, 4), got
     d.nvl = None  # one rank per node: nothing to tell
     d.set_config(cfg)
+
+
+def test_pipelined_across_nodes_runs_on_ds_uniep_gemm_else_says_why(caplog):
+    """``overlap.schedule`` "pipelined" on the megakernel across nodes runs the two-phase schedule
+    where the experts run on ds_uniep's grouped GEMM in bf16; elsewhere the sequential one, saying
+    why; the knobs it does not read are named."""
+    from ds_uniep import SwiGLUExpert, UniEPMoE, schedules
+    from ds_uniep.env import logger
+    from ds_uniep.twolevel import TwoLevelNVLinkDispatcher
+    layer = UniEPMoE(64, SwiGLUExpert(64, 32), num_experts=4, ep_size=1, k=2, drop_tokens=False,
+                     config={"overlap": {"schedule": "pipelined", "num_chunks": 2}}).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    d = object.__new__(TwoLevelNVLinkDispatcher)  # resolve reads only its type
+    caplog.set_level(logging.INFO, logger="ds_uniep")
+    logger.propagate = True
+    try:
+        layer._expert_gemm = lambda device: "uniep"
+        assert isinstance(schedules.resolve(layer, x, d), schedules.NodePipelined)
+        layer._expert_gemm = lambda device: "torch"
+        assert isinstance(schedules.resolve(layer, x, d), schedules.Sequential)
+        schedules.say_unread_knobs(layer.uniep_config.overlap, "megakernel across nodes", "L9")
+    finally:
+        logger.propagate = False
+    said = " | ".join(r.getMessage() for r in caplog.records)
+    assert "the pipelined schedule cannot run here (across nodes its phases' first GEMM runs on ds_uniep's" in said, \
+        said
+    unread = {m for m in said.split(" | ") if m.startswith("L9: ")}
+    assert len(unread) == 1 and all("num_chunks=2" in m and "schedule=" not in m for m in unread), unread

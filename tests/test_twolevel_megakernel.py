@@ -3,8 +3,10 @@ emulated with ``uniep.topology.node_size``: 4 ranks as 2 nodes of 2.
 
 The dispatcher gives the flat reference's bits (received rows, counts, outputs, the input and weight
 gradients; the gate gradient to fp32 rounding: the megakernel forms it in another fixed order)
-for test_twolevel.py's cases it runs; the layer on 2 nodes of 2 gives the single-node
-megakernel's outputs and gradients bit for bit, on both expert GEMMs.
+for test_twolevel.py's cases it runs, in one phase and in two; the layer on 2 nodes of 2 gives the
+single-node megakernel's outputs and gradients bit for bit, on both expert GEMMs, and on ds_uniep's
+GEMM under the pipelined schedule across nodes too (this node's rows start the first GEMM while
+the other node's cross).
 """
 import pytest
 import torch
@@ -30,6 +32,7 @@ def _dispatcher_cases(rank, world_size):
 
 
 def _layers(rank, world_size):
+    from ds_uniep.schedules import NodePipelined
     from ds_uniep.twolevel import TwoLevelNVLinkDispatcher
     device = rank_gpu(rank)
     T = [0, 1, 300, 19][rank]
@@ -37,24 +40,46 @@ def _layers(rank, world_size):
     for k in (1, 2, 6):
         for gemm in ("torch", "uniep"):
             res = []
-            for node_size in (world_size, 2):
+            # one node; two nodes (sequential); on ds_uniep's GEMM, two nodes pipelined (two phases)
+            variants = [(world_size, "sequential"), (2, "sequential")] + [(2, "pipelined")] * (gemm == "uniep")
+            for node_size, schedule in variants:
                 layer = make_layer(rank, world_size, k, "megakernel", expert_gemm=gemm, M=512, F=256,
-                                   max_tokens=512, extra={"topology": {"node_size": node_size}})
+                                   max_tokens=512, overlap={"schedule": schedule},
+                                   extra={"topology": {"node_size": node_size}})
                 gx = torch.Generator(device=device).manual_seed(rank)
                 x = torch.randn(T, 512, device=device, generator=gx).to(torch.bfloat16).requires_grad_(True)
                 gy = torch.randn(T, 512, device=device, generator=gx).to(torch.bfloat16)
-                out, l_aux, _ = layer(x)
+                phases = []
+                if schedule == "pipelined":
+                    real = TwoLevelNVLinkDispatcher.dispatch
+
+                    def counted(self, *args, **kwargs):
+                        on_phase = kwargs.get("on_phase")
+                        if on_phase is not None:
+                            kwargs["on_phase"] = lambda recv, ph: (phases.append(ph.local), on_phase(recv, ph))
+                        return real(self, *args, **kwargs)
+                    TwoLevelNVLinkDispatcher.dispatch = counted
+                try:
+                    out, l_aux, _ = layer(x)
+                finally:
+                    if schedule == "pipelined":
+                        TwoLevelNVLinkDispatcher.dispatch = real
                 torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
                 two_level = isinstance(layer._dispatchers[device], TwoLevelNVLinkDispatcher)
                 assert two_level == (node_size < world_size) and layer.backend_name() == "megakernel"
+                ran = layer._schedules[device, x.dtype][1]
+                assert isinstance(ran, NodePipelined) == (schedule == "pipelined"), type(ran)
+                assert phases == ([True, False] if schedule == "pipelined" else []), phases
                 res.append([out.detach(), x.grad] + [p.grad for p in layer.parameters()])
                 del layer
-            for i, (a, b) in enumerate(zip(*res)):
-                assert torch.equal(a, b), f"rank {rank} k={k} {gemm}: tensor {i} on 2 nodes differs from one node"
-            checked += 1
+            for name, other in zip(("2 nodes", "2 nodes pipelined"), res[1:]):
+                for i, (a, b) in enumerate(zip(res[0], other)):
+                    assert torch.equal(a, b), f"rank {rank} k={k} {gemm}: tensor {i} on {name} differs from one node"
+            checked += len(res) - 1
     torch.distributed.barrier()
     if rank == 0:
-        print(f"megakernel layer on 2 nodes of 2: {checked} cases bitwise one node of 4", flush=True)
+        print(f"megakernel layer on 2 nodes of 2: {checked} cases (sequential; pipelined on ds_uniep's GEMM) bitwise "
+              "one node of 4", flush=True)
 
 
 def _both(rank, world_size):
@@ -64,8 +89,8 @@ def _both(rank, world_size):
 
 @needs_gpus(4)
 def test_megakernel_on_two_nodes_of_two_gives_the_single_node_bits():
-    """Dispatcher cases bitwise the flat reference; the layer (k 1, 2, 6, both GEMMs, a rank without
-    tokens) bitwise the single-node megakernel."""
+    """Dispatcher cases bitwise the flat reference; the layer (k 1, 2, 6, both GEMMs, pipelined across
+    nodes on ds_uniep's GEMM, a rank without tokens) bitwise the single-node megakernel."""
     run_distributed(_both, 4, backend="nccl", timeout=600)
 
 

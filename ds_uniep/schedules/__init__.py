@@ -3,7 +3,8 @@
 A schedule is how one forward goes from the gate to the combined tokens: :class:`Sequential` (any
 backend, HybridEP, tensor parallelism) and :class:`EarlySequential` (the megakernel's, with the
 dispatch queued between the gate's routes and the rest of the gate) in ``sequential.py``,
-:class:`Pipelined` (``pipelined.py``) and :class:`Fused` (``fused.py``). Each has ``run(layer,
+:class:`Pipelined` (``pipelined.py``), :class:`Fused` (``fused.py``) and :class:`NodePipelined`
+(``across_nodes.py``: the pipelined schedule of the megakernel across nodes). Each has ``run(layer,
 step) -> output`` over one :class:`~ds_uniep.schedules.common.Step`.
 
 :func:`resolve` picks the schedule for a layer's config, dispatcher and input dtype once (the layer
@@ -19,14 +20,15 @@ from torch import Tensor
 from .. import gating
 from ..env import logger
 from ..reference import ReferenceDispatcher
-from ..twolevel import TwoLevelDispatcher
+from ..twolevel import TwoLevelDispatcher, TwoLevelNVLinkDispatcher
+from .across_nodes import NodePipelined
 from ..tensor_parallel import tp_context
 from .common import Step, comm_blocks, gemm_configs, stack
 from .fused import Fused
 from .pipelined import Pipelined
 from .sequential import EarlySequential, Sequential
 
-__all__ = ["Step", "Sequential", "EarlySequential", "Pipelined", "Fused", "resolve", "check_sync_free",
+__all__ = ["Step", "Sequential", "EarlySequential", "Pipelined", "Fused", "NodePipelined", "resolve", "check_sync_free",
            "say_unread_knobs", "check_combine_mode", "comm_blocks", "gemm_configs"]
 
 NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
@@ -52,7 +54,14 @@ def resolve(layer, x: Tensor, d):
     # to hide there, and its dispatch is then one custom op, which torch.compile does not trace into.
     early = (megakernel and hybrid is None and tp == 1 and layer.route_early and layer.hybrid.replan is None
              and gating.splits(layer.deepspeed_moe.gate) and not cfg.sync_free)
-    if schedule == "pipelined" and (megakernel or hybrid is not None):  # (the reference backend: say_unread_knobs)
+    if schedule == "pipelined" and isinstance(d, TwoLevelNVLinkDispatcher):
+        why = (NOT_GROUPED if not grouped else
+               'across nodes its phases\' first GEMM runs on ds_uniep\'s grouped GEMM ("expert_gemm": "uniep")'
+               if layer._expert_gemm(x.device) != "uniep" else
+               f"ds_uniep's grouped GEMM takes bf16 rows, not {x.dtype}" if x.dtype != torch.bfloat16 else "")
+        if _runs(layer.layer_name, schedule, why):
+            return NodePipelined(layer._gemm_configs())
+    elif schedule == "pipelined" and (megakernel or hybrid is not None):  # (the reference backend: say_unread_knobs)
         why = ("HybridEP moves tokens on the reference transport" if hybrid is not None else
                NOT_GROUPED if not grouped else d.pipelines())
         if _runs(layer.layer_name, schedule, why):
@@ -144,7 +153,8 @@ def say_unread_knobs(overlap, backend: str, layer_name: str, tiles_read: bool = 
     not read)."""
     pipelined_here = overlap.schedule == "pipelined" and backend == "megakernel"
     fused_here = overlap.schedule == "fused" and backend == "megakernel"
-    schedule_here = overlap.schedule == "sequential" or backend == "megakernel"
+    schedule_here = overlap.schedule == "sequential" or backend == "megakernel" or (
+        backend == "megakernel across nodes" and overlap.schedule == "pipelined")
     knobs = [k for k in ("schedule", "num_chunks") if k in overlap.model_fields_set
              and not (k == "schedule" and schedule_here) and not (k == "num_chunks" and pipelined_here)]
     knobs += [k for k in ("fused_dispatch", "epilogue_combine") if k in overlap.model_fields_set and not fused_here]
@@ -164,6 +174,8 @@ def say_unread_knobs(overlap, backend: str, layer_name: str, tiles_read: bool = 
                           "sequential schedule, the fused one without epilogue_combine; combine_queue with "
                           "combine_chunks > 0; neither under compression.combine 'rank_partials')"
                           if backend == "megakernel" else
+                          "the sequential schedule, or the pipelined one in two phases (this node's rows, then the "
+                          "other nodes'; num_chunks is not read)" if backend == "megakernel across nodes" else
                           "the sequential schedule") + "; results are the same under every value. Said once for "
                        "every layer.")
 
