@@ -676,22 +676,32 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
         gates of the (token, slot) rows there; the node's NVLink dispatcher scales them into the
         experts' row gradients and forms the gate gradients where the rows are, as the single-node
         megakernel does (the same kernels, the same bits), phase by phase (``nvl_ys``: each phase's
-        rows); those cross back to the sources."""
-        step, me = f"{plan.step} (backward)", self.node
+        rows; a local phase while the other nodes' rows cross); those cross back to the sources."""
+        step, me, N = f"{plan.step} (backward)", self.node, self.num_nodes
         g, flat_gates = grad_out.to(nvl_ys[0].dtype).contiguous(), gates.reshape(-1).float().contiguous()
         sends = [g.index_select(0, t) for t in plan.send_tok]
         gate_sends = [flat_gates.index_select(0, p) for p in plan.send_pairs]
-        got = self._cross(sends, plan.recv_tok, g, step, "combine gradient across nodes")
-        got_gates = self._cross(gate_sends, plan.recv_pairs, flat_gates, step, "gates across nodes")
-        got[me], got_gates[me] = sends[me], gate_sends[me]
-        toks, node_gates = torch.cat(got), torch.cat(got_gates)
+        got = [[g.new_empty((0 if n == me else plan.recv_tok[n], g.shape[1])),
+                flat_gates.new_empty(0 if n == me else plan.recv_pairs[n])] for n in range(N)]
+        pending = self._exchange("cross", [[s[:0], gs[:0]] if n == me else [s, gs]
+                                           for n, (s, gs) in enumerate(zip(sends, gate_sends))],
+                                 got, step, "combine gradient and gates across nodes", wait=False)
+        tok_first, pair_first = sum(plan.recv_tok[:me]), sum(plan.recv_pairs[:me])
         grad_y = g.new_empty(plan.rows, g.shape[1])
         pair_grads = flat_gates.new_empty(sum(plan.recv_pairs))
+        toks = None
         for ph, nvl_y in zip(plan.phases, nvl_ys):
+            if ph.local:
+                rows = sends[me].index_select(0, ph.relay_tok - tok_first)
+                node_gates = gate_sends[me].index_select(0, ph.relay_pairs - pair_first)
+            else:
+                if toks is None:
+                    arrived = pending.wait()
+                    arrived[me] = [sends[me], gate_sends[me]]
+                    toks, all_gates = torch.cat([a[0] for a in arrived]), torch.cat([a[1] for a in arrived])
+                rows, node_gates = toks.index_select(0, ph.relay_tok), all_gates.index_select(0, ph.relay_pairs)
             idx, dest_row, recv_pair, num_recv = ph.nvl_handle
-            gy, pg = self.nvl._combine_bwd(toks.index_select(0, ph.relay_tok), nvl_y,
-                                           node_gates.index_select(0, ph.relay_pairs).view(-1, 1), idx, dest_row,
-                                           recv_pair, num_recv)
+            gy, pg = self.nvl._combine_bwd(rows, nvl_y, node_gates.view(-1, 1), idx, dest_row, recv_pair, num_recv)
             grad_y.index_copy_(0, ph.pos, gy)
             pair_grads.index_copy_(0, ph.relay_pairs, pg.reshape(-1))
         chunks = list(pair_grads.split(plan.recv_pairs))
