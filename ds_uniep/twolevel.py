@@ -14,7 +14,7 @@ combine's rows are returned, the combine's gradient goes out as (token, slot) ro
 relays. Nothing is summed on the way, so the layout (rows of a local expert ordered by source
 rank, token, slot) and every sum are those of the flat reference backend: the same bits.
 
-Every exchange is point-to-point (``batch_isend_irecv``) on a node group or a cross-node group
+Every exchange is point-to-point (:mod:`ds_uniep.p2p`) on a node group or a cross-node group
 (groups whose own timeout is ``uniep.overlap.timeout_s``), and each transfer is waited for at most
 that long: a peer that stops answering makes :class:`NodeUnreachableError` name the layer, the
 step, the exchange and the peer's node.
@@ -30,8 +30,6 @@ so they cross while the node's own rows move inside it. Each row lands where the
 puts it: the same bits.
 """
 
-import datetime
-import time
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -41,6 +39,7 @@ from torch import Tensor
 from .env import logger
 from .errors import UniEPCommError
 from .layout import build_layout, expert_counts
+from .p2p import PendingExchange, start_exchange
 from .reference import (DispatchHandle, ReferenceDispatcher, _FP8Dispatch, rank_partial_sum, slot_ranks,
                         weighted_slot_sum)
 from .topology import GroupTopology, subgroup
@@ -62,68 +61,6 @@ def across_nodes_unsupported(config) -> str:
 class NodeUnreachableError(UniEPCommError):
     """A peer did not answer an exchange of the two-level dispatch within ``uniep.overlap.timeout_s``
     (or its connection broke); the message names the layer, the step, the exchange and the peer's node."""
-
-
-class PendingExchange:
-    """Transfers of :func:`start_exchange` in flight; :meth:`wait` waits for them (each until the
-    deadline set at the start) and returns what arrived."""
-
-    def __init__(self, recvs: List[List[Tensor]], works=(), peers=(), deadline: float = 0.0,
-                 fail: Optional[Callable[[int, BaseException], Exception]] = None):
-        self.recvs, self.works, self.peers, self.deadline, self.fail = recvs, works, peers, deadline, fail
-
-    def wait(self) -> List[List[Tensor]]:
-        # One work per operation (gloo); a backend that coalesces the batch into one work cannot say
-        # which peer is late: the error then names the first peer of the batch.
-        works, self.works = self.works, ()
-        for work, peer in zip(works, self.peers if len(works) == len(self.peers) else self.peers[:1]):
-            try:
-                work.wait(datetime.timedelta(seconds=max(self.deadline - time.monotonic(), 1e-3)))
-            except Exception as err:  # noqa: BLE001 - re-raised with the names
-                raise self.fail(peer, err) from err
-        return self.recvs
-
-
-def start_exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: int, timeout_s: float,
-                   fail: Callable[[int, BaseException], Exception]) -> PendingExchange:
-    """Start sending ``sends[p]`` to group rank ``p`` of ``group`` and filling ``recvs[p]`` from it
-    (``me``'s own are copied now; empty tensors do not travel, both sides know the sizes). Each
-    transfer may take until ``timeout_s`` after the start; one that fails or times out makes
-    :meth:`PendingExchange.wait` raise ``fail(p, error)``."""
-    for src, dst in zip(sends[me], recvs[me]):
-        dst.copy_(src)
-    if any(t.is_cuda for ts in sends + recvs for t in ts) and torch_dist.get_backend(group) == "gloo":
-        # gloo's point-to-point reads and writes host memory: CUDA rows travel through host copies.
-        host = [[t.cpu() for t in ts] for ts in sends]
-        got = [[torch.empty(t.shape, dtype=t.dtype) for t in ts] for ts in recvs]
-        host[me], got[me] = [], []
-        exchange(host, got, group, me, timeout_s, fail)
-        for ts, hs in zip(recvs, got):
-            for t, h in zip(ts, hs):
-                t.copy_(h)
-        return PendingExchange(recvs)
-    ops, peers = [], []
-    for p in range(len(sends)):
-        if p == me:
-            continue
-        for t in sends[p]:
-            if t.numel():
-                ops.append(torch_dist.P2POp(torch_dist.isend, t.contiguous(), group=group, group_peer=p))
-                peers.append(p)
-        for t in recvs[p]:
-            if t.numel():
-                ops.append(torch_dist.P2POp(torch_dist.irecv, t, group=group, group_peer=p))
-                peers.append(p)
-    if not ops:
-        return PendingExchange(recvs)
-    deadline = time.monotonic() + timeout_s
-    return PendingExchange(recvs, torch_dist.batch_isend_irecv(ops), peers, deadline, fail)
-
-
-def exchange(sends: List[List[Tensor]], recvs: List[List[Tensor]], group, me: int, timeout_s: float,
-             fail: Callable[[int, BaseException], Exception]) -> None:
-    """:func:`start_exchange`, waited for."""
-    start_exchange(sends, recvs, group, me, timeout_s, fail).wait()
 
 
 class _Phase:
