@@ -91,11 +91,14 @@ want gpt && for backend in deepspeed reference megakernel megakernel_again; do
     --loss-log "$OUT/loss_$backend.json" "${gemm_flag[@]}"
 done
 # SwiGLU experts (grouped GEMMs), dropless, ZeRO 2: stock DeepSpeed MoE; the megakernel's sequential
-# schedule, eager and replayed from CUDA graphs (--cuda-graph); the fused schedule (epilogue combines
-# only, twice) and the fused one with its dispatch in interleaved roles (twice)
-want gpt_swiglu && for run in stock sequential graph fused fused_again interleaved interleaved_again; do
+# schedule; the fused schedule (epilogue combines only, twice) and the fused one with its dispatch in
+# interleaved roles (twice). ZeRO 0 (--cuda-graph does not run under ZeRO 2): the sequential schedule,
+# eager and replayed from CUDA graphs
+want gpt_swiglu && for run in stock sequential fused fused_again interleaved interleaved_again sequential_zero0 \
+    graph; do
   cfg=configs/ds_config_uniep_fused.json; run_flags=(--expert-gemm uniep --backend megakernel)
-  [[ $run == stock || $run == sequential || $run == graph ]] && cfg=configs/ds_config_uniep_default.json
+  [[ $run == stock || $run == sequential ]] && cfg=configs/ds_config_uniep_default.json
+  [[ $run == sequential_zero0 || $run == graph ]] && cfg=configs/ds_config_uniep_zero0_bf16.json
   [[ $run == interleaved* ]] && cfg=configs/ds_config_uniep_fused_interleaved.json
   [[ $run == stock ]] && run_flags=(--backend deepspeed)
   [[ $run == graph ]] && run_flags+=(--cuda-graph)
@@ -114,7 +117,7 @@ import json, os, sys
 out = sys.argv[1]
 logs = {}
 for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_stock", "swiglu_sequential",
-          "swiglu_graph", "swiglu_fused",
+          "swiglu_sequential_zero0", "swiglu_graph", "swiglu_fused",
           "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again", "one_node", "two_nodes",
           "two_nodes_pipelined", "two_torchruns"):
     p = os.path.join(out, f"loss_{b}.json")
@@ -122,9 +125,12 @@ for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_st
         logs[b] = {int(k): float.fromhex(v) if isinstance(v, str) else v for k, v in json.load(open(p)).items()}
 if "megakernel" in logs and "megakernel_again" in logs:
     print("megakernel losses bitwise equal across two runs:", logs["megakernel"] == logs["megakernel_again"])
-for b in ("swiglu_graph", "swiglu_fused", "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
+for b in ("swiglu_fused", "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
     if b in logs and "swiglu_sequential" in logs:
         print(f"{b} losses bitwise equal to the sequential schedule's:", logs[b] == logs["swiglu_sequential"])
+if "swiglu_graph" in logs and "swiglu_sequential_zero0" in logs:
+    print("swiglu_graph losses (ZeRO 0) bitwise equal to the eager run's:",
+          logs["swiglu_graph"] == logs["swiglu_sequential_zero0"])
 for b in ("two_nodes", "two_nodes_pipelined", "two_torchruns"):
     if b in logs and "one_node" in logs:
         print(f"{b} losses bitwise equal to one node's:", logs[b] == logs["one_node"])

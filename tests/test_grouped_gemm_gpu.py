@@ -336,3 +336,26 @@ def test_fused_segments_kernel_is_the_layout_runs():
             for align in (1, 7, 256, 1024):
                 got = _ext().fused_segments(counts_all.cuda(), rank, align).cpu()
                 assert torch.equal(got.long(), fused_runs(counts_all, rank, align)), (G, E, rank, align)
+
+
+@pytest.mark.parametrize("op", ["fwd", "dgrad", "wgrad"])
+def test_first_call_on_a_stream_inside_a_graph_capture(op):
+    """The GEMM's first call for a stream (its per-stream set-up) may come inside a CUDA graph's
+    capture; the graph replays with the eager bits. (A shape and SM count no other test uses, so that
+    the set-up happens in the capture whichever streams ran before.)"""
+    gemm = _gemm()
+    G, N, K = 7, 136, 72
+    g = torch.Generator(device="cuda").manual_seed(3)
+    offs = torch.tensor([40, 40, 97, 150, 150, 203, 260], dtype=torch.int32, device="cuda")
+    R = int(offs[-1])
+    a = torch.randn(R, N if op != "fwd" else K, device="cuda", generator=g).to(torch.bfloat16)
+    b = (torch.randn(R, K, device="cuda", generator=g) if op == "wgrad" else
+         torch.randn(G, N, K, device="cuda", generator=g)).to(torch.bfloat16)
+    want = gemm.grouped_mm(a, b, offs, op, "pingpong128x128:n8", sm_count=6)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.graph(graph, stream=stream):
+        got = gemm.grouped_mm(a, b, offs, op, "pingpong128x128:n8", sm_count=6)
+    got.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)

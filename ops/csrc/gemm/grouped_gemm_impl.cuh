@@ -322,6 +322,26 @@ struct StateKey {
   }
 };
 
+// A first call on a stream that is capturing a CUDA graph makes its state then: the workspace's
+// allocation is not a graph operation, and under the global capture mode that CUDA graphs are
+// captured in by default it would end the capture (and the process). The state is made in the
+// relaxed mode, which allows it, and the thread's mode is put back after.
+class RelaxedWhileCapturing {
+ public:
+  explicit RelaxedWhileCapturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    active_ = cudaStreamIsCapturing(stream, &status) == cudaSuccess && status == cudaStreamCaptureStatusActive;
+    if (active_) cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  ~RelaxedWhileCapturing() {
+    if (active_) cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+
+ private:
+  bool active_ = false;
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
 template <class K>
 cudaError_t state_for(const GroupedGemmArgs& args, cudaStream_t stream, State<K>** out, int* cutlass_status) {
   static std::mutex mutex;
@@ -333,6 +353,7 @@ cudaError_t state_for(const GroupedGemmArgs& args, cudaStream_t stream, State<K>
     *out = it->second.get();
     return cudaSuccess;
   }
+  const RelaxedWhileCapturing relaxed(stream);
   auto st = std::make_unique<State<K>>();
   ArgArrays<K> none{};
   const size_t cutlass_bytes = ArgArrays<K>::align(
