@@ -1,5 +1,6 @@
 """The megakernel across nodes (``ds_uniep.twolevel.TwoLevelNVLinkDispatcher``) on GPUs, nodes
-emulated with ``uniep.topology.node_size``: 4 ranks as 2 nodes of 2.
+emulated with ``uniep.topology.node_size``: 4 ranks as 2 nodes of 2, 2 ranks as 2 nodes of 1 (no
+NVLink move inside a node: the relay is the expert rank).
 
 The dispatcher gives the flat reference's bits (received rows, counts, outputs, the input and weight
 gradients; the gate gradient to fp32 rounding: the megakernel forms it in another fixed order)
@@ -22,13 +23,14 @@ def _dispatcher_cases(rank, world_size):
     from ds_uniep.twolevel import TwoLevelNVLinkDispatcher
     group = dist.new_group(list(range(world_size)))
     cases = [c for c in CASES if c.get("dispatch_dtype", "activation") == "activation" and
-             c.get("combine", "slots") == "slots"]
+             c.get("combine", "slots") == "slots" and c["k"] <= c.get("E", 2 * world_size)]
+    node_size = world_size // 2
     for case in cases:
-        _run_case(case, rank, world_size, 2, group, device=rank_gpu(rank), node=TwoLevelNVLinkDispatcher)
+        _run_case(case, rank, world_size, node_size, group, device=rank_gpu(rank), node=TwoLevelNVLinkDispatcher)
     dist.barrier()
     if rank == 0:
-        print(f"megakernel across 2 nodes of 2: {len(cases)} dispatcher cases bitwise the flat reference (gate "
-              "gradients to fp32 rounding)", flush=True)
+        print(f"megakernel across 2 nodes of {node_size}: {len(cases)} dispatcher cases, in one phase and in two, "
+              "bitwise the flat reference (gate gradients to fp32 rounding)", flush=True)
 
 
 def _layers(rank, world_size):
@@ -41,7 +43,8 @@ def _layers(rank, world_size):
         for gemm in ("torch", "uniep"):
             res = []
             # one node; two nodes (sequential); on ds_uniep's GEMM, two nodes pipelined (two phases)
-            variants = [(world_size, "sequential"), (2, "sequential")] + [(2, "pipelined")] * (gemm == "uniep")
+            half = world_size // 2
+            variants = [(world_size, "sequential"), (half, "sequential")] + [(half, "pipelined")] * (gemm == "uniep")
             for node_size, schedule in variants:
                 layer = make_layer(rank, world_size, k, "megakernel", expert_gemm=gemm, M=512, F=256,
                                    max_tokens=512, overlap={"schedule": schedule},
@@ -78,8 +81,8 @@ def _layers(rank, world_size):
             checked += len(res) - 1
     torch.distributed.barrier()
     if rank == 0:
-        print(f"megakernel layer on 2 nodes of 2: {checked} cases (sequential; pipelined on ds_uniep's GEMM) bitwise "
-              "one node of 4", flush=True)
+        print(f"megakernel layer on 2 nodes of {world_size // 2}: {checked} cases (sequential; pipelined on ds_uniep's "
+              f"GEMM) bitwise one node of {world_size}", flush=True)
 
 
 def _both(rank, world_size):
@@ -87,11 +90,12 @@ def _both(rank, world_size):
     _layers(rank, world_size)
 
 
-@needs_gpus(4)
-def test_megakernel_on_two_nodes_of_two_gives_the_single_node_bits():
-    """Dispatcher cases bitwise the flat reference; the layer (k 1, 2, 6, both GEMMs, pipelined across
-    nodes on ds_uniep's GEMM, a rank without tokens) bitwise the single-node megakernel."""
-    run_distributed(_both, 4, backend="nccl", timeout=600)
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (2, 4)])
+def test_megakernel_on_two_nodes_gives_the_single_node_bits(world_size):
+    """2 nodes of 1 or of 2: dispatcher cases bitwise the flat reference; the layer (k 1, 2, 6, both
+    GEMMs, pipelined across nodes on ds_uniep's GEMM, a rank without tokens) bitwise the single-node
+    megakernel."""
+    run_distributed(_both, world_size, backend="nccl", timeout=600)
 
 
 if __name__ == "__main__":
