@@ -413,16 +413,17 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         me = self.node
         buf = y.new_empty((sum(plan.recv_pairs), ) + tuple(y.shape[1:]))  # the node's pairs, as the relay holds them
         chunks = list(buf.split(plan.recv_pairs))
-        pending = None
-        for ph in sorted(plan.phases, key=lambda p: p.local):
-            if ph.local and pending is None:
-                pending = self._cross(chunks, [len(p) for p in plan.send_pairs], y, step, f"{what} across nodes",
-                                      wait=False)
+
+        def to_relays(ph: _Phase) -> None:
             back = self._node_to_relays(y.index_select(0, ph.pos), ph, step, f"{what} inside the node", forward)
             buf.index_copy_(0, ph.relay_pairs, back)
-        if pending is None:
-            pending = self._cross(chunks, [len(p) for p in plan.send_pairs], y, step, f"{what} across nodes",
-                                  wait=False)
+        for ph in plan.phases:
+            if not ph.local:
+                to_relays(ph)
+        pending = self._cross(chunks, [len(p) for p in plan.send_pairs], y, step, f"{what} across nodes", wait=False)
+        for ph in plan.phases:
+            if ph.local:
+                to_relays(ph)
         got = [g[0] for g in pending.wait()]
         got[me] = chunks[me]
         out = y.new_zeros(plan.T * plan.k, y.shape[1])
