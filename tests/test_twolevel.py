@@ -270,13 +270,15 @@ def test_two_nodes_of_two_bitwise_flat_auto_and_a_stopped_rank():
         _check_stop_reports(report_dir, 4, 2, (3, ))
 
 
-def _two_by_one(rank, world_size):
-    _parity(world_size, 1, [c for c in CASES if c["k"] <= c.get("E", 2 * world_size)], rank)
+def _parity_of_fitting_cases(rank, world_size, node_size):
+    _parity(world_size, node_size, [c for c in CASES if c["k"] <= c.get("E", 2 * world_size)], rank)
 
 
-def test_two_nodes_of_one_bitwise_flat():
-    """2 ranks as 2 nodes of 1 (nothing moves inside a node): bitwise equal to the flat reference."""
-    run_distributed(_two_by_one, 2, timeout=300)
+@pytest.mark.parametrize("world_size,node_size", [(2, 1), (6, 2)])
+def test_two_nodes_of_one_and_three_of_two_bitwise_flat(world_size, node_size):
+    """2 ranks as 2 nodes of 1 (nothing moves inside a node) and 6 as 3 nodes of 2 (a node's other
+    nodes lie on both sides of it): bitwise equal to the flat reference, in one phase and in two."""
+    run_distributed(_parity_of_fitting_cases, world_size, node_size, timeout=300)
 
 
 EIGHT = [dict(k=k, seed=20 + k, E=16, drop=k == 6) for k in (1, 2, 6, 8)] + [
