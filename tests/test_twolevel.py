@@ -3,7 +3,9 @@
 The two-level dispatch and combine (``ds_uniep.twolevel``) must give the flat reference backend's
 bits: received rows, row counts, outputs and the gradients of the input, the gates and the
 experts' weights, for k 1, 2, 6, 8, dropped slots, a rank or a whole node without tokens, a node
-that receives no rows, FP8 dispatch, rank partials and a capacity. ``auto`` on a group spanning
+that receives no rows, FP8 dispatch, rank partials and a capacity, moving the rows in one phase and
+in two (this rank's own node's first; the pipelined schedule across nodes), on 2 nodes of 1, 2 or
+4 ranks and 3 nodes of 2. ``auto`` on a group spanning
 nodes picks the reference backend's two-level path and says so; a node that stops answering makes
 every other rank raise an error naming the layer, the node and the step within the timeout.
 """
