@@ -33,13 +33,17 @@ def _env():
     return env
 
 
-def _train(tmp_path, name, *extra):
+def _train(tmp_path, name, *extra, ranks=2, steps=STEPS, said=None):
+    """The losses of a run of the example (``ranks`` ranks, TINY and ``extra``) and its stdout;
+    ``said``: a list that gets its stdout and stderr."""
     log = tmp_path / f"{name}.json"
     proc = run_launcher(lambda port: [
-        os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port",
-        str(port), TRAIN, *TINY, "--train-iters", str(STEPS), "--loss-log", str(log), *extra],
+        os.path.join(BIN, "torchrun"), "--nproc_per_node", str(ranks), "--master_addr", "127.0.0.1", "--master_port",
+        str(port), TRAIN, *TINY, "--train-iters", str(steps), "--loss-log", str(log), *extra],
         env=lambda port: _env(), cwd=REPO, timeout=300)
     assert proc.returncode == 0, f"{name}: exit code {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    if said is not None:
+        said.append(proc.stdout + proc.stderr)
     with open(log) as f:
         return {int(k): float.fromhex(v) for k, v in json.load(f).items()}, proc.stdout
 
@@ -91,6 +95,22 @@ def test_swiglu_experts_train(tmp_path):
         losses = {int(k): float.fromhex(v) for k, v in json.load(f).items()}
     assert sorted(losses) == list(range(1, 31))
     assert losses[30] < losses[1] - 0.5, (losses[1], losses[30])
+
+
+def test_two_emulated_nodes_train_with_one_nodes_losses(tmp_path):
+    """4 ranks as 2 nodes of 2 (``"topology": {"node_size": 2}``: the reference backend's two-level
+    dispatch) train 10 steps with the losses of one node of 4, bit for bit."""
+    with open(os.path.join(REPO, "configs", "ds_config_cpu_zero0.json")) as f:
+        config = json.load(f)
+    config["uniep"]["topology"] = {"node_size": 2}
+    two_nodes = tmp_path / "ds_config_node_size_2.json"
+    two_nodes.write_text(json.dumps(config))
+    ep4 = ["--moe-expert-parallel-size", "4", "--num-experts", "8"]
+    said = []
+    one, _ = _train(tmp_path, "one_node", *ep4, ranks=4, steps=10, said=said)
+    two, _ = _train(tmp_path, "two_nodes", *ep4, "--deepspeed_config", str(two_nodes), ranks=4, steps=10, said=said)
+    assert "two-level" not in said[0] and "reference transport across 2 nodes of 2 ranks: two-level" in said[1]
+    assert len(one) == 10 and one == two
 
 
 def test_expert_type_picks_the_expert_module():
