@@ -150,7 +150,8 @@ MEGAKERNEL_CONFIGS = {
     "megakernel-graph": {"backend": "megakernel", "expert_gemm": "torch", "sync_free": True},
     # megakernel across emulated nodes (--node-size) under the pipelined schedule: this node's rows start
     # the first GEMM while the other nodes' rows cross
-    "megakernel-pipelined-nodes": {"backend": "megakernel", "expert_gemm": "uniep", "overlap": {"schedule": "pipelined"}},
+    "megakernel-pipelined-nodes": {"backend": "megakernel", "expert_gemm": "uniep",
+                                   "overlap": {"schedule": "pipelined"}},
 }
 
 def parse_args(argv=None):

@@ -20,16 +20,16 @@ from torch import Tensor
 from .. import gating
 from ..env import logger
 from ..reference import ReferenceDispatcher
+from ..tensor_parallel import tp_context
 from ..twolevel import TwoLevelDispatcher, TwoLevelNVLinkDispatcher
 from .across_nodes import NodePipelined
-from ..tensor_parallel import tp_context
 from .common import Step, comm_blocks, gemm_configs, stack
 from .fused import Fused
 from .pipelined import Pipelined
 from .sequential import EarlySequential, Sequential
 
-__all__ = ["Step", "Sequential", "EarlySequential", "Pipelined", "Fused", "NodePipelined", "resolve", "check_sync_free",
-           "say_unread_knobs", "check_combine_mode", "comm_blocks", "gemm_configs"]
+__all__ = ["Step", "Sequential", "EarlySequential", "Pipelined", "Fused", "NodePipelined", "resolve",
+           "check_sync_free", "say_unread_knobs", "check_combine_mode", "comm_blocks", "gemm_configs"]
 
 NOT_GROUPED = ("the experts do not run as grouped GEMMs (bf16 SwiGLUExpert or GeLUExpert experts, without HybridEP or "
                "expert tensor parallelism)")
