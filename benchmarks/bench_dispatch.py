@@ -170,13 +170,16 @@ def sm_budget_rows(a, x, idx, gates, E, G, M, k, dev, put, results):
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from deepep_layer import import_deep_ep, make_buffer
         deep_ep = import_deep_ep()
+        budgets = [(sms or all_sms) // 2 * 2 for sms in a.sms]
+        # DeepEP sizes its buffer for the SM count set when it is made (a channel per two SMs): make it at the
+        # largest budget, which serves the smaller ones
+        deep_ep.Buffer.set_num_sms(max(budgets))
         buf = make_buffer(deep_ep, dist.group.WORLD, M * 2)
     except Exception as e:  # noqa: BLE001 - the table says why
         results["deepep_why_not"] = f"{type(e).__name__}: {e}"
         return rows
     topk_idx, weights = idx.long(), gates.float().contiguous()
-    for sms in a.sms:
-        n = (sms or all_sms) // 2 * 2
+    for n in budgets:
         deep_ep.Buffer.set_num_sms(n)
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
         recv_x, _, _, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,

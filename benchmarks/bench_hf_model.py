@@ -62,8 +62,10 @@ def ds_config(args, ep, variant):
     config = {"train_micro_batch_size_per_gpu": args.micro_batch, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": args.zero_stage}, "zero_allow_untested_optimizer": True,
               "steps_per_print": 1_000_000, "uniep": {"backend": "reference" if args.cpu else args.backend},
-              # DeepSpeed makes the optimizer, after AutoEP has converted the model (its MoE groups then exist)
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}
+              # DeepSpeed makes the optimizer, after AutoEP has converted the model (its MoE groups then exist);
+              # torch's AdamW, as DeepSpeed's fused one is a JIT build that fails where TORCH_CUDA_ARCH_LIST
+              # names an arch-specific target such as 9.0a
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "torch_adam": True}}}
     if not args.cpu:
         config["bf16"] = {"enabled": True}
     if variant == "autoep":

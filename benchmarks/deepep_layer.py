@@ -90,6 +90,8 @@ class DeepEPLayer(nn.Module):
         self.group = moe.deepspeed_moe.ep_group
         self.local_experts = len(moe.deepspeed_moe.experts.deepspeed_experts)
         self.num_sms = num_sms
+        if num_sms is not None:  # the buffer holds a channel per two SMs of the budget set when it is made
+            self.deep_ep.Buffer.set_num_sms(num_sms)
         self.buffer = make_buffer(self.deep_ep, self.group, moe.deepspeed_moe.gate.wg.weight.shape[1] * 2)
         self.handle = None
 

@@ -79,6 +79,10 @@ def _entry(rank, world_size, port, backend, fn, args, report_dir, collective_tim
     # that each start a thread per core oversubscribe the cores (a 4-rank step on 2 cores took 7-12x
     # longer). GPU (NCCL) ranks keep torch's default.
     threads = os.environ.setdefault("OMP_NUM_THREADS", "1") if backend != "nccl" else None
+    if backend != "nccl":
+        # CPU ranks run DeepSpeed on its CPU accelerator even where GPUs are visible: with the CUDA one an
+        # engine binds GPU ``rank``, which does not exist when the ranks outnumber the GPUs.
+        os.environ["DS_ACCELERATOR"] = "cpu"
     try:
         import deepspeed
         import torch
