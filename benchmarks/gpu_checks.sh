@@ -26,12 +26,7 @@ step() {  # step NAME CMD...
   tail -n 25 "$OUT/$name.log"
 }
 
-want tests && step tests python3 -m pytest -q -rs tests/test_grouped_gemm_gpu.py tests/test_nvlink_kernels.py \
-  tests/test_megakernel_layer.py tests/test_determinism.py tests/test_commfuse.py tests/test_tuning_gpu.py \
-  tests/test_megakernel_edges.py tests/test_twolevel_megakernel.py tests/test_randomized.py \
-  tests/test_reliability_faults.py tests/test_cuda_graph.py tests/test_torch_compile.py tests/test_shared_buffers.py \
-  tests/test_hf_megakernel.py tests/test_rank_partials.py tests/test_swiglu.py tests/test_commfuse_ulysses.py \
-  tests/test_commfuse_dp.py tests/test_bench_deepep.py tests/test_activation_checkpointing.py
+want tests && step tests python3 -m pytest -q -rs -m gpu tests  # every test that needs GPUs (conftest's needs_gpus)
 want gemm && step bench_grouped_gemm python3 benchmarks/bench_grouped_gemm.py --out "$OUT/gemm"
 want dispatch && step bench_dispatch torchrun --nproc_per_node "$NGPU" benchmarks/bench_dispatch.py --out "$OUT/dispatch.json"
 want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/bench_moe_layer.py --autotune --streamed-steps 8 --out "$OUT"

@@ -14,6 +14,10 @@ LONGEST_FILES = ("test_ops_compile.py", "test_hybrid_runtime.py", "test_benchmar
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
+    # ``-m gpu`` selects the tests that need GPUs: those under needs_gpus (below).
+    for item in items:
+        if any(m.kwargs.get("reason", "").startswith(_GPU_REASONS) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
 
 
 
@@ -37,13 +41,16 @@ def cuda_gpus() -> int:
         return 0
 
 
+_GPU_REASONS = ("ranks share the visible GPUs", "needs GPUs: ")
+
+
 def needs_gpus(n: int):
-    """Skip (with the reason) unless ``n`` CUDA GPUs are present."""
+    """Skip (with the reason) unless ``n`` CUDA GPUs are present; such tests carry the ``gpu`` marker."""
     have = cuda_gpus()
     from dist_utils import shared_gpus
     if shared_gpus() and have:
-        return pytest.mark.skipif(False, reason="ranks share the visible GPUs")
-    return pytest.mark.skipif(have < n, reason=f"needs {n} CUDA GPU(s), found {have}")
+        return pytest.mark.skipif(False, reason=_GPU_REASONS[0])
+    return pytest.mark.skipif(have < n, reason=f"{_GPU_REASONS[1]}{n} CUDA GPU(s), found {have}")
 
 
 _SHM_PATTERN = "/dev/shm/deepspeed_allreduce_buffer_*"
@@ -61,3 +68,19 @@ def _remove_deepspeed_shm_buffers():
     before = set(glob.glob(_SHM_PATTERN))
     yield
     remove_unused_shm_buffers(set(glob.glob(_SHM_PATTERN)) - before)
+
+
+def assert_matches(got, want, tag: str, exact: bool = True) -> bool:
+    """``exact``: bit for bit. Otherwise within the rounding of summing in another order, relative to the
+    largest magnitude (fp32/fp64 1e-4, 16-bit types 2e-2); returns whether the bits were equal as well."""
+    import torch
+    assert got.shape == want.shape and got.dtype == want.dtype, f"{tag}: {got.dtype} {tuple(got.shape)} " \
+        f"given, {want.dtype} {tuple(want.shape)} expected"
+    if torch.equal(got, want):
+        return True
+    err = (got.float() - want.float()).abs().max().item()
+    assert not exact, f"{tag} differs: max |difference| {err}"
+    tol = 1e-4 if want.dtype in (torch.float32, torch.float64) else 2e-2
+    scale = max(want.float().abs().max().item(), 1e-30)
+    assert err <= tol * scale, f"{tag} differs by {err}, more than {tol} x the largest magnitude {scale}"
+    return False

@@ -3,13 +3,14 @@
 The reference is what a model runs without CommFuse: ``nn.Linear`` QKV, DeepSpeed's
 ``DistributedAttention`` around torch SDPA, ``nn.Linear`` output projection. Every rank builds the
 same weights from one seed and its own sequence block of the same batch. Checked bitwise, forward
-and backward (input and parameter gradients), for both layouts, GQA, each schedule and chunk
-count, fp32 and bf16, on 2 and 4 gloo ranks; then 50 ZeRO-1 training steps of a tiny GPT with
-each attention, losses equal bit for bit.
+and backward (input and parameter gradients), for both layouts, GQA, each schedule and chunk count,
+fp32 and bf16, on 2 and 4 gloo ranks (and on 2 and 4 GPUs over NCCL, both transports); then 50
+ZeRO-1 training steps of a tiny GPT with each attention, losses equal bit for bit.
 """
 import pytest
 import torch
 
+from conftest import assert_matches, needs_gpus
 from dist_utils import run_distributed
 
 
@@ -49,23 +50,26 @@ class _Unfused(torch.nn.Module):
         return self.out(ctx.reshape(*x.shape[:2], -1))
 
 
-def _pair(me, G, H, heads, kv, bdim, dtype, schedule, chunks, seed=0):
+def _pair(me, G, H, heads, kv, bdim, dtype, schedule, chunks, seed=0, device="cpu", transport="p2p"):
     import torch.distributed as dist
 
     from ds_uniep.commfuse import UlyssesAttention
     from ds_uniep.config import CommFuseConfig
     torch.manual_seed(seed)
-    ref = _Unfused(H, heads, kv, bdim, dist.group.WORLD).to(dtype)
-    cfg = CommFuseConfig(schedule=schedule, num_chunks=chunks, transport="p2p")
+    ref = _Unfused(H, heads, kv, bdim, dist.group.WORLD).to(dtype=dtype, device=device)
+    cfg = CommFuseConfig(schedule=schedule, num_chunks=chunks, transport=transport)
     fused = UlyssesAttention.from_linears(_sdpa(bdim), None, ref.qkv, ref.out, heads, kv, config=cfg)
     return ref, fused
 
 
-def _check(me, G, H, heads, kv, bdim, dtype, schedule, chunks, b=2, s=6):
-    ref, fused = _pair(me, G, H, heads, kv, bdim, dtype, schedule, chunks)
+def _check(me, G, H, heads, kv, bdim, dtype, schedule, chunks, b=2, s=6, device="cpu", transport="p2p",
+           exact=True):
+    """Bit for bit (``exact``), else within rounding; returns whether every tensor had the reference's bits."""
+    ref, fused = _pair(me, G, H, heads, kv, bdim, dtype, schedule, chunks, device=device, transport=transport)
     g = torch.Generator().manual_seed(100)
-    full = torch.randn(b, G * s, H, generator=g).to(dtype)  # the whole batch, the same on every rank
-    dout_full = torch.randn(b, G * s, H, generator=g).to(dtype)
+    # the whole batch, the same on every rank
+    full = torch.randn(b, G * s, H, generator=g).to(dtype=dtype, device=device)
+    dout_full = torch.randn(b, G * s, H, generator=g).to(dtype=dtype, device=device)
     x, dout = (t[:, me * s:(me + 1) * s] for t in (full, dout_full))
     if bdim == 1:
         x, dout = x.transpose(0, 1), dout.transpose(0, 1)
@@ -73,15 +77,16 @@ def _check(me, G, H, heads, kv, bdim, dtype, schedule, chunks, b=2, s=6):
     xs = [x.clone().requires_grad_(True) for _ in range(2)]
     y_ref = ref(xs[0], bdim)
     y = fused(xs[1], bdim)
-    tag = f"[G={G} bdim={bdim} {dtype} heads={heads}/{kv} {schedule} chunks={chunks}]"
-    assert torch.equal(y, y_ref), f"{tag} forward differs: {(y - y_ref).abs().max()}"
+    tag = f"[G={G} {device} {transport} bdim={bdim} {dtype} heads={heads}/{kv} {schedule} chunks={chunks}]"
+    same = [assert_matches(y, y_ref, f"{tag} forward", exact)]
     y_ref.backward(dout)
     y.backward(dout)
-    assert torch.equal(xs[1].grad, xs[0].grad), f"{tag} dx differs: {(xs[1].grad - xs[0].grad).abs().max()}"
+    same.append(assert_matches(xs[1].grad, xs[0].grad, f"{tag} dx", exact))
     pairs = [(fused.qkv_weight, ref.qkv.weight), (fused.qkv_bias, ref.qkv.bias), (fused.out_weight, ref.out.weight),
              (fused.out_bias, ref.out.bias)]
     for i, (a, r) in enumerate(pairs):
-        assert torch.equal(a.grad, r.grad), f"{tag} grad {i} differs: {(a.grad - r.grad).abs().max()}"
+        same.append(assert_matches(a.grad, r.grad, f"{tag} grad {i}", exact))
+    return all(same)
 
 
 def _body(me, G):
@@ -98,6 +103,28 @@ def _body(me, G):
         UlyssesAttention(_sdpa(0), None, 32, 4, config=CommFuseConfig(schedule="relay"))
     with pytest.raises(ValueError, match="divisible"):
         UlyssesAttention(_sdpa(0), None, 30, 3 if G != 3 else 5)
+
+
+def _gpu_body(me, G):
+    """The same cases on GPUs over NCCL, on both transports, at GPU-sized GEMMs: within rounding, and
+    bit for bit where cuBLAS runs each block as it runs the whole (UlyssesAttention's docstring); the
+    count of bitwise cases is printed."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    bitwise = []
+    for transport in ("p2p", "copy_engine"):
+        for H, heads, kv, bdim, dtype, schedule, chunks in [
+                (256, 8, 8, 0, torch.float32, "ring", 1), (256, 8, 4, 1, torch.bfloat16, "bidirectional_ring", 2),
+                (512, 8, 8, 0, torch.bfloat16, "local_first", 3)]:
+            bitwise.append(_check(me, G, H, heads, kv, bdim, dtype, schedule, chunks, b=2, s=128, device=device,
+                                  transport=transport, exact=False))
+    if me == 0:
+        print(f"ulysses over NCCL, {G} GPUs: {sum(bitwise)} of {len(bitwise)} cases bit for bit, the rest within "
+              "rounding", flush=True)
+
+
+@pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (2, 4)])
+def test_ulysses_equals_distributed_attention_over_nccl(world_size):
+    run_distributed(_gpu_body, world_size, backend="nccl", timeout=300)
 
 
 def test_ulysses_equals_distributed_attention_2_ranks():

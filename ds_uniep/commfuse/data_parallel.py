@@ -15,8 +15,9 @@ and N output features, N_r of them (rows of the weight) held by rank r.
   in rank order in fp32 too (one small all-gather).
 
 Exactness: the output is bitwise equal to an unsharded ``F.linear(x, W, b)`` wherever the GEMM
-computes each output element the same way whatever the call's number of columns (torch's CPU GEMMs
-do; cuBLAS where it runs the same kernel for the shard as for the whole); ``dX`` is the unfused
+computes each output element the same way whatever the call's number of rows or columns (torch's CPU
+GEMMs at small sizes, not at every size in bf16; cuBLAS where it runs the same kernel for the shard
+as for the whole), and within that GEMM's rounding elsewhere; ``dX`` is the unfused
 call; the weight and bias gradients are bitwise equal to the unsharded linear's per-rank gradients
 summed over the group in rank order in fp32 (cast once): deterministic, and independent of the
 schedule and transport.
@@ -34,8 +35,8 @@ and ZeRO-1/2) only to a model it sees MoE layers in, so each ``ShardedLinear`` h
 parameter-less :class:`_DeepSpeedMoEMark` (a ``deepspeed.moe.layer.MoE`` with no experts): a model
 needs no MoE layer of its own. ZeRO-1/2 want these parameters in a param group of their own
 (``deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer``), as for experts.
-Training is then bitwise that of the unsharded ``nn.Linear`` under ZeRO-1/2, and under ZeRO-0 without
-gradient clipping. ZeRO-0's clipping (``gradient_clipping``, DeepSpeed's default 1.0) takes each
+Training is then that of the unsharded ``nn.Linear`` under ZeRO-1/2, and under ZeRO-0 without
+gradient clipping (bitwise where the forward is). ZeRO-0's clipping (``gradient_clipping``, DeepSpeed's default 1.0) takes each
 rank's norm over the gradients it holds and averages the ranks' norms, as for MoE experts: a rank
 holds its shard only, so the clipping factor, and the run, differ from the unsharded model's.
 

@@ -32,8 +32,9 @@ a part of its contracted dimension, so no sum is reordered:
 So the result is bitwise equal to ``DistributedAttention`` with the same projections
 (``F.linear`` with the same weights) and attention function wherever the GEMM computes each
 output element the same way whatever the number of rows or columns of the call: torch's CPU
-GEMMs do (fp32 and bf16), and cuBLAS does where it runs the same kernel (and split) for the block
-as for the whole. The alternative the method also allows, multiplying each rank's head block by
+GEMMs do at small sizes (fp32 and bf16) but not at every size (a bf16 GEMM of 512 rows and K 512
+gives other last bits for a block of its rows), and cuBLAS does where it runs the same kernel (and
+split) for the block as for the whole. Elsewhere the result is within that GEMM's rounding. The alternative the method also allows, multiplying each rank's head block by
 its columns of ``W_o`` as it lands and adding the partials, splits the contracted dimension: it
 agrees with the unfused projection only within fp32 reassociation (on CPU fp32 most elements
 differ in the last bits), so it is not used.
