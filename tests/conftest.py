@@ -84,3 +84,10 @@ def assert_matches(got, want, tag: str, exact: bool = True) -> bool:
     scale = max(want.float().abs().max().item(), 1e-30)
     assert err <= tol * scale, f"{tag} differs by {err}, more than {tol} x the largest magnitude {scale}"
     return False
+
+
+def report_bitwise(rank: int, what: str, flags) -> None:
+    """Rank 0 prints how many of the cases checked within rounding had the reference's bits as well."""
+    if rank == 0:
+        print(f"{what}: {sum(flags)} of {len(flags)} cases bit for bit, the rest within rounding", flush=True)
+

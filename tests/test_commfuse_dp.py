@@ -13,7 +13,7 @@ engine with ``load_checkpoint`` gives the same losses and the same full weights.
 import pytest
 import torch
 
-from conftest import assert_matches, needs_gpus
+from conftest import assert_matches, needs_gpus, report_bitwise
 from dist_utils import run_distributed
 
 
@@ -76,9 +76,7 @@ def _gpu_body(me, G):
                                               (768, 2048 + G, torch.bfloat16, "local_first", 3)]:
             bitwise.append(_check(me, G, K, N, dtype, schedule, chunks, T=256, device=device, transport=transport,
                                   exact=False)[2])
-    if me == 0:
-        print(f"sharded linear over NCCL, {G} GPUs: {sum(bitwise)} of {len(bitwise)} cases bit for bit, the rest "
-              "within rounding", flush=True)
+    report_bitwise(me, f"sharded linear over NCCL, {G} GPUs", bitwise)
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (2, 4)])

@@ -10,7 +10,7 @@ ZeRO-1 training steps of a tiny GPT with each attention, losses equal bit for bi
 import pytest
 import torch
 
-from conftest import assert_matches, needs_gpus
+from conftest import assert_matches, needs_gpus, report_bitwise
 from dist_utils import run_distributed
 
 
@@ -117,9 +117,7 @@ def _gpu_body(me, G):
                 (512, 8, 8, 0, torch.bfloat16, "local_first", 3)]:
             bitwise.append(_check(me, G, H, heads, kv, bdim, dtype, schedule, chunks, b=2, s=128, device=device,
                                   transport=transport, exact=False))
-    if me == 0:
-        print(f"ulysses over NCCL, {G} GPUs: {sum(bitwise)} of {len(bitwise)} cases bit for bit, the rest within "
-              "rounding", flush=True)
+    report_bitwise(me, f"ulysses over NCCL, {G} GPUs", bitwise)
 
 
 @pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (2, 4)])
