@@ -192,8 +192,8 @@ def _build_cpu_comm_op() -> None:
 
 def _context(backend: str):
     """Ranks fork from a server that has imported :data:`PRELOAD` on machines without CUDA; where
-    CUDA is (NCCL ranks, or gloo ranks that DeepSpeed binds to a GPU), they are spawned fresh: a
-    process that forks must not have touched the CUDA driver, which importing DeepSpeed does."""
+    CUDA is (NCCL ranks, and gloo ranks on a machine with GPUs), they are spawned fresh: a process
+    that forks must not have touched the CUDA driver, which importing DeepSpeed does."""
     import torch
     if backend == "nccl" or torch.cuda.is_available():
         return mp.get_context("spawn")
