@@ -87,16 +87,16 @@ want gpt && for backend in deepspeed reference megakernel megakernel_again; do
 done
 # SwiGLU experts (grouped GEMMs), dropless, ZeRO 2: stock DeepSpeed MoE; the megakernel's sequential
 # schedule; the fused schedule (epilogue combines only, twice) and the fused one with its dispatch in
-# interleaved roles (twice). ZeRO 0 (--cuda-graph does not run under ZeRO 2): the sequential schedule,
-# eager and replayed from CUDA graphs
-want gpt_swiglu && for run in stock sequential fused fused_again interleaved interleaved_again sequential_zero0 \
-    graph; do
+# interleaved roles (twice); the sequential schedule replayed from CUDA graphs under ZeRO 2, and eager and
+# replayed under ZeRO 0
+want gpt_swiglu && for run in stock sequential graph_zero2 fused fused_again interleaved interleaved_again \
+    sequential_zero0 graph; do
   cfg=configs/ds_config_uniep_fused.json; run_flags=(--expert-gemm uniep --backend megakernel)
-  [[ $run == stock || $run == sequential ]] && cfg=configs/ds_config_uniep_default.json
+  [[ $run == stock || $run == sequential || $run == graph_zero2 ]] && cfg=configs/ds_config_uniep_default.json
   [[ $run == sequential_zero0 || $run == graph ]] && cfg=configs/ds_config_uniep_zero0_bf16.json
   [[ $run == interleaved* ]] && cfg=configs/ds_config_uniep_fused_interleaved.json
   [[ $run == stock ]] && run_flags=(--backend deepspeed)
-  [[ $run == graph ]] && run_flags+=(--cuda-graph)
+  [[ $run == graph* ]] && run_flags+=(--cuda-graph)
   step "gpt_swiglu_$run" python3 -m deepspeed.launcher.runner --num_gpus "$NGPU" examples/gpt_moe/train.py \
     --deepspeed_config "$cfg" --expert-type swiglu --num-experts $((2 * NGPU)) \
     --moe-expert-parallel-size "$NGPU" --topk 2 --disable-moe-token-dropping --create-moe-param-group \
@@ -112,7 +112,7 @@ import json, os, sys
 out = sys.argv[1]
 logs = {}
 for b in ("deepspeed", "reference", "megakernel", "megakernel_again", "swiglu_stock", "swiglu_sequential",
-          "swiglu_sequential_zero0", "swiglu_graph", "swiglu_fused",
+          "swiglu_sequential_zero0", "swiglu_graph", "swiglu_graph_zero2", "swiglu_fused",
           "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again", "one_node", "two_nodes",
           "two_nodes_pipelined", "two_torchruns"):
     p = os.path.join(out, f"loss_{b}.json")
@@ -123,6 +123,9 @@ if "megakernel" in logs and "megakernel_again" in logs:
 for b in ("swiglu_fused", "swiglu_fused_again", "swiglu_interleaved", "swiglu_interleaved_again"):
     if b in logs and "swiglu_sequential" in logs:
         print(f"{b} losses bitwise equal to the sequential schedule's:", logs[b] == logs["swiglu_sequential"])
+if "swiglu_graph_zero2" in logs and "swiglu_sequential" in logs:
+    print("swiglu_graph_zero2 losses (ZeRO 2) bitwise equal to the eager run's:",
+          logs["swiglu_graph_zero2"] == logs["swiglu_sequential"])
 if "swiglu_graph" in logs and "swiglu_sequential_zero0" in logs:
     print("swiglu_graph losses (ZeRO 0) bitwise equal to the eager run's:",
           logs["swiglu_graph"] == logs["swiglu_sequential_zero0"])

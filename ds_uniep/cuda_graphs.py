@@ -8,6 +8,13 @@ DeepSpeed's engine and its gradient hooks included (the parameters' gradients ar
 outside the graphs). Other inputs (shape, dtype, ``requires_grad``, ``used_token``, autocast, eval
 mode) run the layer eagerly. The layer stays the same module: its parameters, ``state_dict`` and
 checkpoints do not change.
+
+The graphs are of the layer as a function of its input and of aliases of its parameters (tensors
+on the parameters' storage, leaves of their own, swapped in by ``torch.func.functional_call``):
+the captured backward computes the aliases' gradients, and an autograd node outside the graphs
+hands them to the parameters. The parameters' own gradient accumulators, which DeepSpeed's ZeRO-2
+keeps from ``deepspeed.initialize`` on (on the stream it ran on, for its reduction hooks), then
+never enter the capture, which cannot wait on another stream's nodes.
 """
 from typing import Optional
 
@@ -16,7 +23,7 @@ from torch import Tensor, nn
 
 
 class _Eager(nn.Module):
-    """The layer's forward without its graphs, for capture (its parameters are the layer's)."""
+    """The layer's forward without its graphs."""
 
     def __init__(self, layer: nn.Module):
         super().__init__()
@@ -26,12 +33,39 @@ class _Eager(nn.Module):
         return self.layer.forward_eager(x)
 
 
+class _Functional:
+    """``f(x, *tensors)``: the layer's eager forward with ``tensors`` in place of its parameters (in
+    ``named_parameters`` order)."""
+
+    def __init__(self, layer: nn.Module):
+        self.eager = _Eager(layer)
+        self.names = ["layer." + n for n, _ in layer.named_parameters()]
+
+    def __call__(self, x: Tensor, *tensors: Tensor):
+        return torch.func.functional_call(self.eager, dict(zip(self.names, tensors)), (x, ))
+
+
+class _Alias(torch.autograd.Function):
+    """Tensors on the parameters' storage whose gradients go to the parameters."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        return tuple(p.detach() for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads
+
+
 class LayerGraphs:
     """The captured forward and backward of one layer, for inputs keyed like the sample."""
 
     def __init__(self, layer: nn.Module, sample: Tensor, warmup: int):
         self.key = self.key_of(sample, layer.training)
-        self.graphed = torch.cuda.make_graphed_callables(_Eager(layer), (sample, ), num_warmup_iters=warmup)
+        self.params = [p for _, p in layer.named_parameters()]
+        aliases = tuple(p.detach().requires_grad_(p.requires_grad) for p in self.params)
+        self.graphed = torch.cuda.make_graphed_callables(_Functional(layer), (sample, ) + aliases,
+                                                         num_warmup_iters=warmup)
 
     @staticmethod
     def key_of(x: Tensor, training: bool):
@@ -42,7 +76,7 @@ class LayerGraphs:
         the layer eagerly)."""
         if self.key_of(x, training) != self.key or torch.is_autocast_enabled(x.device.type):
             return None
-        return self.graphed(x)
+        return self.graphed(x, *_Alias.apply(*self.params))
 
 
 def graph_moe(layer: nn.Module, sample: Tensor, warmup: int = 3) -> nn.Module:

@@ -117,16 +117,34 @@ def test_a_captured_step_replays_with_the_eager_bits(world_size):
     run_distributed(_body, world_size, backend="nccl")
 
 
-def _graphed_body(rank, world_size):
+def _keep_accumulators(layer):
+    """What DeepSpeed's ZeRO-2 does at ``deepspeed.initialize``: keep every parameter's gradient accumulator
+    (made on the current stream, here the legacy default one) with a hook on it; returns the hooks' log
+    (the ids of the parameters whose gradient arrived)."""
+    log = []
+    layer.__dict__["_kept"] = []
+    for p in layer.parameters():
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(lambda *_, i=id(p): log.append(i))
+        layer.__dict__["_kept"].append(acc)
+    return log
+
+
+def _graphed_body(rank, world_size, kept):
     """``ds_uniep.graph_moe``: the layer's forward and backward graphs replayed inside eager steps (the
     parameters' gradients accumulated outside them) give the default layer's eager bits; another shape runs
-    the layer eagerly; the layer keeps its parameter names."""
+    the layer eagerly; the layer keeps its parameter names. ``kept``: the parameters' gradient accumulators
+    kept from before the capture, on the default stream, as ZeRO-2 keeps them; their hooks run once per
+    parameter and step."""
     from ds_uniep import graph_moe
     default = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX)
     layer = make_layer(rank, world_size, K, "megakernel", M=M, F=F, max_tokens=T_MAX, extra={"sync_free": True})
+    log = _keep_accumulators(layer) if kept else None
     sample = torch.zeros(_tokens(rank), M, device=rank_gpu(rank), dtype=torch.bfloat16,
                          requires_grad=True)
     graphed = graph_moe(layer, sample)
+    if kept:
+        log.clear()
     assert graphed is layer
     for c in range(6):
         x, gy, wg = _inputs(default, rank, c)
@@ -137,15 +155,54 @@ def _graphed_body(rank, world_size):
         for i, (a, b) in enumerate(zip(got, want)):
             assert torch.equal(a, b), f"rank {rank} graph_moe case {c}: tensor {i} differs from the eager default layer"
     assert [n for n, _ in graphed.named_parameters()] == [n for n, _ in default.named_parameters()]
+    if kept:
+        n = len(list(layer.parameters()))
+        assert len(log) == 6 * n and all(log.count(id(p)) == 6 for p in layer.parameters()), (len(log), n)
     next(iter(layer._dispatchers.values())).check(synchronize=True)
     if rank == 0:
-        print(f"graph_moe ep {world_size}: 5 replays inside eager steps and an eager fallback: bitwise the default "
-              "layer", flush=True)
+        print(f"graph_moe ep {world_size}{' (kept accumulators)' if kept else ''}: 5 replays inside eager steps "
+              "and an eager fallback: bitwise the default layer", flush=True)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["", "kept-accumulators"])
 @pytest.mark.parametrize("world_size", [pytest.param(n, marks=needs_gpus(n)) for n in (1, 2, 4)])
-def test_graph_moe_replays_inside_eager_steps(world_size):
-    run_distributed(_graphed_body, world_size, backend="nccl")
+def test_graph_moe_replays_inside_eager_steps(world_size, kept):
+    run_distributed(_graphed_body, world_size, kept, backend="nccl")
+
+
+def _alias_body(rank, world_size):
+    from ds_uniep import SwiGLUExpert, UniEPMoE
+    from ds_uniep.cuda_graphs import _Alias, _Functional
+    torch.manual_seed(0)
+    layer = UniEPMoE(64, SwiGLUExpert(64, 128), num_experts=4, ep_size=world_size, k=2, drop_tokens=False,
+                     use_rts=False, top2_2nd_expert_sampling=False, config={"backend": "reference"})
+    layer.set_deepspeed_parallelism()
+    log = _keep_accumulators(layer)
+    x = torch.randn(10 + rank, 64, generator=torch.Generator().manual_seed(rank))
+    gy = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + rank))
+
+    def step(forward):
+        for p in layer.parameters():
+            p.grad = None
+        xx = x.clone().requires_grad_(True)
+        out, l_aux, _ = forward(xx)
+        torch.autograd.backward([out, l_aux], [gy, torch.ones_like(l_aux)])
+        return [out.detach(), xx.grad] + [p.grad.clone() for p in layer.parameters()]
+
+    want = step(layer)
+    params = [p for _, p in layer.named_parameters()]
+    got = step(lambda xx: _Functional(layer)(xx, *_Alias.apply(*params)))
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"rank {rank}: tensor {i} differs from the layer's own forward"
+    assert len(log) == 2 * len(params) and all(log.count(id(p)) == 2 for p in params), (len(log), len(params))
+
+
+def test_the_parameter_aliases_give_the_layer_bits_and_reach_kept_accumulators():
+    """``graph_moe`` captures the layer as a function of aliases of its parameters (the CUDA graphs need a GPU;
+    the function and the aliases do not): on 2 CPU ranks (reference backend) the function gives the layer's
+    own forward and gradients bit for bit, and the parameters' kept gradient accumulators (as ZeRO-2 keeps
+    them) see every gradient."""
+    run_distributed(_alias_body, 2, timeout=200)
 
 
 def _refused(rank, world_size):

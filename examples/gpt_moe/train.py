@@ -115,13 +115,6 @@ def get_args(argv=None):
         name = "ds_config_cpu_zero0.json" if get_accelerator().device_name() == "cpu" else \
             "ds_config_uniep_default.json"
         args.deepspeed_config = os.path.join(REPO, "configs", name)
-    if args.cuda_graph:
-        with open(args.deepspeed_config) as f:
-            stage = json.load(f).get("zero_optimization", {}).get("stage", 0)
-        if stage == 2:
-            p.error("--cuda-graph does not run under ZeRO stage 2: its optimizer keeps every parameter's gradient "
-                    "accumulator, made on the default stream, which the capture of a layer's backward cannot wait "
-                    f"on (the capture fails); {os.path.relpath(args.deepspeed_config)} sets stage 2")
     return args
 
 
