@@ -35,8 +35,15 @@ rows with the configuration ``arrival`` runs; ``arrival``'s exposure over it is 
 the one over the cuBLAS GEMM alone (``exposed_vs_own_gemm``). Exposed communication = time - GEMM alone (for ``sum_alone``: its time), as a
 fraction of the collective-alone time. Times are the slowest rank's median; the variants take
 turns run by run (``timing.bench_interleaved``), so a drift of the clocks weighs on all alike.
+``--cases ulysses dp`` time forward + backward of ``UlyssesAttention`` (against DeepSpeed's
+``DistributedAttention`` between the same ``nn.Linear`` projections) and of ``ShardedLinear``
+(against ZeRO-3's collectives: weight all-gather before the forward and the input-gradient GEMMs,
+fp32 reduce-scatter after the weight-gradient GEMM), each with the floors ``gemm_alone`` (the same
+GEMMs and attention with no communication) and ``comm_alone`` (the unfused collectives alone).
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
-step: transfers on the side stream, GEMMs and adds on the compute stream) to
+step: transfers on the side stream, GEMMs and adds on the compute stream; for the Ulysses and DP
+cases, the fastest fused variant's kernels from torch's profiler: NCCL kernels and copies as
+transfers, the rest as compute) to
 ``--out``; prints the table last. ``--dry-run`` runs tiny shapes on CPU/gloo to
 check the harness.
 """
@@ -475,7 +482,12 @@ def main(argv=None):
     if device.type == "cuda":
         modes["queued"] = queued_start(a.queue_spin_ms, group)
     for case in [c for c in a.cases if c != "tp"]:
-        results["ops"][case] = {"times": _time_case(case, a, G, group, device, dtype, sync), "checks": {}}
+        per_mode, best, timeline = _time_case(case, a, G, group, device, dtype, sync, modes)
+        results["ops"][case] = {"times": per_mode["launched"], "checks": {}}
+        if "queued" in per_mode:
+            results["ops"][case]["times_queued"] = per_mode["queued"]
+        if timeline is not None:
+            timelines[f"{case} {best[3:]} (fwd+bwd)"] = timeline
     for op in (("all_gather_matmul", "matmul_reduce_scatter") if "tp" in a.cases else ()):
         variants = _variants(op, a, G, group, device, dtype, gloo, symm)
         per_mode = {}
@@ -549,29 +561,81 @@ def main(argv=None):
     return results
 
 
-def _time_case(case, a, G, group, device, dtype, sync):
-    """Forward + backward of the Ulysses attention block or the sharded linear, fused and unfused;
-    ``exposed``: time minus the same GEMMs (and attention) with no communication."""
+def _zero3_linear_fn(gloo):
+    """Unfused ZeRO-3-style linear: the weight's shards all-gathered (NCCL) before the forward GEMM
+    and again before the input-gradient GEMM; the full weight gradient reduce-scattered (NCCL) in
+    fp32 after its GEMM, as ShardedLinear sums it."""
+
+    class Zero3Linear(torch.autograd.Function):
+
+        @staticmethod
+        def forward(ctx, x, shard, group):
+            ctx.save_for_backward(x, shard)
+            ctx.group = group
+            return torch.nn.functional.linear(x, _gathered(shard, group, gloo))
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, shard = ctx.saved_tensors
+            dx = dy @ _gathered(shard, ctx.group, gloo)
+            dw = torch.empty(shard.shape, dtype=torch.float32, device=shard.device)
+            _reduce_scatter(dw, (dy.t() @ x).float(), ctx.group, gloo)
+            return dx, dw.to(shard.dtype), None
+
+    return Zero3Linear
+
+
+def _gathered(shard, group, gloo):
+    full = shard.new_empty(dist.get_world_size(group) * shard.shape[0], *shard.shape[1:])
+    _all_gather(full, shard.detach().contiguous(), group, gloo)
+    return full
+
+
+def _a2a(x, group):
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x.contiguous(), group=group)
+    return out
+
+
+def _time_case(case, a, G, group, device, dtype, sync, modes):
+    """Forward + backward of the Ulysses attention block or the sharded linear: CommFuse's fused
+    forms against the unfused NCCL collectives + GEMMs, with two floors of the same mode:
+    ``gemm_alone`` (the same GEMMs and attention, no communication) and ``comm_alone`` (the unfused
+    form's collectives alone). Exposed communication = time - gemm_alone, as a share of comm_alone.
+
+    ulysses: unfused = DeepSpeed's ``DistributedAttention`` between the ``nn.Linear`` projections
+    (4 all-to-alls forward, 4 backward); gemm_alone = the projections and the attention on tensors
+    of the all-to-alls' output shapes, made by reshaping the local ones.
+    dp: unfused = all-gather + GEMM forward, all-gather + input-gradient GEMM and weight-gradient
+    GEMM + fp32 reduce-scatter backward (ZeRO-3's collectives); gemm_alone = ``F.linear`` with the
+    full weight, forward + backward."""
     import torch.nn.functional as F
 
     from ds_uniep.commfuse import ShardedLinear, UlyssesAttention
     from ds_uniep.config import CommFuseConfig
     H = a.hidden
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
-    variants, results = {}, {}
+    variants = {}
 
-    def step(mod, x):
+    def step(mod, x, params):
+        params = list(params)
+
         def run(*_):
-            x.grad = None
+            for t in [x] + params:
+                t.grad = None  # no gradient accumulation in the timed runs
             mod(x).sum().backward()
         return run, None
 
+    gloo = dist.get_backend(group) == "gloo"
     if case == "ulysses":
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
         if not deepspeed.comm.is_initialized():
             deepspeed.init_distributed(dist_backend=dist.get_backend(group))
         S = 8 * G * a.heads if a.dry_run else a.seq
+        if S % G or a.heads % G or H % a.heads:
+            raise SystemExit(f"ulysses: --seq ({S}) and --heads ({a.heads}) must be divisible by the {G} ranks, "
+                             f"--hidden ({H}) by --heads")
 
         def attn(q, k, v):
             o = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3))
@@ -585,38 +649,89 @@ def _time_case(case, a, G, group, device, dtype, sync):
             q, k, v = qkv(x).reshape(*x.shape[:2], 3, a.heads, d).unbind(2)
             return out(dattn(q, k, v, 1).reshape(*x.shape[:2], H))
 
+        def compute_alone(x):
+            q, k, v = (t.reshape(S, 1, a.heads // G, d) for t in qkv(x).reshape(*x.shape[:2], 3, a.heads, d).unbind(2))
+            return out(attn(q, k, v).reshape(*x.shape[:2], H))
+
+        blocks = [torch.randn(S // G, 1, a.heads, d, device=device, dtype=dtype) for _ in range(4)]
+
+        def comm_alone(*_):
+            for b in blocks + blocks:
+                _a2a(b, group)
+
         x = torch.randn(S // G, 1, H, generator=gen, device=device, dtype=dtype).requires_grad_(True)
-        variants["unfused"] = step(unfused, x)
+        dense = list(qkv.parameters()) + list(out.parameters())
+        variants["gemm_alone"] = step(compute_alone, x, dense)
+        variants["comm_alone"] = (comm_alone, None)
+        variants["unfused"] = step(unfused, x, dense)
         for t in a.transports:
             for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
                 for c in a.num_chunks:
                     cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
                     mod = UlyssesAttention.from_linears(attn, group, qkv, out, a.heads, config=cfg)
-                    variants[f"cf.{t}.{sch}.c{c}"] = step(lambda x, mod=mod: mod(x, 1), x)
+                    variants[f"cf.{t}.{sch}.c{c}"] = step(lambda x, mod=mod: mod(x, 1), x, dense + list(mod.parameters()))
     else:
+        if a.ffn % G:
+            raise SystemExit(f"dp: --ffn ({a.ffn}) must be divisible by the {G} ranks")
         T = 16 * G if a.dry_run else a.tokens // G
-        full = torch.nn.Linear(H, a.ffn).to(device, dtype)
-        shard = full.weight.detach()[dist.get_rank() * (a.ffn // G):][:a.ffn // G].contiguous()
+        full = torch.nn.Linear(H, a.ffn, bias=False).to(device, dtype)
+        shard = full.weight.detach()[dist.get_rank() * (a.ffn // G):][:a.ffn // G].clone().requires_grad_(True)
+        zero3 = _zero3_linear_fn(gloo)
+        grad = torch.zeros(a.ffn, H, dtype=torch.float32, device=device)
+        grad_shard = torch.empty(a.ffn // G, H, dtype=torch.float32, device=device)
 
-        def unfused(x):
-            parts = [torch.empty_like(shard) for _ in range(G)]
-            dist.all_gather(parts, shard, group=group)
-            return F.linear(x, torch.cat(parts).requires_grad_(True))
+        def comm_alone(*_):
+            for _ in range(2):
+                _gathered(shard, group, gloo)
+            _reduce_scatter(grad_shard, grad, group, gloo)
 
         x = torch.randn(T, H, generator=gen, device=device, dtype=dtype).requires_grad_(True)
-        variants["gemm_alone"] = step(lambda x: F.linear(x, full.weight), x)
-        variants["unfused_forward_only"] = step(unfused, x)
+        variants["gemm_alone"] = step(lambda x: F.linear(x, full.weight), x, [full.weight])
+        variants["comm_alone"] = (comm_alone, None)
+        variants["unfused"] = step(lambda x: zero3.apply(x, shard, group), x, [shard])
         for t in a.transports:
             for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
                 for c in a.num_chunks:
                     cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
-                    variants[f"cf.{t}.{sch}.c{c}"] = step(ShardedLinear.from_linear(full, group, cfg), x)
+                    mod = ShardedLinear.from_linear(full, group, cfg)
+                    variants[f"cf.{t}.{sch}.c{c}"] = step(mod, x, mod.parameters())
     if device.type != "cuda":
         variants = {k: v for k, v in variants.items() if ".copy_engine." not in k}
-    timed = bench_interleaved(variants, a.warmup, a.repeats, sync=sync, cuda=device.type == "cuda")
-    for name, r in timed.items():
-        results[name] = {"median_ms": r.get("median_ms"), "error": r.get("error")}
-    return results
+    per_mode = {}
+    for mode, before in modes.items():
+        timed = bench_interleaved(variants, a.warmup, a.repeats, sync=sync, cuda=device.type == "cuda",
+                                  on_error=lambda n, e: dist.get_rank() == 0 and traceback.print_exception(e),
+                                  before=before)
+        per_mode[mode] = _collect(timed, device, before is not None)
+    best = min((k for k in per_mode["launched"] if k.startswith("cf.") and per_mode["launched"][k]["median_ms"]),
+               key=lambda k: per_mode["launched"][k]["median_ms"], default=None)
+    timeline = _profiled_timeline(variants[best][0], device) if best else None
+    return per_mode, best, timeline
+
+
+def _profiled_timeline(run, device):
+    """Rank 0's kernels of one run (after a warm one), from torch's profiler: NCCL kernels and
+    copies as transfers, the rest as compute. Spans in ms from the first kernel's start."""
+    if device.type != "cuda":
+        return {"spans": [], "transfer_after_last_compute_ms": float("nan"), "error": "needs CUDA"}
+    from torch.profiler import ProfilerActivity, profile
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0]
+    if not kernels:
+        return {"spans": [], "transfer_after_last_compute_ms": float("nan"), "error": "no kernels profiled"}
+    t0 = min(e.time_range.start for e in kernels)
+    spans = []
+    for i, e in enumerate(sorted(kernels, key=lambda e: e.time_range.start)):
+        n = e.name.lower()
+        kind = "transfer" if "nccl" in n or "memcpy" in n else "gemm"
+        spans.append((kind, i, (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3))
+    t_end = max([e for k, _, _, e in spans if k == "transfer"], default=0.0)
+    g_end = max([e for k, _, _, e in spans if k != "transfer"], default=0.0)
+    return {"spans": spans, "transfer_after_last_compute_ms": max(0.0, t_end - g_end)}
 
 
 def failed_checks(results):

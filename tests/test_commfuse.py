@@ -533,6 +533,13 @@ def _body(rank, G, device_kind, bench_out=None):
         broken = {"ops": {"x": {"checks": {"error": "RuntimeError: lost"}},
                           "y": {"checks": {"ring_bitwise_vs_reference": False, "ring": 0.0, "arrival": "error: E"}}}}
         assert len(bench_commfuse.failed_checks(broken)) == 3
+        cases = bench_commfuse.main(["--dry-run", "--cases", "ulysses", "dp", "--out", bench_out])["ops"]
+        for case in ("ulysses", "dp"):
+            times = cases[case]["times"]
+            assert {"gemm_alone", "comm_alone", "unfused", "cf.p2p.ring.c1"} <= set(times), (case, list(times))
+            for name, r in times.items():
+                assert r["median_ms"] is not None and r["speedup_vs_unfused"] is not None, (case, name, r)
+                assert ("exposed_frac_of_unfused_comm" in r) == (name not in ("gemm_alone", "comm_alone")), (case, r)
 
 
 class _GemmRows(torch.overrides.TorchFunctionMode):
