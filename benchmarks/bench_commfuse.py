@@ -38,7 +38,7 @@ turns run by run (``timing.bench_interleaved``), so a drift of the clocks weighs
 ``--cases ulysses dp`` time forward + backward of ``UlyssesAttention`` (against DeepSpeed's
 ``DistributedAttention`` between the same ``nn.Linear`` projections) and of ``ShardedLinear``
 (against ZeRO-3's collectives: weight all-gather before the forward and the input-gradient GEMMs,
-fp32 reduce-scatter after the weight-gradient GEMM), each with the floors ``gemm_alone`` (the same
+reduce-scatter after the weight-gradient GEMM), each with the floors ``gemm_alone`` (the same
 GEMMs and attention with no communication) and ``comm_alone`` (the unfused collectives alone).
 Writes ``commfuse_results.json`` and ``commfuse_timeline.png`` (CUDA events per
 step: transfers on the side stream, GEMMs and adds on the compute stream; for the Ulysses and DP
@@ -482,8 +482,8 @@ def main(argv=None):
     if device.type == "cuda":
         modes["queued"] = queued_start(a.queue_spin_ms, group)
     for case in [c for c in a.cases if c != "tp"]:
-        per_mode, best, timeline = _time_case(case, a, G, group, device, dtype, sync, modes)
-        results["ops"][case] = {"times": per_mode["launched"], "checks": {}}
+        per_mode, best, timeline, checks = _time_case(case, a, G, group, device, dtype, sync, modes)
+        results["ops"][case] = {"times": per_mode["launched"], "checks": checks}
         if "queued" in per_mode:
             results["ops"][case]["times_queued"] = per_mode["queued"]
         if timeline is not None:
@@ -563,8 +563,8 @@ def main(argv=None):
 
 def _zero3_linear_fn(gloo):
     """Unfused ZeRO-3-style linear: the weight's shards all-gathered (NCCL) before the forward GEMM
-    and again before the input-gradient GEMM; the full weight gradient reduce-scattered (NCCL) in
-    fp32 after its GEMM, as ShardedLinear sums it."""
+    and again before the input-gradient GEMM; the full weight gradient reduce-scattered (NCCL, in
+    its dtype: the bytes ShardedLinear sends, whose sum is fp32 in rank order) after its GEMM."""
 
     class Zero3Linear(torch.autograd.Function):
 
@@ -578,9 +578,9 @@ def _zero3_linear_fn(gloo):
         def backward(ctx, dy):
             x, shard = ctx.saved_tensors
             dx = dy @ _gathered(shard, ctx.group, gloo)
-            dw = torch.empty(shard.shape, dtype=torch.float32, device=shard.device)
-            _reduce_scatter(dw, (dy.t() @ x).float(), ctx.group, gloo)
-            return dx, dw.to(shard.dtype), None
+            dw = torch.empty_like(shard)
+            _reduce_scatter(dw, dy.t() @ x, ctx.group, gloo)
+            return dx, dw, None
 
     return Zero3Linear
 
@@ -607,7 +607,7 @@ def _time_case(case, a, G, group, device, dtype, sync, modes):
     (4 all-to-alls forward, 4 backward); gemm_alone = the projections and the attention on tensors
     of the all-to-alls' output shapes, made by reshaping the local ones.
     dp: unfused = all-gather + GEMM forward, all-gather + input-gradient GEMM and weight-gradient
-    GEMM + fp32 reduce-scatter backward (ZeRO-3's collectives); gemm_alone = ``F.linear`` with the
+    GEMM + reduce-scatter backward (ZeRO-3's collectives); gemm_alone = ``F.linear`` with the
     full weight, forward + backward."""
     import torch.nn.functional as F
 
@@ -627,6 +627,7 @@ def _time_case(case, a, G, group, device, dtype, sync, modes):
         return run, None
 
     gloo = dist.get_backend(group) == "gloo"
+    forwards = {}  # the unfused and fused forms' forwards, for the checks
     if case == "ulysses":
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
@@ -663,13 +664,14 @@ def _time_case(case, a, G, group, device, dtype, sync, modes):
         dense = list(qkv.parameters()) + list(out.parameters())
         variants["gemm_alone"] = step(compute_alone, x, dense)
         variants["comm_alone"] = (comm_alone, None)
-        variants["unfused"] = step(unfused, x, dense)
+        variants["unfused"], forwards["unfused"] = step(unfused, x, dense), unfused
         for t in a.transports:
             for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
                 for c in a.num_chunks:
                     cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
                     mod = UlyssesAttention.from_linears(attn, group, qkv, out, a.heads, config=cfg)
-                    variants[f"cf.{t}.{sch}.c{c}"] = step(lambda x, mod=mod: mod(x, 1), x, dense + list(mod.parameters()))
+                    forwards[f"cf.{t}.{sch}.c{c}"] = fwd = (lambda x, mod=mod: mod(x, 1))
+                    variants[f"cf.{t}.{sch}.c{c}"] = step(fwd, x, dense + list(mod.parameters()))
     else:
         if a.ffn % G:
             raise SystemExit(f"dp: --ffn ({a.ffn}) must be divisible by the {G} ranks")
@@ -677,8 +679,8 @@ def _time_case(case, a, G, group, device, dtype, sync, modes):
         full = torch.nn.Linear(H, a.ffn, bias=False).to(device, dtype)
         shard = full.weight.detach()[dist.get_rank() * (a.ffn // G):][:a.ffn // G].clone().requires_grad_(True)
         zero3 = _zero3_linear_fn(gloo)
-        grad = torch.zeros(a.ffn, H, dtype=torch.float32, device=device)
-        grad_shard = torch.empty(a.ffn // G, H, dtype=torch.float32, device=device)
+        grad = torch.zeros(a.ffn, H, dtype=dtype, device=device)
+        grad_shard = torch.empty(a.ffn // G, H, dtype=dtype, device=device)
 
         def comm_alone(*_):
             for _ in range(2):
@@ -688,13 +690,14 @@ def _time_case(case, a, G, group, device, dtype, sync, modes):
         x = torch.randn(T, H, generator=gen, device=device, dtype=dtype).requires_grad_(True)
         variants["gemm_alone"] = step(lambda x: F.linear(x, full.weight), x, [full.weight])
         variants["comm_alone"] = (comm_alone, None)
-        variants["unfused"] = step(lambda x: zero3.apply(x, shard, group), x, [shard])
+        forwards["unfused"] = lambda x: zero3.apply(x, shard, group)  # noqa: E731
+        variants["unfused"] = step(forwards["unfused"], x, [shard])
         for t in a.transports:
             for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
                 for c in a.num_chunks:
                     cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
                     mod = ShardedLinear.from_linear(full, group, cfg)
-                    variants[f"cf.{t}.{sch}.c{c}"] = step(mod, x, mod.parameters())
+                    variants[f"cf.{t}.{sch}.c{c}"], forwards[f"cf.{t}.{sch}.c{c}"] = step(mod, x, mod.parameters()), mod
     if device.type != "cuda":
         variants = {k: v for k, v in variants.items() if ".copy_engine." not in k}
     per_mode = {}
@@ -706,7 +709,10 @@ def _time_case(case, a, G, group, device, dtype, sync, modes):
     best = min((k for k in per_mode["launched"] if k.startswith("cf.") and per_mode["launched"][k]["median_ms"]),
                key=lambda k: per_mode["launched"][k]["median_ms"], default=None)
     timeline = _profiled_timeline(variants[best][0], device) if best else None
-    return per_mode, best, timeline
+    with torch.no_grad():
+        ref = forwards["unfused"](x).float()
+        checks = {k: (f(x).float() - ref).abs().max().item() for k, f in forwards.items() if k in variants and k != "unfused"}
+    return per_mode, best, timeline, checks
 
 
 def _profiled_timeline(run, device):

@@ -140,7 +140,8 @@ def main():
         print(f"{args.variant:22s} ep {ep} layers {args.layers} tokens {args.tokens}: in use "
               f"{row['in_use_gib']:.2f} GiB, torch reserved {row['reserved_gib']:.2f} GiB, peak allocated "
               f"{row['peak_allocated_gib']:.2f} GiB, symmetric "
-              f"{row['symmetric_gib']:.2f} GiB, losses {row['losses']}, digest {row['digest']}", flush=True)
+              f"{row['symmetric_gib']:.2f} GiB, losses {row['losses']}, digest {row['digest']}, "
+              f"{row['seconds']} s to build and train", flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     dist.barrier()

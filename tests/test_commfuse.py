@@ -540,6 +540,8 @@ def _body(rank, G, device_kind, bench_out=None):
             for name, r in times.items():
                 assert r["median_ms"] is not None and r["speedup_vs_unfused"] is not None, (case, name, r)
                 assert ("exposed_frac_of_unfused_comm" in r) == (name not in ("gemm_alone", "comm_alone")), (case, r)
+            # the fused forms' outputs against the unfused ones (bitwise at these CPU sizes)
+            assert cases[case]["checks"] == {k: 0.0 for k in times if k.startswith("cf.")}, cases[case]["checks"]
 
 
 class _GemmRows(torch.overrides.TorchFunctionMode):
