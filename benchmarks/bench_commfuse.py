@@ -99,7 +99,7 @@ def parse_args(argv=None):
                    "with nn.Linear projections (forward + backward); dp: ShardedLinear against all-gather + GEMM "
                    "and GEMM + reduce-scatter with NCCL collectives (forward + backward)")
     p.add_argument("--seq", type=int, default=32768, help="ulysses: S, sequence length (all ranks together)")
-    p.add_argument("--heads", type=int, default=32, help="ulysses: attention heads (head dim = --hidden / --heads)")
+    p.add_argument("--heads", type=int, default=64, help="ulysses: attention heads (head dim = --hidden / --heads)")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes, 1 warm-up, 2 repeats, gloo on CPU: checks the script, times nothing useful")
     return p.parse_args(argv)
@@ -450,7 +450,7 @@ def main(argv=None):
     gloo = dist.get_backend(group) == "gloo"
     device = torch.device("cpu") if gloo else torch.device("cuda", torch.cuda.current_device())
     if a.dry_run:
-        a.hidden, a.ffn, a.tokens = 64, 48 * G, 16 * G
+        a.hidden, a.ffn, a.tokens, a.heads = 64, 48 * G, 16 * G, 4
     if a.ffn % G or a.tokens % G:
         raise SystemExit(f"--ffn ({a.ffn}) and --tokens ({a.tokens}) must be divisible by the {G} ranks")
     dtype = DTYPES[a.dtype]
@@ -525,7 +525,8 @@ def main(argv=None):
             results["timeline_png"] = png
         with open(os.path.join(a.out, "commfuse_results.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
-        print(f"\nCommFuse, {G} ranks, {results['device']}, H={a.hidden} F={a.ffn} T={a.tokens} {a.dtype}; "
+        seq = f" S={8 * G * a.heads if a.dry_run else a.seq} heads={a.heads}" if "ulysses" in a.cases else ""
+        print(f"\nCommFuse, {G} ranks, {results['device']}, H={a.hidden} F={a.ffn} T={a.tokens}{seq} {a.dtype}; "
               f"slowest rank's median of {a.repeats}; symm_mem: {results['symm_mem']}")
         print("launched: each run starts after a host barrier (the ranks' launch skew counts); queued: after a "
               f"{a.queue_spin_ms:g} ms GPU spin and a GPU-side barrier (the GPU work alone, launches queued ahead)")
