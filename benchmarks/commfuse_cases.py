@@ -67,34 +67,40 @@ def slowest(value, device):
     return None if t.item() < 0 else t.item()
 
 
-def _zero3_linear_fn(gloo):
+class _Zero3Linear(torch.autograd.Function):
     """Unfused ZeRO-3-style linear: the weight's shards all-gathered (NCCL) before the forward GEMM
     and again before the input-gradient GEMM; the full weight gradient reduce-scattered (NCCL, in
     its dtype: the bytes ShardedLinear sends, whose sum is fp32 in rank order) after its GEMM."""
 
-    class Zero3Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, shard, group, gloo):
+        ctx.save_for_backward(x, shard)
+        ctx.group, ctx.gloo = group, gloo
+        return torch.nn.functional.linear(x, _gathered(shard, group, gloo))
 
-        @staticmethod
-        def forward(ctx, x, shard, group):
-            ctx.save_for_backward(x, shard)
-            ctx.group = group
-            return torch.nn.functional.linear(x, _gathered(shard, group, gloo))
-
-        @staticmethod
-        def backward(ctx, dy):
-            x, shard = ctx.saved_tensors
-            dx = dy @ _gathered(shard, ctx.group, gloo)
-            dw = torch.empty_like(shard)
-            reduce_scatter_to(dw, dy.t() @ x, ctx.group, gloo)
-            return dx, dw, None
-
-    return Zero3Linear
+    @staticmethod
+    def backward(ctx, dy):
+        x, shard = ctx.saved_tensors
+        dx = dy @ _gathered(shard, ctx.group, ctx.gloo)
+        dw = torch.empty_like(shard)
+        reduce_scatter_to(dw, dy.t() @ x, ctx.group, ctx.gloo)
+        return dx, dw, None, None
 
 
 def _gathered(shard, group, gloo):
     full = shard.new_empty(dist.get_world_size(group) * shard.shape[0], *shard.shape[1:])
     all_gather_to(full, shard.detach().contiguous(), group, gloo)
     return full
+
+
+def _fused_configs(a):
+    """``(name, CommFuseConfig)`` of every fused variant to time: each transport, each schedule that
+    has an all-to-all / data-parallel form, each chunk count."""
+    from ds_uniep.config import CommFuseConfig
+    for t in a.transports:
+        for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
+            for c in a.num_chunks:
+                yield f"cf.{t}.{sch}.c{c}", CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
 
 
 def _a2a(x, group):
@@ -118,7 +124,6 @@ def time_case(case, a, G, group, device, dtype, sync, modes):
     import torch.nn.functional as F
 
     from ds_uniep.commfuse import ShardedLinear, UlyssesAttention
-    from ds_uniep.config import CommFuseConfig
     H = a.hidden
     gen = torch.Generator(device=device).manual_seed(dist.get_rank())
     variants = {}
@@ -171,20 +176,16 @@ def time_case(case, a, G, group, device, dtype, sync, modes):
         variants["gemm_alone"] = step(compute_alone, x, dense)
         variants["comm_alone"] = (comm_alone, None)
         variants["unfused"], forwards["unfused"] = step(unfused, x, dense), unfused
-        for t in a.transports:
-            for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
-                for c in a.num_chunks:
-                    cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
-                    mod = UlyssesAttention.from_linears(attn, group, qkv, out, a.heads, config=cfg)
-                    forwards[f"cf.{t}.{sch}.c{c}"] = fwd = (lambda x, mod=mod: mod(x, 1))
-                    variants[f"cf.{t}.{sch}.c{c}"] = step(fwd, x, dense + list(mod.parameters()))
+        for name, cfg in _fused_configs(a):
+            mod = UlyssesAttention.from_linears(attn, group, qkv, out, a.heads, config=cfg)
+            forwards[name] = fwd = (lambda x, mod=mod: mod(x, 1))
+            variants[name] = step(fwd, x, dense + list(mod.parameters()))
     else:
         if a.ffn % G:
             raise SystemExit(f"dp: --ffn ({a.ffn}) must be divisible by the {G} ranks")
         T = 16 * G if a.dry_run else a.tokens // G
         full = torch.nn.Linear(H, a.ffn, bias=False).to(device, dtype)
         shard = full.weight.detach()[dist.get_rank() * (a.ffn // G):][:a.ffn // G].clone().requires_grad_(True)
-        zero3 = _zero3_linear_fn(gloo)
         grad = torch.zeros(a.ffn, H, dtype=dtype, device=device)
         grad_shard = torch.empty(a.ffn // G, H, dtype=dtype, device=device)
 
@@ -196,14 +197,11 @@ def time_case(case, a, G, group, device, dtype, sync, modes):
         x = torch.randn(T, H, generator=gen, device=device, dtype=dtype).requires_grad_(True)
         variants["gemm_alone"] = step(lambda x: F.linear(x, full.weight), x, [full.weight])
         variants["comm_alone"] = (comm_alone, None)
-        forwards["unfused"] = lambda x: zero3.apply(x, shard, group)  # noqa: E731
+        forwards["unfused"] = lambda x: _Zero3Linear.apply(x, shard, group, gloo)  # noqa: E731
         variants["unfused"] = step(forwards["unfused"], x, [shard])
-        for t in a.transports:
-            for sch in [s for s in a.schedules if s in ("ring", "bidirectional_ring", "local_first")]:
-                for c in a.num_chunks:
-                    cfg = CommFuseConfig(schedule=sch, num_chunks=c, transport=t)
-                    mod = ShardedLinear.from_linear(full, group, cfg)
-                    variants[f"cf.{t}.{sch}.c{c}"], forwards[f"cf.{t}.{sch}.c{c}"] = step(mod, x, mod.parameters()), mod
+        for name, cfg in _fused_configs(a):
+            mod = ShardedLinear.from_linear(full, group, cfg)
+            variants[name], forwards[name] = step(mod, x, mod.parameters()), mod
     if device.type != "cuda":
         variants = {k: v for k, v in variants.items() if ".copy_engine." not in k}
     per_mode = {}
