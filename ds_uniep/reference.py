@@ -157,6 +157,52 @@ def weighted_slot_sum(pair_rows: Tensor, gates: Tensor, out_dtype: torch.dtype) 
     return acc.to(out_dtype)
 
 
+def warp_order_dot(a: Tensor, b: Tensor) -> Tensor:
+    """``[P]`` fp32 ``<a[p], b[p]>`` of ``[P, M]`` rows, summed in the megakernel's gate-gradient order:
+    lane ``l`` of a warp adds the products of the 16-byte vectors ``l, l + 32, l + 64, ...`` element by
+    element, then the 32 lanes' partials are added pairwise (lane ``l`` with ``l ^ 16``, ``^ 8``, ...
+    ``^ 1``). So the gate gradients formed here are the kernels' bits, not torch's reduction's."""
+    P, M = a.shape
+    elems = 16 // a.element_size()
+    vecs = M // elems
+    rounds = -(-vecs // 32)
+    prod = (a.float() * b.float()).view(P, vecs, elems)
+    prod = torch.nn.functional.pad(prod, (0, 0, 0, 32 * rounds - vecs))  # lanes past the row add nothing
+    prod = prod.view(P, rounds, 32, elems).transpose(1, 2).reshape(P, 32, rounds * elems)
+    partial = prod.new_zeros(P, 32)
+    for step in range(rounds * elems):
+        partial = partial + prod[:, :, step]
+    lanes = torch.arange(32, device=a.device)
+    for off in (16, 8, 4, 2, 1):
+        partial = partial + partial[:, lanes ^ off]
+    return partial[:, 0]
+
+
+class _KernelOrderSlotSum(torch.autograd.Function):
+    """:func:`weighted_slot_sum` whose gate gradients are :func:`warp_order_dot`'s (the megakernel's
+    bits); the rows' gradients are autograd's (``cast(gate * float(grad_out))``, as the kernels)."""
+
+    @staticmethod
+    def forward(ctx, pair_rows: Tensor, gates: Tensor, out_dtype: torch.dtype) -> Tensor:
+        ctx.save_for_backward(pair_rows, gates)
+        return weighted_slot_sum(pair_rows, gates, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        pair_rows, gates = ctx.saved_tensors
+        T, k, M = pair_rows.shape
+        g = grad_out.to(pair_rows.dtype)
+        grad_rows = (gates.float().unsqueeze(2) * g.float().unsqueeze(1)).to(pair_rows.dtype)
+        rows = pair_rows.reshape(T * k, M)
+        grad_gates = warp_order_dot(g.repeat_interleave(k, dim=0), rows).view(T, k)
+        return grad_rows, grad_gates.to(gates.dtype), None
+
+
+def kernel_order_slot_sum(pair_rows: Tensor, gates: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """:func:`weighted_slot_sum` with the megakernel's gate-gradient bits (:func:`warp_order_dot`)."""
+    return _KernelOrderSlotSum.apply(pair_rows, gates, out_dtype)
+
+
 def slot_ranks(expert_idx: Tensor, experts_per_rank: int) -> Tensor:
     """``[T, k]`` rank of each slot's expert (experts split evenly, ``experts_per_rank`` each), -1 for
     a dropped slot; ``expert_idx``'s dtype."""

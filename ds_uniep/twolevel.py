@@ -40,8 +40,8 @@ from .env import logger
 from .errors import UniEPCommError
 from .layout import build_layout, expert_counts
 from .p2p import PendingExchange, start_exchange
-from .reference import (DispatchHandle, ReferenceDispatcher, _FP8Dispatch, rank_partial_sum, slot_ranks,
-                        weighted_slot_sum)
+from .reference import (DispatchHandle, ReferenceDispatcher, _FP8Dispatch, kernel_order_slot_sum, rank_partial_sum,
+                        slot_ranks, weighted_slot_sum)
 from .topology import GroupTopology, subgroup
 
 #: Test hook, None in production: called with the step number as each dispatch starts (a test
@@ -190,6 +190,9 @@ class TwoLevelDispatcher(ReferenceDispatcher):
     (see the module's docstring). With a capacity, the rows travel without the padding (the
     experts see the same rows). ``cross_node_bytes``: the group's bytes across nodes in the last
     step, and what a flat all-to-all would send."""
+
+    #: the combine's sum of a token's slots at its source (and its backward)
+    _slot_sum = staticmethod(weighted_slot_sum)
 
     def __init__(self, num_experts: int, ep_size: int, group, topology: GroupTopology, layer_name: str = "UniEPMoE",
                  dispatch_dtype: str = "activation", combine: str = "slots", timeout_s: float = 100.0):
@@ -460,7 +463,7 @@ class TwoLevelDispatcher(ReferenceDispatcher):
         pair_rows = _RowsToSources.apply(y, self, plan).view(plan.T, plan.k, y.shape[1])
         if self.combine_mode == "rank_partials":
             return rank_partial_sum(pair_rows, gates, slot_ranks(handle.expert_idx, self.num_local_experts), y.dtype)
-        return weighted_slot_sum(pair_rows, gates, y.dtype)
+        return self._slot_sum(pair_rows, gates, y.dtype)
 
     # ------------------------------------------------------------------ accounting
     def _count_bytes(self, counts_all: Tensor, tok_all: Tensor, x: Tensor, k: int, step: int) -> None:
@@ -510,7 +513,11 @@ class TwoLevelNVLinkDispatcher(TwoLevelDispatcher):
     only (FP8 dispatch and rank partials run on the reference backend); the layer runs the
     sequential schedule on it, or the pipelined one across nodes (two phases, see the module).
     The node's dispatcher takes ``max_tokens_per_rank * nodes * k`` one-slot tokens per relay (its
-    symmetric buffers are sized for them)."""
+    symmetric buffers are sized for them). With one rank per node nothing moves inside a node: the
+    rows come back to their sources as on the reference, and the gate gradients are summed there in
+    the kernels' order (:func:`~ds_uniep.reference.kernel_order_slot_sum`)."""
+
+    _slot_sum = staticmethod(kernel_order_slot_sum)
 
     def __init__(self, num_experts: int, ep_size: int, group, topology: GroupTopology, config, hidden_size: int,
                  k: int, dtype: torch.dtype, layer_name: str = "UniEPMoE"):
