@@ -5,7 +5,9 @@
 # GPU tests (kernels, megakernel vs reference layer, determinism over NCCL,
 # CommFuse over NCCL), then the benchmarks, then a 20-step GPT-MoE training run
 # per backend (gpt), and the SwiGLU GPT-MoE example sequential vs fused (gpt_swiglu). Each step's
-# log goes to OUTDIR; a summary is printed last.
+# log goes to OUTDIR; a summary is printed last. The tests step runs each GPU test file on its own
+# (GPU_TEST_LANES=N: N files at a time, ranks of different files then share the GPUs) and prints a
+# table of file, exit status, seconds and pytest's summary (OUTDIR/tests/table.txt).
 set -u
 OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [multinode] [commfuse] [hybrid] [gpt] [gpt_swiglu]}
 shift
@@ -23,10 +25,33 @@ step() {  # step NAME CMD...
   "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   STATUS[$name]="rc=$rc $((SECONDS - t0))s"
-  tail -n 25 "$OUT/$name.log"
+  tail -n 40 "$OUT/$name.log"
 }
 
-want tests && step tests python3 -m pytest -q -rs -m gpu tests  # every test that needs GPUs (conftest's needs_gpus)
+gpu_tests() {  # every test file with tests that need GPUs (conftest's needs_gpus), one pytest run each
+  local lanes=${GPU_TEST_LANES:-1} files=() i
+  mapfile -t files < <(python3 -m pytest --collect-only -q -m gpu tests 2>/dev/null | grep '::' | cut -d: -f1 | sort -u)
+  if [[ ${#files[@]} -eq 0 ]]; then echo "no GPU tests collected"; return 5; fi
+  mkdir -p "$OUT/tests" && rm -f "$OUT"/tests/lane*.txt
+  for ((i = 0; i < lanes; i++)); do
+    (
+      for ((j = i; j < ${#files[@]}; j += lanes)); do
+        local f=${files[j]} t0=$SECONDS rc
+        python3 -m pytest -q -rs -m gpu "$f" > "$OUT/tests/$(basename "$f" .py).log" 2>&1
+        rc=$?
+        printf '%s | rc=%d | %ds | %s\n' "$f" "$rc" $((SECONDS - t0)) \
+          "$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$OUT/tests/$(basename "$f" .py).log" | tail -n 1)" \
+          >> "$OUT/tests/lane$i.txt"
+      done
+    ) &
+  done
+  wait
+  sort "$OUT"/tests/lane*.txt > "$OUT/tests/table.txt"
+  cat "$OUT/tests/table.txt"
+  ! grep -q 'rc=[1-9]' "$OUT/tests/table.txt"
+}
+
+want tests && step tests gpu_tests
 want gemm && step bench_grouped_gemm python3 benchmarks/bench_grouped_gemm.py --out "$OUT/gemm"
 want dispatch && step bench_dispatch torchrun --nproc_per_node "$NGPU" benchmarks/bench_dispatch.py --out "$OUT/dispatch.json"
 want layer && step bench_moe_layer torchrun --nproc_per_node "$NGPU" benchmarks/bench_moe_layer.py --autotune --streamed-steps 8 --out "$OUT"

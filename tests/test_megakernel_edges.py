@@ -7,6 +7,7 @@ and the sequential schedule's forward must equal the reference backend's bit for
 to bf16 tolerance: the gate gradient is reduced in another fixed order there).
 """
 import gc
+import time
 
 import pytest
 import torch
@@ -86,6 +87,7 @@ def _edges(rank, world_size, copied=False):
 
     T = _tokens(world_size)[rank]
     checked = 0
+    t0 = time.monotonic()
     for k in (1, 2, 6):
         for routing in ("random", "one_expert", "one_rank"):
             where = f"rank {rank} ({T} tokens) k={k} routing={routing}"
@@ -110,6 +112,8 @@ def _edges(rank, world_size, copied=False):
                     assert torch.equal(a, b), f"{where} {name}: tensor {i} differs from {base}"
                 checked += 1
             busy(False)
+            if rank == 0:
+                print(f"[edges ep {world_size}] k={k} {routing} done, {time.monotonic() - t0:.0f} s", flush=True)
     torch.distributed.barrier()
     if rank == 0:
         print(f"edges ep {world_size}{' (rows copied out)' if copied else ''}: {checked} schedule cases bitwise "
