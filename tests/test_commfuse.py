@@ -217,6 +217,28 @@ def _check_back_to_back(me, G, device, calls=12):
     return sum(not torch.equal(o, r) for o, r in zip(outs, refs))
 
 
+def _check_fresh_workspace_late_peer(me, G, device):
+    """The first copy-engine call on a new group's (fresh) workspace, each rank's copies held back
+    by a GPU spin of a rank-dependent length, so that the peers' blocks land late: the result is
+    still the reference's (a wait that returned before the block landed would read the empty
+    buffer). Returns how many calls differed."""
+    import torch.distributed as dist
+
+    from ds_uniep.commfuse import all_gather_matmul, ref_all_gather_matmul
+    sizes, differed = _shard_sizes(G), 0
+    for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float32)):
+        group = dist.new_group(list(range(G)))
+        xs = [_rand((sizes[r], 37), 12000 + 100 * i + r, dtype, device) for r in range(G)]
+        w = _rand((37, 29), 12050 + 100 * i + me, dtype, device)
+        ref = ref_all_gather_matmul(xs, w)
+        torch.cuda.synchronize(device)
+        torch.cuda._sleep(2_000_000 * (1 + (me + i) % G))  # this rank's copies start late
+        y = all_gather_matmul(xs[me], w, group, schedule="ring", shard_sizes=sizes, transport="copy_engine")
+        torch.cuda.synchronize(device)
+        differed += not torch.equal(y, ref)
+    return differed
+
+
 def _check_arrival_timeout(me, G, device):
     """A peer that never makes the call: the waiting rank does not hang, and its next call raises
     ArrivalTimeoutError naming itself and a missing peer. On a group of its own, whose buffers the
@@ -495,6 +517,8 @@ def _body(rank, G, device_kind, bench_out=None):
         if arrival_ok:
             _check_arrival(rank, G, device)
         assert _check_back_to_back(rank, G, device) == 0, "back-to-back copy-engine calls differ from references"
+        assert _check_fresh_workspace_late_peer(rank, G, device) == 0, \
+            "first copy-engine calls on a fresh workspace with a late peer differ from references"
         if arrival_ok:
             _check_arrival_timeout(rank, G, device)
     else:
