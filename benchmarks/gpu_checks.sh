@@ -7,7 +7,8 @@
 # per backend (gpt), and the SwiGLU GPT-MoE example sequential vs fused (gpt_swiglu). Each step's
 # log goes to OUTDIR; a summary is printed last. The tests step runs each GPU test file on its own
 # (GPU_TEST_LANES=N: N files at a time, ranks of different files then share the GPUs) and prints a
-# table of file, exit status, seconds and pytest's summary (OUTDIR/tests/table.txt).
+# table of file, exit status, seconds and pytest's summary (OUTDIR/tests/table.txt);
+# GPU_TEST_FILTER=EXPR passes `-k EXPR` to pytest (e.g. '4 or four' for the 4-rank cases).
 set -u
 OUT=${1:?usage: gpu_checks.sh OUTDIR [tests] [gemm] [dispatch] [layer] [multinode] [commfuse] [hybrid] [gpt] [gpt_swiglu]}
 shift
@@ -29,15 +30,17 @@ step() {  # step NAME CMD...
 }
 
 gpu_tests() {  # every test file with tests that need GPUs (conftest's needs_gpus), one pytest run each
-  local lanes=${GPU_TEST_LANES:-1} files=() i
-  mapfile -t files < <(python3 -m pytest --collect-only -q -m gpu tests 2>/dev/null | grep '::' | cut -d: -f1 | sort -u)
+  local lanes=${GPU_TEST_LANES:-1} files=() i k=()
+  [[ -n ${GPU_TEST_FILTER:-} ]] && k=(-k "$GPU_TEST_FILTER")
+  mapfile -t files < <(python3 -m pytest --collect-only -q -m gpu "${k[@]}" tests 2>/dev/null | grep '::' | cut -d: -f1 |
+    sort -u)
   if [[ ${#files[@]} -eq 0 ]]; then echo "no GPU tests collected"; return 5; fi
   mkdir -p "$OUT/tests" && rm -f "$OUT"/tests/lane*.txt
   for ((i = 0; i < lanes; i++)); do
     (
       for ((j = i; j < ${#files[@]}; j += lanes)); do
         local f=${files[j]} t0=$SECONDS rc
-        python3 -m pytest -q -rs -m gpu "$f" > "$OUT/tests/$(basename "$f" .py).log" 2>&1
+        python3 -m pytest -q -rs -m gpu "${k[@]}" "$f" > "$OUT/tests/$(basename "$f" .py).log" 2>&1
         rc=$?
         printf '%s | rc=%d | %ds | %s\n' "$f" "$rc" $((SECONDS - t0)) \
           "$(grep -E '[0-9]+ (passed|failed|error|skipped)' "$OUT/tests/$(basename "$f" .py).log" | tail -n 1)" \
