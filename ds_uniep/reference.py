@@ -158,24 +158,30 @@ def weighted_slot_sum(pair_rows: Tensor, gates: Tensor, out_dtype: torch.dtype) 
 
 
 def warp_order_dot(a: Tensor, b: Tensor) -> Tensor:
-    """``[P]`` fp32 ``<a[p], b[p]>`` of ``[P, M]`` rows, summed in the megakernel's gate-gradient order:
-    lane ``l`` of a warp adds the products of the 16-byte vectors ``l, l + 32, l + 64, ...`` element by
-    element, then the 32 lanes' partials are added pairwise (lane ``l`` with ``l ^ 16``, ``^ 8``, ...
-    ``^ 1``). So the gate gradients formed here are the kernels' bits, not torch's reduction's."""
-    P, M = a.shape
-    elems = 16 // a.element_size()
-    vecs = M // elems
-    rounds = -(-vecs // 32)
-    prod = (a.float() * b.float()).view(P, vecs, elems)
-    prod = torch.nn.functional.pad(prod, (0, 0, 0, 32 * rounds - vecs))  # lanes past the row add nothing
-    prod = prod.view(P, rounds, 32, elems).transpose(1, 2).reshape(P, 32, rounds * elems)
-    partial = prod.new_zeros(P, 32)
-    for step in range(rounds * elems):
-        partial = partial + prod[:, :, step]
-    lanes = torch.arange(32, device=a.device)
+    """fp32 ``<a, b>`` over the last dimension (``a`` broadcast against ``b``), summed in the
+    megakernel's gate-gradient order: lane ``l`` of a warp adds the products of the 16-byte vectors
+    ``l, l + 32, l + 64, ...`` element by element, then the 32 lanes' partials are added pairwise
+    (lane ``l`` with ``l ^ 16``, ``^ 8``, ... ``^ 1``). So the gate gradients formed here are the
+    kernels' bits, not torch's reduction's. Transient memory: 32 fp32 partials per dot product."""
+    M = b.shape[-1]
+    elems = 16 // b.element_size()
+    rounds = -(-(M // elems) // 32)
+    pad = 32 * rounds * elems - M  # lanes past the row add nothing
+
+    def lanes_view(t):
+        t = torch.nn.functional.pad(t, (0, pad)) if pad else t
+        return t.reshape(*t.shape[:-1], rounds, 32, elems)
+
+    av, bv = lanes_view(a), lanes_view(b)
+    partial = None
+    for r in range(rounds):
+        for i in range(elems):
+            prod = av[..., r, :, i].float() * bv[..., r, :, i].float()
+            partial = prod + 0.0 if partial is None else partial + prod
+    lanes = torch.arange(32, device=b.device)
     for off in (16, 8, 4, 2, 1):
-        partial = partial + partial[:, lanes ^ off]
-    return partial[:, 0]
+        partial = partial + partial[..., lanes ^ off]
+    return partial[..., 0]
 
 
 class _KernelOrderSlotSum(torch.autograd.Function):
@@ -190,11 +196,12 @@ class _KernelOrderSlotSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         pair_rows, gates = ctx.saved_tensors
-        T, k, M = pair_rows.shape
         g = grad_out.to(pair_rows.dtype)
-        grad_rows = (gates.float().unsqueeze(2) * g.float().unsqueeze(1)).to(pair_rows.dtype)
-        rows = pair_rows.reshape(T * k, M)
-        grad_gates = warp_order_dot(g.repeat_interleave(k, dim=0), rows).view(T, k)
+        gf = g.float()
+        grad_rows = torch.empty_like(pair_rows)
+        for j in range(pair_rows.shape[1]):
+            grad_rows[:, j] = (gates[:, j:j + 1].float() * gf).to(pair_rows.dtype)
+        grad_gates = warp_order_dot(g.unsqueeze(1), pair_rows)
         return grad_rows, grad_gates.to(gates.dtype), None
 
 
