@@ -1,3 +1,4 @@
+import functools
 import os
 import sys
 
@@ -68,6 +69,25 @@ def _remove_deepspeed_shm_buffers():
     before = set(glob.glob(_SHM_PATTERN))
     yield
     remove_unused_shm_buffers(set(glob.glob(_SHM_PATTERN)) - before)
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_gemm_blocks_exact() -> bool:
+    """Whether this machine's CPU GEMM gives a block of rows the bits those rows get inside a larger
+    matrix (fp32 and bf16, at the CPU tests' sizes). The fused CommFuse forms multiply blocks and are
+    bit for bit the unfused ones only where it does; some CPU GEMM libraries round a row by how many
+    rows they are given (seen with MKL on AMD EPYC), and there the tests check within rounding."""
+    import torch
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for K, N in ((8, 7), (16, 24), (24, 32), (32, 48), (64, 96), (37, 29)):
+            a = torch.randn(24, K, generator=g).to(dtype)
+            w = torch.randn(K, N, generator=g).to(dtype)
+            full = a @ w
+            for r0, r1 in ((0, 1), (0, 3), (3, 8), (5, 24), (6, 18), (1, 11)):
+                if not torch.equal(a[r0:r1] @ w, full[r0:r1]):
+                    return False
+    return True
 
 
 def assert_matches(got, want, tag: str, exact: bool = True) -> bool:

@@ -23,26 +23,28 @@ def _layer(E, ep_size, k, drop_tokens=False, **kwargs):
 
 def _forward(layer, x, pin=None):
     """The layer's output for ``x``; ``pin = (t, experts)``: token t's gate logits replaced by ones that
-    route it to ``experts`` in that slot order (its value is not changed)."""
-    handle = None
-    if pin is not None:
-        t, experts = pin
+    route it to ``experts`` in that slot order (its value is not changed). The gate's logits are
+    caught where they are formed, ``F.linear`` on the gate's weight (DeepSpeed's gate calls it
+    directly, not through the ``wg`` module)."""
+    import unittest.mock
 
-        def pinned(module, inputs, logits):
-            logits = logits.clone()
-            logits[t] = 0.0
-            for j, e in enumerate(experts):
-                logits[t, e] = 100.0 - 50.0 * j
+    linear = torch.nn.functional.linear
+    wg = layer.deepspeed_moe.gate.wg.weight
+
+    def pinned(inp, weight, bias=None):
+        logits = linear(inp, weight, bias)
+        if pin is None or weight.data_ptr() != wg.data_ptr():
             return logits
+        t, experts = pin
+        logits = logits.clone()
+        logits[t] = 0.0
+        for j, e in enumerate(experts):
+            logits[t, e] = 100.0 - 50.0 * j
+        return logits
 
-        handle = layer.deepspeed_moe.gate.wg.register_forward_hook(pinned)
     torch.manual_seed(3)  # the top-2 gate's sampling of the second expert draws the same noise each time
-    try:
-        with torch.no_grad():
-            return layer(x)[0]
-    finally:
-        if handle is not None:
-            handle.remove()
+    with torch.no_grad(), unittest.mock.patch.object(torch.nn.functional, "linear", pinned):
+        return layer(x)[0]
 
 
 def _route_of(layer, x, t):
