@@ -162,7 +162,7 @@ def warp_order_dot(a: Tensor, b: Tensor) -> Tensor:
     megakernel's gate-gradient order: lane ``l`` of a warp adds the products of the 16-byte vectors
     ``l, l + 32, l + 64, ...`` element by element, then the 32 lanes' partials are added pairwise
     (lane ``l`` with ``l ^ 16``, ``^ 8``, ... ``^ 1``). So the gate gradients formed here are the
-    kernels' bits, not torch's reduction's. Transient memory: 32 fp32 partials per dot product."""
+    kernels' bits, not torch's reduction's. Transient memory: one round's products (32 vectors) per dot product."""
     M = b.shape[-1]
     elems = 16 // b.element_size()
     rounds = -(-(M // elems) // 32)
@@ -174,10 +174,10 @@ def warp_order_dot(a: Tensor, b: Tensor) -> Tensor:
 
     av, bv = lanes_view(a), lanes_view(b)
     partial = None
-    for r in range(rounds):
+    for r in range(rounds):  # one round's products at once, then added element by element
+        prod = av[..., r, :, :].float() * bv[..., r, :, :].float()
         for i in range(elems):
-            prod = av[..., r, :, i].float() * bv[..., r, :, i].float()
-            partial = prod + 0.0 if partial is None else partial + prod
+            partial = prod[..., i] + 0.0 if partial is None else partial + prod[..., i]
     lanes = torch.arange(32, device=b.device)
     for off in (16, 8, 4, 2, 1):
         partial = partial + partial[..., lanes ^ off]
